@@ -658,7 +658,7 @@ def test_save_tensors_honours_the_byte_budget_without_an_explicit_saver(tmp_path
     tensors = {f"w{i}": np.full(65536, i, np.float32) for i in range(8)}
     options = CheckpointOptions(enable_async=True, async_staging_bytes=2 * 65536 * 4)
     prefix = shardckpt.save_tensors(str(tmp_path / "ck"), tensors, options)
-    from shardckpt.saving.save import default_saver
+    from shardckpt.saving.context import default_saver
 
     default_saver().wait()
     assert_same(read_all(prefix), tensors)

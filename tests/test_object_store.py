@@ -413,7 +413,7 @@ _CLIENT = textwrap.dedent("""
         for asynchronous in (False, True):
             save_tensors_distributed(prefix + ("-async" if asynchronous else ""), pieces,
                                      shardckpt.CheckpointOptions(enable_async=asynchronous), coord, timeout=120)
-        from shardckpt.saving.save import default_saver
+        from shardckpt.saving.context import default_saver
         default_saver().wait()
         coord.barrier("done", timeout=120)
         json.dump({"rank": rank}, open(f"{out}/client-{rank}.json", "w"))

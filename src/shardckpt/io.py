@@ -23,7 +23,7 @@ from .format.bundle_reader import BundleReader
 from .format.bundle_writer import BundleWriter
 from .format.crc import shared_executor
 from .format.dtypes import as_dtype
-from .format.merge import merge_bundles
+from .saving.commit import merge_bundles
 from .format.naming import sharded_filename
 from .format.tensor_slice import TensorSlice, parse_shape_and_slice
 

@@ -21,7 +21,7 @@ from ..saving.async_save import AsyncSaver
 from ..saving.options import CheckpointOptions
 from ..saving.save import save_tensors
 from ..sharding.shardable import ShardableTensor
-from ..storage.base import get_fs
+from ..storage.registry import get_fs
 from .graph import OBJECT_GRAPH_KEY, SaveableGraph, build_graph
 from .reader import resolve_prefix
 from .registration import get_saver

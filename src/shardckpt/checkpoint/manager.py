@@ -20,7 +20,8 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from ..format.naming import index_filename
 from ..saving.options import CheckpointOptions
-from ..storage.base import get_fs, is_local_path, normalize
+from ..storage.base import is_local_path, normalize
+from ..storage.registry import get_fs
 from .state import get_checkpoint_state, update_checkpoint_state
 
 __all__ = ["CheckpointManager"]

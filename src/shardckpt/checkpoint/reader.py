@@ -11,7 +11,8 @@ from ..errors import NotFoundError
 from ..format.bundle_reader import BundleReader
 from ..format.dtypes import DType
 from ..format.naming import index_filename
-from ..storage.base import get_fs, normalize
+from ..storage.base import normalize
+from ..storage.registry import get_fs
 from .state import latest_checkpoint
 
 __all__ = ["CheckpointReader", "load_checkpoint", "list_variables", "load_variable", "resolve_prefix"]

@@ -22,7 +22,8 @@ from google.protobuf import text_format
 from ..errors import DataLossError
 from ..format.naming import index_filename
 from ..format.protos.checkpoint_state_pb2 import CheckpointState
-from ..storage.base import get_fs, is_local_path, normalize
+from ..storage.base import is_local_path, normalize
+from ..storage.registry import get_fs
 
 __all__ = ["CheckpointState", "get_checkpoint_state", "latest_checkpoint", "update_checkpoint_state",
            "STATE_FILENAME"]

@@ -8,9 +8,9 @@
 from .bundle_reader import BundleReader
 from .bundle_writer import BundleWriter
 from .dtypes import DType, as_dtype
-from .merge import merge_bundles
+from .merge import plan_merge
 from .naming import data_filename, index_filename, sharded_filename
 from .tensor_slice import TensorSlice, parse_shape_and_slice
 
-__all__ = ["BundleReader", "BundleWriter", "DType", "as_dtype", "merge_bundles", "data_filename",
+__all__ = ["BundleReader", "BundleWriter", "DType", "as_dtype", "plan_merge", "data_filename",
            "index_filename", "sharded_filename", "TensorSlice", "parse_shape_and_slice"]

@@ -21,7 +21,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import numpy as np
 
 from ..errors import CorruptIndexError, DataLossError, InvalidArgumentError, NotFoundError, UnsupportedError
-from ..storage.base import FileSystem, get_fs, normalize
+from ..storage.base import FileSystem, normalize
+from ..storage.registry import get_fs
 from . import crc
 from .bundle_writer import byte_view
 from .dtypes import DType, from_enum

@@ -19,7 +19,8 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from ..errors import AlreadyExistsError, InvalidArgumentError
-from ..storage.base import FileSystem, get_fs
+from ..storage.base import FileSystem
+from ..storage.registry import get_fs
 from . import crc
 from .dtypes import DType, as_dtype
 from .naming import data_filename, index_filename

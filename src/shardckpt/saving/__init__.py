@@ -1,9 +1,17 @@
-"""The saving engine: plans, parallel shard writing, merge and atomic commit, restores."""
+"""The saving engine: one save path (plan -> stage -> write -> commit -> after) over a
+coordinator, a committer per storage kind, restore requests, async staging.
 
+Front doors: :func:`save_tensors` (one process), :func:`save_tensors_distributed`
+(collective), :func:`restore_tensors`.
+"""
+
+from .distributed import save_tensors_distributed
+from .engine import SaveStats
 from .options import CheckpointOptions
 from .plan import SavePlan, ShardPlan, make_save_plan
+from .request import SaveRequest
 from .restore import RestoreRequest, restore_tensors
-from .save import SaveStats, save_tensors, write_plan
+from .save import save_tensors
 
-__all__ = ["CheckpointOptions", "SavePlan", "ShardPlan", "make_save_plan", "RestoreRequest",
-           "restore_tensors", "SaveStats", "save_tensors", "write_plan"]
+__all__ = ["CheckpointOptions", "SavePlan", "ShardPlan", "make_save_plan", "RestoreRequest", "SaveRequest",
+           "restore_tensors", "SaveStats", "save_tensors", "save_tensors_distributed"]

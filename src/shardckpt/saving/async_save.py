@@ -45,9 +45,11 @@ class AsyncSaver:
 
     @property
     def pending(self) -> bool:
+        """Whether a background save is in flight."""
         return self._thread is not None and self._thread.is_alive()
 
     def set_budget(self, budget_bytes: Optional[int]) -> None:
+        """Use a staging pool bounded by ``budget_bytes`` (waits for the save in flight when it changes)."""
         if budget_bytes != self.pool.budget:
             self.wait()
             self.pool = StagingPool(budget_bytes)
@@ -56,11 +58,11 @@ class AsyncSaver:
                on_failure: Optional[Callable[[], None]] = None) -> None:
         """Wait for the previous save, snapshot ``plan``'s values, and write it in the background."""
         self.wait()
-        fill = self.pool.stage_plan(plan)
+        staged, fill = self.pool.stage_plan(plan)
         streaming = self.pool.budget is not None
         if not streaming:
             fill()  # the snapshot: after this the caller may change its arrays
-        thread = threading.Thread(target=self._run, args=(prefix, plan, write, on_failure),
+        thread = threading.Thread(target=self._run, args=(prefix, staged, write, on_failure),
                                   name=f"shardckpt-async-save {prefix}", daemon=False)
         with self._lock:
             self._thread = thread

@@ -39,6 +39,9 @@ class CheckpointOptions:
       skip_slot_variables: on restore, ignore optimizer slot variables.
       async_staging_bytes: with ``enable_async``, hold at most this many bytes of staged
         copies: the snapshot then streams (the call returns once the last value is copied).
+      timeout: seconds each collective step of a multi-client save may wait for the
+        other clients (a client that does not arrive is named in the error). ``None``:
+        the coordinator's timeout (600 s, or the ``SHARDCKPT_TIMEOUT`` environment variable).
 
     TensorFlow's ``experimental_`` spellings are accepted as aliases, and are
     readable as attributes.
@@ -48,6 +51,7 @@ class CheckpointOptions:
                  write_callbacks: Optional[Sequence[WriteCallback]] = None,
                  sharding_callback: Optional[ShardingCallback] = None,
                  skip_slot_variables: bool = False, *, async_staging_bytes: Optional[int] = None,
+                 timeout: Optional[float] = None,
                  experimental_io_device: Optional[str] = None,
                  experimental_enable_async_checkpoint: bool = False,
                  experimental_write_callbacks: Optional[Sequence[WriteCallback]] = None,
@@ -74,6 +78,9 @@ class CheckpointOptions:
         if async_staging_bytes is not None and int(async_staging_bytes) <= 0:
             raise InvalidArgumentError(f"async_staging_bytes must be positive, got {async_staging_bytes}")
         self.async_staging_bytes = None if async_staging_bytes is None else int(async_staging_bytes)
+        if timeout is not None and not float(timeout) > 0:
+            raise InvalidArgumentError(f"timeout must be positive seconds, got {timeout!r}")
+        self.timeout: Optional[float] = None if timeout is None else float(timeout)
 
     # TensorFlow's attribute spellings
     experimental_io_device = property(lambda self: self.io_device)
@@ -83,6 +90,7 @@ class CheckpointOptions:
     experimental_skip_slot_variables = property(lambda self: self.skip_slot_variables)
 
     def run_write_callbacks(self, save_path: str) -> None:
+        """Run the write callbacks in order (with ``save_path`` when a callback takes an argument)."""
         for cb in self.write_callbacks:
             if _arity(cb) == 1:
                 cb(save_path)
@@ -93,7 +101,8 @@ class CheckpointOptions:
         """A copy with some options changed."""
         values: Dict[str, Any] = dict(io_device=self.io_device, enable_async=self.enable_async,
                       write_callbacks=self.write_callbacks, sharding_callback=self.sharding_callback,
-                      skip_slot_variables=self.skip_slot_variables, async_staging_bytes=self.async_staging_bytes)
+                      skip_slot_variables=self.skip_slot_variables, async_staging_bytes=self.async_staging_bytes,
+                      timeout=self.timeout)
         values.update(changes)
         return CheckpointOptions(**values)
 

@@ -1,64 +1,151 @@
-"""Save plans: which values go into which shard, as plain data.
+"""Save plans: which values go into which shard, as frozen data.
 
 A plan is made from the tensors to save and a sharding callback: tensors are
 grouped by task (in order of first appearance), the callback runs once per task,
 its result is validated, and the shards of all tasks are numbered ``0..N-1`` in
 task order, as TensorFlow's ``MultiDeviceSaver`` numbers them.
+
+Every :class:`PlanItem` carries a :class:`ValueSource`, the one way the engine gets
+an item's bytes: ``get()`` returns the array (waiting for a staged copy when the
+snapshot streams), ``release()`` says its bytes are on their way to storage (a
+staging buffer may be refilled), ``fail(exc)`` says the writer gave up on it. An
+:class:`ArraySource` serves a value that is already in host memory (or a
+zero-argument callable that produces it); staging (:mod:`shardckpt.saving.staging`)
+returns a *new* plan whose items carry staged sources. Nobody rewrites a plan in place.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..errors import InvalidArgumentError
+from ..format.dtypes import DType
+from ..format.tensor_slice import Box
 from ..sharding.callback import ShardByTaskPolicy, ShardingCallback
 from ..sharding.shardable import ShardableTensor
-from ..sharding.validation import ShardItem, validate_shards
+from ..sharding.validation import validate_shards
 
-__all__ = ["ShardPlan", "SavePlan", "make_save_plan", "as_shardable_tensors"]
+try:
+    from typing import Protocol
+except ImportError:  # pragma: no cover - Python < 3.8
+    from typing_extensions import Protocol  # type: ignore[assignment]
+
+__all__ = ["ValueSource", "ArraySource", "PlanItem", "ShardPlan", "SavePlan", "make_save_plan",
+           "as_shardable_tensors", "TensorsToSave"]
 
 _log = logging.getLogger("shardckpt")
 
 TensorsToSave = Union[Mapping[str, Any], Sequence[ShardableTensor]]
 
 
-@dataclass
+class ValueSource(Protocol):
+    """Where a plan item's bytes come from (see the module docstring for the call sequence)."""
+
+    def get(self) -> Any:
+        """The value: a host array of the item's shape and dtype (object array for strings)."""
+
+    def release(self) -> None:
+        """The value's bytes are written (or sent): its buffer may be reused."""
+
+    def fail(self, exc: BaseException) -> None:
+        """The writer of this value failed; nothing will wait for it any more."""
+
+
+@dataclass(frozen=True)
+class ArraySource:
+    """A value already in host memory, or a zero-argument callable that returns it."""
+
+    value: Any
+
+    def get(self) -> Any:
+        """The array (the callable's result, called now)."""
+        return self.value() if callable(self.value) else self.value
+
+    def release(self) -> None:
+        """Nothing to give back: the caller owns the array."""
+
+    def fail(self, exc: BaseException) -> None:
+        """Nothing waits for an array already in memory."""
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    """One value of one shard: its checkpoint key, slice, box in the global tensor, what it is, and its bytes."""
+
+    key: str
+    slice_spec: str
+    box: Box
+    tensor: ShardableTensor
+    source: ValueSource
+
+    @property
+    def dtype(self) -> DType:
+        """The value's dtype (as stored)."""
+        return self.tensor.dtype
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """Shape of this value (the slice's shape for a slice)."""
+        return tuple(b - a for a, b in self.box)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the value (strings counted as one byte per element)."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * (self.dtype.itemsize or 1)
+
+    def with_source(self, source: ValueSource) -> "PlanItem":
+        """The same item, its bytes served by ``source``."""
+        return replace(self, source=source)
+
+
+@dataclass(frozen=True)
 class ShardPlan:
     """One shard: written as one bundle with one data file, by ``task``."""
 
     index: int
     task: str
-    items: List[ShardItem]
+    items: Tuple[PlanItem, ...]
 
     @property
     def nbytes(self) -> int:
         """Bytes of the shard's values (strings counted as one byte per element)."""
-        return sum(_bytes_of(item) for item in self.items)
+        return sum(item.nbytes for item in self.items)
 
 
-def _bytes_of(item: ShardItem) -> int:
-    itemsize = item.source.dtype.itemsize or 1
-    n = 1
-    for a, b in item.box:
-        n *= b - a
-    return n * itemsize
-
-
-@dataclass
+@dataclass(frozen=True)
 class SavePlan:
     """All shards of one save, numbered in order."""
 
-    shards: List[ShardPlan]
+    shards: Tuple[ShardPlan, ...]
     callback_description: str
     callback_seconds: float = 0.0
-    tasks: List[str] = field(default_factory=list)
+    tasks: Tuple[str, ...] = field(default_factory=tuple)
 
     @property
     def num_shards(self) -> int:
+        """Number of shards (this client's, in a multi-client save)."""
         return len(self.shards)
+
+    @property
+    def items(self) -> List[PlanItem]:
+        """Every item, in shard order."""
+        return [item for shard in self.shards for item in shard.items]
+
+    def with_sources(self, make: Callable[[PlanItem], ValueSource]) -> "SavePlan":
+        """A new plan whose items' bytes come from ``make(item)``."""
+        shards = tuple(replace(s, items=tuple(i.with_source(make(i)) for i in s.items)) for s in self.shards)
+        return replace(self, shards=shards)
+
+    @classmethod
+    def empty(cls) -> "SavePlan":
+        """The plan of a client with nothing to save (others in a collective save may have values)."""
+        return cls((), "none")
 
 
 def as_shardable_tensors(tensors: TensorsToSave) -> List[ShardableTensor]:
@@ -94,8 +181,9 @@ def make_save_plan(tensors: TensorsToSave, callback: Optional[ShardingCallback] 
     started = time.perf_counter()
     for task, group in by_task.items():
         result = callback(group)
-        for items in validate_shards(result, group, callback.description):
+        for checked in validate_shards(result, group, callback.description):
+            items = tuple(PlanItem(i.key, i.slice_spec, i.box, i.source, ArraySource(i.value)) for i in checked)
             shards.append(ShardPlan(len(shards), task, items))
     elapsed = time.perf_counter() - started
     _log.debug("sharding callback %r took %.1f us", callback.description, elapsed * 1e6)
-    return SavePlan(shards, callback.description, elapsed, list(by_task))
+    return SavePlan(tuple(shards), callback.description, elapsed, tuple(by_task))

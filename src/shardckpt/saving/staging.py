@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from .plan import SavePlan
+from .plan import PlanItem, SavePlan
 
 __all__ = ["StagingPool", "register_stager", "stage_value", "StagedValue"]
 
@@ -51,9 +51,9 @@ def stage_value(value: Any, out: np.ndarray) -> None:
 
 
 class StagedValue:
-    """The staged copy of one value, handed to the writer as a zero-argument callable.
+    """The staged copy of one value: the :class:`~shardckpt.saving.plan.ValueSource` of a staged plan's item.
 
-    When the snapshot streams, calling it waits until the copy is made. The writer
+    When the snapshot streams, ``get()`` waits until the copy is made. The writer
     calls ``release()`` once the bytes are on their way to disk, giving them back
     to the pool's budget.
     """
@@ -71,13 +71,15 @@ class StagedValue:
         self._shape, self._dtype = shape, dtype
         self._ready = threading.Event()
 
-    def __call__(self) -> np.ndarray:
+    def get(self) -> np.ndarray:
+        """The staged copy (waits for it while the snapshot streams)."""
         self._ready.wait()
         if self.array is None or self._pool._failed is not None and not self._taken:
             raise RuntimeError("the snapshot was abandoned") from self._pool._failed
         return self.array
 
     def release(self) -> None:
+        """The copy's bytes are written: its buffer goes back to the pool's budget."""
         self._pool._release(self)
 
     def fail(self, exc: BaseException) -> None:
@@ -174,33 +176,33 @@ class StagingPool:
             self._in_use -= nbytes
             self._cond.notify_all()
 
-    def stage_plan(self, plan: SavePlan) -> Callable[[], None]:
-        """Point every value of ``plan`` at a staging buffer; return the function that copies them.
+    def stage_plan(self, plan: SavePlan) -> Tuple[SavePlan, Callable[[], None]]:
+        """A new plan whose every value is served from a staging buffer, and the function that copies them.
 
         Without a budget, call the returned function at once (the snapshot), then
-        hand the plan to the writer. With a budget, start the writer first and then
-        call it: it copies in the order the shards are written, waiting for the
+        hand the staged plan to the writer. With a budget, start the writer first and
+        then call it: it copies in the order the shards are written, waiting for the
         writer to release buffers whenever the budget is spent.
         """
         with self._cond:  # no save is in flight: start afresh
             self._in_use = 0
             self._failed = None
-        work = []
-        for shard in plan.shards:
-            for item in shard.items:
-                source = item.value() if callable(item.value) and not isinstance(item.value, StagedValue) \
-                    else item.value
-                array = np.asarray(source) if _stager_for(source) is None else None
-                shape = tuple(array.shape) if array is not None else tuple(item.source.shape)
-                dtype = np.dtype(item.source.dtype.numpy)
-                if self.budget is None or dtype.kind == "O":
-                    buf = self._buffer(item.key, item.slice_spec, shape, dtype)
-                    staged = StagedValue(buf, self, 0)
-                else:
-                    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                    staged = StagedValue(None, self, nbytes, shape, dtype)
-                item.value = staged
-                work.append((source, staged))
+        work: List[Tuple[Any, StagedValue]] = []
+
+        def stage(item: PlanItem) -> StagedValue:
+            source = item.source.get()
+            array = np.asarray(source) if _stager_for(source) is None else None
+            shape = tuple(array.shape) if array is not None else item.shape
+            dtype = np.dtype(item.dtype.numpy)
+            if self.budget is None or dtype.kind == "O":
+                staged = StagedValue(self._buffer(item.key, item.slice_spec, shape, dtype), self, 0)
+            else:
+                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                staged = StagedValue(None, self, nbytes, shape, dtype)
+            work.append((source, staged))
+            return staged
+
+        staged_plan = plan.with_sources(stage)
         # values that cost no budget (strings) first: nothing waiting for them waits for budget
         work.sort(key=lambda w: w[1]._nbytes != 0)
         self._current = [staged for _, staged in work]
@@ -219,4 +221,4 @@ class StagingPool:
                 self.fail(exc)
                 raise
 
-        return fill
+        return staged_plan, fill

@@ -1,11 +1,15 @@
 """Where bytes go: the local POSIX filesystem and object stores through fsspec, behind one interface.
 
-:func:`get_fs` picks the store from a path's scheme; :func:`configure` sets a store's
-options (endpoint, credentials, retries). See :mod:`shardckpt.storage.base`.
+:class:`FileSystem` is the interface (its docstring gives the roles);
+:func:`get_fs` picks the store from a path's scheme and :class:`Location` holds a
+resolved ``(fs, prefix)``; :func:`configure` sets a store's options (endpoint,
+credentials, retries).
 """
 
-from .base import FileSystem, configure, get_fs, is_local_path, normalize, reset, split_scheme
+from .base import FileSystem, is_local_path, normalize, split_scheme
 from .local import LocalFileSystem, local_fs
+from .location import Location
+from .registry import configure, get_fs, reset
 
-__all__ = ["FileSystem", "LocalFileSystem", "local_fs", "get_fs", "configure", "split_scheme", "is_local_path",
-           "normalize", "reset"]
+__all__ = ["FileSystem", "LocalFileSystem", "Location", "local_fs", "get_fs", "configure", "split_scheme",
+           "is_local_path", "normalize", "reset"]

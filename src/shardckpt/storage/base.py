@@ -1,83 +1,169 @@
-"""The storage interface under the format and saving rooms, and the choice of store by path.
+"""The storage interface under the format and saving rooms.
 
 Two implementations: :class:`~shardckpt.storage.local.LocalFileSystem` (POSIX files,
 handles are int descriptors, atomic rename) and
 :class:`~shardckpt.storage.fsspec_fs.FsspecFileSystem` (any fsspec store: ``s3://``
 through s3fs, ``gs://`` through gcsfs, ``memory://`` for tests; no rename, objects
-appear whole when their upload completes). :func:`get_fs` picks one from the path's
-URL scheme: none or ``file://`` is local, anything else goes to fsspec (the
-optional extra ``shardckpt[s3]``; the core imports without it).
+appear whole when their upload completes). Which store serves a path is decided
+once, at a front door, by :func:`shardckpt.storage.registry.get_fs` (or
+:meth:`shardckpt.storage.location.Location.of`); the rooms below receive the
+filesystem object and never look it up again.
 
-Options of a store (endpoint, credentials, retries, part size) are set once per
-scheme with :func:`configure`, or through the environment (``AWS_ACCESS_KEY_ID``,
-``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, fsspec's ``FSSPEC_S3_*``), which
-also reaches other client processes.
+Roles and call sequences (who calls what):
+
+* **Writers** (``format.BundleWriter``, the committers):
+  ``open_write`` -> ``write_all`` (repeated) -> [``fsync``] -> ``close``. On an object store
+  ``close`` completes the upload and raises if it fails; ``discard`` drops a handle
+  without publishing anything it wrote where the store allows that.
+  ``write_atomic`` writes a small whole file (an index, the state file) so that
+  readers see the old content or the new one, never a mix.
+* **Readers** (``format.BundleReader``): ``open_read`` -> ``pread_into`` (repeated) /
+  ``pread_batch`` -> ``close``; ``size`` and ``read_bytes`` for whole small files.
+* **Committers** (``saving.commit``): names (``rename``, ``remove``, ``listdir``,
+  ...), and durability of names (``fsync_dir``). ``supports_rename`` tells which
+  committer a store gets: rename-commit where renames are atomic and cheap,
+  index-last where they are not.
+
+Handles are opaque to callers (:data:`ReadHandle`, :data:`WriteHandle`): int file
+descriptors locally, upload/download objects on object stores. Every method takes
+the path too (for error messages): errors are from :mod:`shardckpt.errors` and name
+the path.
 """
 
 from __future__ import annotations
 
+import abc
 import posixpath
 import re
-import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
-__all__ = ["FileSystem", "get_fs", "configure", "split_scheme", "is_local_path", "normalize", "reset"]
+__all__ = ["FileSystem", "ReadHandle", "WriteHandle", "split_scheme", "is_local_path", "normalize", "posix_dirname"]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 
 
-class FileSystem:
-    """What the engine needs from a store. Handles are opaque (int descriptors locally).
+#: A handle from :meth:`FileSystem.open_read` (an int descriptor locally).
+ReadHandle = Any
+#: A handle from :meth:`FileSystem.open_write` (an int descriptor locally, an upload on object stores).
+WriteHandle = Any
 
-    Writers: ``open_write`` -> ``write_all``* -> ``fsync`` -> ``close`` (on an object
-    store ``close`` completes the upload and raises if it fails); ``discard`` drops
-    a handle without publishing anything it wrote where the store allows that.
-    """
 
-    #: Whether ``rename`` is atomic and cheap. Object stores: False (the engine then
-    #: writes data in place and commits by writing the index last).
+class FileSystem(abc.ABC):
+    """What the format and saving rooms need from a store (see the module docstring for the roles)."""
+
+    #: Whether ``rename`` is atomic and cheap. Object stores: False (they get the
+    #: index-last committer: data written in place, the index written last).
     supports_rename: bool = True
     #: Preferred size of one read request (``None``: the reader's own defaults).
     read_step: Optional[int] = None
 
-    # reading
-    def open_read(self, path: str) -> Any: raise NotImplementedError
-    def pread_into(self, handle: Any, buf: memoryview, offset: int, path: str = "") -> None:
-        raise NotImplementedError
-    def size(self, path: str) -> int: raise NotImplementedError
-    def read_bytes(self, path: str) -> bytes: raise NotImplementedError
+    # -- reading ---------------------------------------------------------
+    @abc.abstractmethod
+    def open_read(self, path: str) -> ReadHandle:
+        """Open ``path`` for positional reads."""
 
-    # writing
-    def open_write(self, path: str) -> Any: raise NotImplementedError
-    def write_all(self, handle: Any, buf: memoryview, path: str = "") -> None: raise NotImplementedError
-    def fsync(self, handle: Any, path: str = "") -> None: raise NotImplementedError
-    def close(self, handle: Any) -> None: raise NotImplementedError
+    @abc.abstractmethod
+    def pread_into(self, handle: ReadHandle, buf: memoryview, offset: int, path: str = "") -> None:
+        """Fill all of ``buf`` from ``offset``; a file too short is an error."""
 
-    def discard(self, handle: Any) -> None:
+    @abc.abstractmethod
+    def size(self, path: str) -> int:
+        """Size of the file in bytes."""
+
+    @abc.abstractmethod
+    def read_bytes(self, path: str) -> bytes:
+        """The whole (small) file."""
+
+    # -- writing ---------------------------------------------------------
+    @abc.abstractmethod
+    def open_write(self, path: str) -> WriteHandle:
+        """Create (or truncate) ``path`` for sequential writes."""
+
+    @abc.abstractmethod
+    def write_all(self, handle: WriteHandle, buf: memoryview, path: str = "") -> None:
+        """Append all of ``buf``."""
+
+    @abc.abstractmethod
+    def fsync(self, handle: WriteHandle, path: str = "") -> None:
+        """Make what was written durable (a no-op where objects are durable once complete)."""
+
+    @abc.abstractmethod
+    def close(self, handle: ReadHandle) -> None:
+        """Close a handle; for a write handle on an object store this completes the upload."""
+
+    def discard(self, handle: WriteHandle) -> None:
         """Drop a write handle after a failure (default: close it)."""
         self.close(handle)
 
-    def fsync_dir(self, path: str) -> None: raise NotImplementedError
-    def temp_name(self, path: str) -> str: raise NotImplementedError
-    def write_atomic(self, path: str, data: bytes, *, fsync: bool = False) -> None: raise NotImplementedError
+    @abc.abstractmethod
+    def fsync_dir(self, path: str) -> None:
+        """Make the names in directory ``path`` durable (renames, creations, removals)."""
 
-    # names
-    def rename(self, src: str, dst: str) -> None: raise NotImplementedError
-    def remove(self, path: str) -> None: raise NotImplementedError
-    def remove_tree(self, path: str) -> None: raise NotImplementedError
-    def rmdir_if_empty(self, path: str) -> bool: raise NotImplementedError
-    def exists(self, path: str) -> bool: raise NotImplementedError
-    def isdir(self, path: str) -> bool: raise NotImplementedError
-    def isfile(self, path: str) -> bool: raise NotImplementedError
-    def makedirs(self, path: str) -> None: raise NotImplementedError
-    def listdir(self, path: str) -> List[str]: raise NotImplementedError
+    @abc.abstractmethod
+    def temp_name(self, path: str) -> str:
+        """A fresh temporary name beside ``path`` (``<path>.tempstate<random>``)."""
 
-    # path arithmetic
-    def join(self, *parts: str) -> str: raise NotImplementedError
-    def dirname(self, path: str) -> str: raise NotImplementedError
-    def basename(self, path: str) -> str: raise NotImplementedError
-    def isabs(self, path: str) -> bool: raise NotImplementedError
-    def normpath(self, path: str) -> str: raise NotImplementedError
+    @abc.abstractmethod
+    def write_atomic(self, path: str, data: bytes, *, fsync: bool = False) -> None:
+        """Replace ``path`` with ``data`` so that readers see the old or the new content, never a mix."""
+
+    # -- names -----------------------------------------------------------
+    @abc.abstractmethod
+    def rename(self, src: str, dst: str) -> None:
+        """Atomically rename ``src`` to ``dst`` (only where ``supports_rename``)."""
+
+    @abc.abstractmethod
+    def remove(self, path: str) -> None:
+        """Remove a file; a missing one is fine."""
+
+    @abc.abstractmethod
+    def remove_tree(self, path: str) -> None:
+        """Remove a directory and everything under it; a missing one is fine."""
+
+    @abc.abstractmethod
+    def rmdir_if_empty(self, path: str) -> bool:
+        """Remove ``path`` if it is an empty directory; whether it was removed."""
+
+    @abc.abstractmethod
+    def exists(self, path: str) -> bool:
+        """Whether a file or directory ``path`` exists."""
+
+    @abc.abstractmethod
+    def isdir(self, path: str) -> bool:
+        """Whether ``path`` is a directory (a prefix with objects under it on object stores)."""
+
+    @abc.abstractmethod
+    def isfile(self, path: str) -> bool:
+        """Whether ``path`` is a file (an object)."""
+
+    @abc.abstractmethod
+    def makedirs(self, path: str) -> None:
+        """Create directory ``path`` and its parents (a no-op on object stores)."""
+
+    @abc.abstractmethod
+    def listdir(self, path: str) -> List[str]:
+        """Names (not paths) of the entries of directory ``path``."""
+
+    # -- path arithmetic -------------------------------------------------
+    @abc.abstractmethod
+    def join(self, *parts: str) -> str:
+        """Join path components."""
+
+    @abc.abstractmethod
+    def dirname(self, path: str) -> str:
+        """The directory part of ``path``."""
+
+    @abc.abstractmethod
+    def basename(self, path: str) -> str:
+        """The last component of ``path``."""
+
+    @abc.abstractmethod
+    def isabs(self, path: str) -> bool:
+        """Whether ``path`` is absolute."""
+
+    @abc.abstractmethod
+    def normpath(self, path: str) -> str:
+        """``path`` with redundant separators and up-level references collapsed."""
 
 
 def split_scheme(path: str) -> Tuple[str, str]:
@@ -99,60 +185,9 @@ def normalize(path: Any) -> str:
 
 
 def is_local_path(path: str) -> bool:
+    """Whether ``path`` is served by the local filesystem (no scheme, or ``file://``)."""
     scheme, _ = split_scheme(path)
     return scheme in ("", "file")
-
-
-_LOCK = threading.Lock()
-_OPTIONS: Dict[str, Dict[str, Any]] = {}
-_INSTANCES: Dict[str, FileSystem] = {}
-
-
-def configure(scheme: str, **options: Any) -> None:
-    """Set the options of the store behind ``scheme`` (``"s3"``, ``"gs"``, ...), replacing earlier ones.
-
-    Options that shardckpt itself reads: ``retries`` (attempts per request, default 6),
-    ``backoff`` (first wait in seconds, doubled per attempt, default 0.2),
-    ``max_backoff`` (default 10), ``part_size`` (multipart upload part and read
-    request size, default 32 MiB), ``max_concurrency`` (parts in flight per object,
-    default 8). Everything else goes to the fsspec filesystem, e.g. for S3::
-
-        shardckpt.storage.configure("s3", endpoint_url="http://127.0.0.1:9000",
-                                    key="...", secret="...")
-
-    ``endpoint_url`` is a shortcut for ``client_kwargs={"endpoint_url": ...}``.
-    Call with no options to go back to the environment's defaults.
-    """
-    scheme = scheme.lower()
-    with _LOCK:
-        _OPTIONS[scheme] = dict(options)
-        _INSTANCES.pop(scheme, None)
-
-
-def reset() -> None:
-    """Forget every configured option and cached store (tests)."""
-    with _LOCK:
-        _OPTIONS.clear()
-        _INSTANCES.clear()
-
-
-def get_fs(path: Optional[str] = None) -> FileSystem:
-    """The store that serves ``path``: local for plain paths and ``file://``, fsspec otherwise."""
-    from .local import local_fs
-
-    if path is None:
-        return local_fs
-    scheme, _ = split_scheme(str(path))
-    if scheme in ("", "file"):
-        return local_fs
-    with _LOCK:
-        fs = _INSTANCES.get(scheme)
-        if fs is None:
-            from .fsspec_fs import FsspecFileSystem
-
-            fs = FsspecFileSystem.for_scheme(scheme, dict(_OPTIONS.get(scheme, {})))
-            _INSTANCES[scheme] = fs
-        return fs
 
 
 def posix_dirname(path: str) -> str:

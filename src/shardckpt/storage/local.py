@@ -15,7 +15,7 @@ from typing import List, Optional
 from ..errors import NotFoundError, ShardckptError, StorageError
 from .base import FileSystem
 
-__all__ = ["LocalFileSystem", "local_fs", "StorageError", "get_fs"]
+__all__ = ["LocalFileSystem", "local_fs", "StorageError"]
 
 _MAX_IO = 1 << 30  # one syscall moves at most 1 GiB (Linux caps near 2 GiB)
 
@@ -199,5 +199,3 @@ class LocalFileSystem(FileSystem):
 
 
 local_fs = LocalFileSystem()
-
-from .base import get_fs  # noqa: E402  (re-exported: the old home of get_fs)

@@ -1,0 +1,146 @@
+"""What dead saves leave at a prefix, and how to tell it from what a committed index uses.
+
+A save that died may leave, beside ``<prefix>``:
+
+* ``<prefix>_temp_<32 hex>/`` — the temporary folder of a rename-commit save;
+* ``<prefix>.index.tempstate<digits>`` / ``<prefix>.data-*.tempstate<digits>`` — files
+  of an atomic write that never reached its rename;
+* ``<prefix>.data-I-of-N`` with an ``N`` no index uses (the data files of a save that
+  never committed; on object stores, data objects uploaded in place).
+
+The committed index says which shard count is in use (:func:`committed_num_shards`,
+which reads only the index's header). Data files of an index that cannot be read are
+never removed: nothing is deleted that cannot be judged.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Dict, List, Optional, Set, Tuple
+
+from ...format.merge import read_index_header
+from ...format.naming import DATA_SUFFIX_PATTERN, data_filename, index_filename, parse_data_filename
+from ...storage.location import Location
+
+__all__ = ["TEMP_SUFFIX", "new_temp_dir", "clean_leftovers", "data_files", "existing_shard_counts",
+           "committed_num_shards", "remove_data_files", "remove_stale_data_files", "NO_INDEX", "UNREADABLE_INDEX"]
+
+TEMP_SUFFIX = "_temp_"
+NO_INDEX = -1
+UNREADABLE_INDEX = -2
+
+
+def new_temp_dir(location: Location) -> str:
+    """A fresh temporary folder name beside the prefix: ``<prefix>_temp_<uuid4 hex>``."""
+    return f"{location.prefix}{TEMP_SUFFIX}{uuid.uuid4().hex}"
+
+
+def _siblings(location: Location) -> List[str]:
+    directory = location.directory
+    if not location.fs.isdir(directory):
+        return []
+    return location.fs.listdir(directory)
+
+
+_TEMPSTATE_SUFFIX = re.compile(r"(\.index|" + DATA_SUFFIX_PATTERN + r")\.tempstate\d+")
+_TEMP_DIR_SUFFIX = re.compile(re.escape(TEMP_SUFFIX) + r"[0-9a-f]{32}")
+
+
+def _suffix_matches(pattern: "re.Pattern[str]", name: str, basename: str) -> bool:
+    """Whether ``name`` is ``basename`` followed by a suffix matching ``pattern`` (no per-prefix regex)."""
+    return name.startswith(basename) and pattern.fullmatch(name, len(basename)) is not None
+
+
+def committed_num_shards(location: Location) -> int:
+    """``num_shards`` of the index at the prefix: :data:`NO_INDEX` (-1) without one,
+    :data:`UNREADABLE_INDEX` (-2) when it cannot be read. Reads only the index's header."""
+    fs = location.fs
+    if not fs.exists(index_filename(location.prefix)):
+        return NO_INDEX
+    try:
+        return int(read_index_header(location.prefix, fs).num_shards)
+    except Exception:  # an unreadable index keeps its data files: never delete what we cannot judge
+        return UNREADABLE_INDEX
+
+
+def data_files(location: Location, names: List[str]) -> Dict[str, int]:
+    """The data files of the prefix among ``names`` (a listing of its folder): path -> shard count."""
+    found = {}
+    for name in names:
+        parsed = parse_data_filename(name, location.basename)
+        if parsed is not None:
+            found[location.sibling(name)] = parsed[1]
+    return found
+
+
+def existing_shard_counts(location: Location) -> Set[int]:
+    """Shard counts (``-of-N``) of the data files present at the prefix."""
+    return set(data_files(location, _siblings(location)).values())
+
+
+def remove_data_files(location: Location, num_shards: int) -> None:
+    """Delete ``<prefix>.data-*-of-<num_shards>`` (missing ones are fine)."""
+    for i in range(num_shards):
+        location.fs.remove(data_filename(location.prefix, i, num_shards))
+
+
+def remove_stale_data_files(location: Location, committed: Optional[int] = None) -> List[str]:
+    """Delete data files at the prefix that the committed index does not use.
+
+    ``committed``: the index's shard count when the caller knows it (it just wrote the
+    index); otherwise the index's header is read.
+    """
+    current = committed_num_shards(location) if committed is None else committed
+    if current == UNREADABLE_INDEX:
+        return []
+    removed = []
+    for path, count in data_files(location, _siblings(location)).items():
+        if count != current:
+            location.fs.remove(path)
+            removed.append(path)
+    return removed
+
+
+def clean_leftovers(location: Location) -> List[str]:
+    """Remove what a dead save to the prefix left (see the module docstring); return the removed paths."""
+    fs = location.fs
+    base = location.basename
+    removed = []
+    for name in _siblings(location):
+        path = location.sibling(name)
+        if _suffix_matches(_TEMP_DIR_SUFFIX, name, base) and fs.isdir(path):
+            fs.remove_tree(path)
+            removed.append(path)
+        elif _suffix_matches(_TEMPSTATE_SUFFIX, name, base):
+            fs.remove(path)
+            removed.append(path)
+    removed += remove_stale_data_files(location)
+    return removed
+
+
+def scan_in_place(location: Location) -> Tuple[Set[int], Dict[str, int]]:
+    """Object stores, before a save: one listing; remove a dead save's data objects and temp files.
+
+    Returns the shard counts of the data objects that remain (the committed
+    checkpoint's: the new save must avoid them) and those objects' paths with their
+    counts. The index is read only when the listing shows something to judge (data
+    objects without an index, or of more than one count).
+    """
+    fs = location.fs
+    names = fs.listdir(location.directory)
+    for name in names:
+        if _suffix_matches(_TEMPSTATE_SUFFIX, name, location.basename):
+            fs.remove(location.sibling(name))
+    present = data_files(location, names)
+    has_index = location.basename + ".index" in names
+    counts = set(present.values())
+    if counts and (not has_index or len(counts) > 1):
+        committed = committed_num_shards(location)
+        if committed != UNREADABLE_INDEX:
+            for path, count in list(present.items()):
+                if count != committed:
+                    fs.remove(path)
+                    del present[path]
+            counts = set(present.values())
+    return counts, present

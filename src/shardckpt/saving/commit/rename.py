@@ -1,0 +1,201 @@
+"""Rename-commit: the commit protocol on a filesystem with atomic renames (local POSIX).
+
+What is on disk at each moment of a save to ``<prefix>``:
+
+1. ``prepare`` [io client]: leftovers of dead saves are removed; a fresh folder
+   ``<prefix>_temp_<uuid>/`` is made; registered savers write their bundles there.
+   Readers still see the previous checkpoint (or none).
+2. ``write_shard`` [every client]: shard ``i`` of ``N`` is written as the bundle
+   ``<temp>/part-0000i-of-0000N`` (data file fsynced; its index is temporary, never fsynced).
+3. ``commit`` [io client] (:func:`merge_bundles`): the parts' data files are renamed to
+   ``<prefix>.data-I-of-M``. If data files with that count ``M`` already exist (an
+   older checkpoint at the same prefix), empty data files are added until ``M``
+   differs, so the older checkpoint is never touched before the commit (TensorFlow
+   reads such checkpoints). Data files and the directory are fsynced; the merged index
+   is written to ``<prefix>.index.tempstate<random>``, fsynced and renamed over
+   ``<prefix>.index``: **that rename is the commit**; then the directory is fsynced.
+4. ``finish`` [io client]: data files of other counts (the previous checkpoint's) and
+   the temporary folder are removed.
+
+``abort`` after a failure before the commit: this save's data files (a count that
+neither the previous checkpoint nor the committed index uses) and the temporary
+folder are removed. A save that died leaves temp folders, ``.tempstate`` files or
+unreferenced data files; the next save to the prefix removes them
+(:mod:`shardckpt.saving.commit.leftovers`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Collection, Dict, List, Optional, Sequence
+
+from ...errors import InvalidArgumentError, NotFoundError
+from ...format.bundle_writer import BundleWriter
+from ...format.crc import shared_executor
+from ...format.merge import MergeInput, plan_merge, read_index
+from ...format.naming import data_filename, index_filename, sharded_filename
+from ...storage.base import FileSystem
+from ...storage.location import Location
+from ..plan import ShardPlan
+from .base import BundleMaker, Committer, Setup, Written
+from .leftovers import clean_leftovers, committed_num_shards, existing_shard_counts, new_temp_dir, \
+    remove_stale_data_files
+from .writing import fill_bundle
+
+__all__ = ["RenameCommitter", "merge_bundles"]
+
+
+class RenameCommitter(Committer):
+    """Shards as bundles in a temporary folder, merged by renames; the index rename commits."""
+
+    def __init__(self, location: Location, *, fsync: bool = True) -> None:
+        super().__init__(location, fsync=fsync)
+        self._extra: List[str] = []
+        self._committed = False
+
+    @property
+    def temp_dir(self) -> str:
+        """The save's temporary folder (known on every client after ``adopt``)."""
+        return str(self.setup["temp"])
+
+    def prepare(self, extra_bundles: Optional[BundleMaker] = None) -> Setup:
+        fs = self.location.fs
+        fs.makedirs(self.location.directory)
+        clean_leftovers(self.location)
+        temp_dir = new_temp_dir(self.location)
+        fs.makedirs(temp_dir)
+        self.setup = {"temp": temp_dir, "avoid": sorted(existing_shard_counts(self.location))}
+        if extra_bundles is not None:
+            self._extra = list(extra_bundles(temp_dir))
+        self.setup["first_shard_id"] = 0  # parts are merged after the extras, which keep their own names
+        return self.setup
+
+    def plan(self, total: int) -> int:
+        self.num_shards = total
+        return total
+
+    def _part(self, shard_id: int) -> str:
+        return sharded_filename(self.location.fs.join(self.temp_dir, "part"), shard_id, self.num_shards)
+
+    def write_shard(self, shard: ShardPlan, shard_id: int) -> Written:
+        part = self._part(shard_id)
+        # Only the data must be durable: the part's index is merged into the checkpoint's.
+        with BundleWriter(part, fsync=self.fsync, durable_index=False, fs=self.location.fs,
+                          checksum_executor=shared_executor()) as writer:
+            fill_bundle(writer, shard)
+            return {"part": part, "bytes": writer.bytes_written}
+
+    def commit(self, written: List[Written]) -> None:
+        parts = [str(w["part"]) for w in written]
+        self.num_shards = merge_bundles(self._extra + parts, self.location.prefix, delete_old_dirs=False,
+                                        fsync=self.fsync, synced=parts, avoid_num_shards=self.setup["avoid"],
+                                        fs=self.location.fs)
+        self._committed = True
+
+    def finish(self) -> None:
+        self.location.fs.remove_tree(self.temp_dir)
+        remove_stale_data_files(self.location, self.num_shards)  # the count just committed: no index read
+
+    def abort(self) -> None:
+        if not self._committed:  # maybe not committed: remove our data files unless the index uses them
+            committed = committed_num_shards(self.location)
+            for count in existing_shard_counts(self.location) - set(self.setup.get("avoid", ())) - {committed}:
+                for i in range(count):
+                    self.location.fs.remove(data_filename(self.location.prefix, i, count))
+        if "temp" in self.setup:
+            self.location.fs.remove_tree(self.temp_dir)
+
+
+def merge_bundles(prefixes: Sequence[str], destination: str, *, delete_old_dirs: bool = True,
+                  allow_missing_files: bool = False, fsync: bool = False, synced: Collection[str] = (),
+                  avoid_num_shards: Collection[int] = (), fs: Optional[FileSystem] = None) -> int:
+    """Merge the bundles at ``prefixes`` (in order) into ``destination`` by renaming; return its ``num_shards``.
+
+    TensorFlow's ``MergeV2Checkpoints``: each input's data files get new shard ids in
+    order of first use and are renamed to ``<destination>.data-I-of-N``; the merged
+    index is written last, atomically (the commit). Everything is checked (a key stored
+    whole in two inputs, missing data files) before the first rename. Departures from
+    TensorFlow, all to keep data safe: merging into a prefix that is also an input keeps
+    the new index; renames that would overwrite a data file not yet moved go through
+    temporary names; when ``N`` is in ``avoid_num_shards`` (counts of data files already
+    at ``destination``) empty data files are added until it is not.
+
+    With ``fsync`` the data files (except the bundles in ``synced``, whose writer made
+    them durable), the directory and the index are made durable, in the order that keeps
+    the commit last.
+    """
+    if not prefixes:
+        raise InvalidArgumentError("merge needs at least one input prefix")
+    if fs is None:
+        fs = Location.of(destination).fs
+    fs.makedirs(fs.dirname(destination))
+    inputs: List[MergeInput] = []
+    for prefix in prefixes:
+        if not fs.exists(index_filename(prefix)):
+            if allow_missing_files:
+                continue
+            raise NotFoundError("merge input has no index", path=index_filename(prefix))
+        header, items = read_index(prefix, fs)
+        inputs.append((prefix, header, items))
+    if not inputs:
+        raise NotFoundError("none of the merge inputs exist: " + ", ".join(prefixes))
+    merged = plan_merge(inputs)
+    num_shards = max(merged.count, 1)
+    while num_shards in avoid_num_shards:
+        num_shards += 1
+    renames = {source: data_filename(destination, i, num_shards) for i, source in enumerate(merged.sources)}
+    index = merged.index(num_shards)
+    for source in renames:  # everything is checked before the first rename
+        if not fs.exists(source):
+            raise NotFoundError("data file of a merge input is missing", path=source)
+    _rename_all(renames, fs)
+    written = list(renames.values())
+    for pad in range(merged.count, num_shards):  # empty data files no entry points to
+        path = data_filename(destination, pad, num_shards)
+        fs.close(fs.open_write(path))
+        written.append(path)
+    if fsync:
+        durable = set(synced)  # bundles whose data files their writer made durable
+        for source, target in list(renames.items()) + [(p, p) for p in written[len(renames):]]:
+            if source[:source.rfind(".data-")] not in durable:
+                _fsync_file(fs, target)
+        fs.fsync_dir(fs.dirname(destination))
+    fs.write_atomic(index_filename(destination), index, fsync=fsync)
+    if fsync:
+        fs.fsync_dir(fs.dirname(destination))
+    dest_dir = fs.normpath(fs.dirname(destination) or ".")
+    for prefix, _, _ in inputs:
+        if fs.normpath(prefix) != fs.normpath(destination):
+            fs.remove(index_filename(prefix))
+    if delete_old_dirs:
+        for prefix, _, _ in inputs:
+            directory = fs.normpath(fs.dirname(prefix) or ".")
+            if directory != dest_dir:
+                fs.rmdir_if_empty(directory)
+    return num_shards
+
+
+def _fsync_file(fs: FileSystem, path: str) -> None:
+    handle = fs.open_read(path)
+    try:
+        fs.fsync(handle, path)
+    finally:
+        fs.close(handle)
+
+
+def _rename_all(renames: Dict[str, str], fs: FileSystem) -> None:
+    """Rename sources to targets, never overwriting a source that has not moved yet."""
+    sources = set(renames)
+    clashing = any(dst in sources and dst != src for src, dst in renames.items())
+    if not clashing:
+        for src, dst in renames.items():
+            if src != dst:
+                fs.rename(src, dst)
+        return
+    staged = {}
+    for src, dst in renames.items():
+        tmp = fs.temp_name(dst)
+        fs.rename(src, tmp)
+        staged[tmp] = dst
+    for tmp, dst in staged.items():
+        fs.rename(tmp, dst)

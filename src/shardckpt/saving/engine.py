@@ -1,0 +1,214 @@
+"""The save engine: the one path every save takes, on one client or many.
+
+A save is collective over a :class:`~shardckpt.distributed.Coordinator`; a
+single-process save runs the same path over
+:class:`~shardckpt.distributed.single.SingleProcessCoordinator`, where every collective
+is trivial. Steps (``io``: the request's io client; ``all``: every client)::
+
+    plan      all  the values become a SavePlan (sharding callback, validation)
+    stage     all  with enable_async: values are copied to host buffers; the rest
+                   runs on a background thread over a clone of the coordinator
+    prepare   io   committer.prepare(): leftovers removed, scratch area made,
+                   registered savers' bundles written          -> broadcast
+    number    all  all-gather of shard counts: shard i of client r gets the id
+                   first + sum(counts[:r]) + i; committer.plan(total)
+                   (with funnelling the io client first receives everyone's values)
+    write     all  committer.write_shard() per own shard, in parallel
+    agree     all  barrier (a dead client is named), every client's success
+                   all-gathered: any failure fails the save everywhere, nothing
+                   committed, committer.abort() on the io client
+    commit    io   committer.commit(): the commit point; then committer.finish()
+                   and the request's on_commit (the state file)   -> broadcast
+    after     all  write callbacks, on every client once the commit is known
+
+When a step fails on some client, every client raises the same
+:class:`~shardckpt.distributed.CoordinationError` naming the client(s) and their errors
+(on a failing client it is chained to the original error); a single client raises
+its original error. Which store is written
+(rename-commit or index-last) is the committer's business; the engine never asks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..distributed.coordinator import CoordinationError, Coordinator
+from .async_save import AsyncSaver
+from .commit import Committer, committer_for
+from .commit.base import Written
+from .context import default_context
+from .funnel import describe_plan, receive_plan, send_plan
+from .plan import SavePlan, ShardPlan, TensorsToSave, make_save_plan
+from .request import SaveRequest, default_workers
+
+__all__ = ["save", "run_save", "SaveStats"]
+
+_log = logging.getLogger("shardckpt")
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """What one client's part of a save did."""
+
+    prefix: str
+    num_shards: int
+    bytes_written: int
+    seconds: float
+
+
+def save(tensors: TensorsToSave, request: SaveRequest, coordinator: Coordinator,
+         saver: Optional[AsyncSaver] = None) -> str:
+    """Save this client's ``tensors`` (arrays or :class:`~shardckpt.ShardableTensor`) as part of one
+    checkpoint at ``request.location``; collective over ``coordinator``. Returns the prefix.
+
+    With ``request.options.enable_async`` the values are staged and the call returns;
+    the rest runs on ``saver``'s thread (default: the process's) over a clone of
+    ``coordinator``; errors surface at the next save, ``sync()`` or exit.
+    """
+    options = request.options
+    if tensors or coordinator.size == 1:
+        plan = make_save_plan(tensors, options.sharding_callback)
+    else:
+        plan = SavePlan.empty()  # others may have values; the save fails if nobody has any
+    if options.enable_async:
+        context = default_context()
+        background = context.background(coordinator)
+        saver = saver or context.saver()
+        saver.set_budget(options.async_staging_bytes)
+        saver.submit(request.prefix, plan, lambda staged: _log_stats(run_save(staged, request, background)),
+                     request.on_failure)
+    else:
+        if saver is not None:
+            saver.wait()  # never interleave with a save in flight
+        _log_stats(run_save(plan, request, coordinator))
+    return request.prefix
+
+
+def _log_stats(stats: SaveStats) -> None:
+    _log.info("saved %s: %d shards, %d bytes in %.3f s", stats.prefix, stats.num_shards, stats.bytes_written,
+              stats.seconds)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def run_save(plan: SavePlan, request: SaveRequest, coordinator: Coordinator) -> SaveStats:
+    """Write ``plan`` (this client's shards) and commit the checkpoint, collectively (see the module docstring)."""
+    started = time.perf_counter()
+    prefix, io, timeout = request.prefix, request.io_rank, request.timeout
+    is_io = coordinator.rank == io
+    committer = committer_for(request.location, fsync=request.fsync)
+
+    # prepare [io] -> everyone adopts its decisions
+    setup: Dict[str, Any] = {}
+    prepare_error: Optional[Exception] = None
+    if is_io:
+        try:
+            setup = committer.prepare(request.extra_bundles)
+        except Exception as exc:  # reported to everyone below
+            prepare_error = exc
+            setup = {"error": _describe(exc)}
+            committer.abort()
+    setup = coordinator.broadcast(setup, root=io, timeout=timeout)
+    if "error" in setup:
+        _fail(coordinator, prepare_error,
+              CoordinationError(f"client {io} could not prepare the save of {prefix}: {setup['error']}"))
+    committer.adopt(setup)
+
+    own_error: Optional[Exception] = None
+    written: List[Written] = []
+    failure: Optional[BaseException] = None
+    try:
+        shards, total, offset = _number_shards(plan, request, coordinator)
+        first = committer.first_shard_id
+        committer.plan(first + total)
+        if total == 0:
+            own_error = CoordinationError(f"nothing to save on any client for {prefix}")
+        else:
+            try:
+                written = _write_shards(committer, shards, first + offset, request.max_workers)
+            except Exception as exc:
+                own_error = exc
+        coordinator.barrier(f"shards of {prefix} written", timeout=timeout)
+        coordinator.agree(own_error is None, _describe(own_error) if own_error is not None else "",
+                          timeout=timeout)
+        gathered = coordinator.all_gather(written, timeout=timeout)
+    except BaseException as exc:
+        failure = exc
+        if is_io:
+            committer.abort()
+    if failure is not None:
+        _fail(coordinator, own_error, failure)
+
+    # commit [io] -> everyone learns the outcome; write callbacks everywhere
+    commit_error: Optional[Exception] = None
+    outcome: Dict[str, Any] = {"ok": True}
+    if is_io:
+        try:
+            committer.commit([w for client in gathered for w in client])
+        except Exception as exc:
+            commit_error = exc
+            committer.abort()
+            outcome = {"ok": False, "error": _describe(exc)}
+        else:
+            committer.finish()
+            if request.on_commit is not None:
+                try:
+                    request.on_commit(prefix)
+                except Exception as exc:
+                    commit_error = exc
+                    outcome = {"ok": False, "error": f"after the commit: {_describe(exc)}"}
+    outcome = coordinator.broadcast(outcome, root=io, timeout=timeout)
+    if not outcome["ok"]:
+        _fail(coordinator, commit_error,
+              CoordinationError(f"the save of {prefix} failed on client {io}: {outcome['error']}"))
+    request.options.run_write_callbacks(prefix)
+    return SaveStats(prefix, committer.num_shards, sum(int(w["bytes"]) for w in written),
+                     time.perf_counter() - started)
+
+
+def _fail(coordinator: Coordinator, own: Optional[BaseException], agreed: BaseException) -> None:
+    """Raise a failed save's error: a single client's own error, else the agreed one (chained to ours)."""
+    if own is not None and (coordinator.size == 1 or agreed is own):
+        raise own
+    if own is not None:
+        raise agreed from own
+    raise agreed
+
+
+def _number_shards(plan: SavePlan, request: SaveRequest, coordinator: Coordinator
+                   ) -> Tuple[List[ShardPlan], int, int]:
+    """The shards this client writes (all of them on the io client when funnelling), the total over
+    all clients, and this client's first shard number among them."""
+    rank, io, timeout = coordinator.rank, request.io_rank, request.timeout
+    shards: List[ShardPlan] = list(plan.shards)
+    if request.funnel and coordinator.size > 1:
+        described = coordinator.all_gather(describe_plan(plan) if rank != io else [], timeout=timeout)
+        if rank == io:
+            for source in range(coordinator.size):
+                if source != io:
+                    shards += receive_plan(described[source], coordinator, source)
+        else:
+            send_plan(plan, coordinator, io)
+            shards = []
+    counts = coordinator.all_gather(len(shards), timeout=timeout)
+    return shards, sum(counts), sum(counts[:rank])
+
+
+def _write_shards(committer: Committer, shards: Sequence[ShardPlan], first_id: int,
+                  max_workers: Optional[int]) -> List[Written]:
+    """Write this client's shards as ids ``first_id, first_id + 1, ...``, in parallel."""
+    if not shards:
+        return []
+    workers = max_workers or default_workers(len(shards))
+    if workers == 1 or len(shards) == 1:
+        return [committer.write_shard(s, first_id + i) for i, s in enumerate(shards)]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardckpt-write") as pool:
+        futures = [pool.submit(committer.write_shard, s, first_id + i) for i, s in enumerate(shards)]
+        return [f.result() for f in futures]
+

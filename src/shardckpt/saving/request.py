@@ -1,0 +1,58 @@
+"""``SaveRequest``: everything one save needs to know, as one frozen object.
+
+Front doors (``save_tensors``, ``Checkpoint``, ``DTensorCheckpoint``, ``sharded_save``)
+build it once; the engine and the committers read it and never receive loose
+arguments.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from ..storage.location import Location
+from .commit.base import BundleMaker
+from .options import CheckpointOptions
+
+__all__ = ["SaveRequest", "default_workers"]
+
+
+def default_workers(num_shards: int) -> int:
+    """Threads writing shards in parallel: one per shard, at most two per core."""
+    return max(1, min(num_shards, 2 * (os.cpu_count() or 1)))
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """One save: where, with which options, and the front door's hooks.
+
+    Attributes:
+      location: the checkpoint's store and prefix.
+      options: the user's :class:`~shardckpt.CheckpointOptions`.
+      fsync: make data, names and index durable before and at the commit.
+      max_workers: threads writing this client's shards (``None``: :func:`default_workers`).
+      io_rank: the client that prepares, merges, commits and runs ``on_commit``.
+      funnel: every client sends its values to ``io_rank``, which alone writes.
+      timeout: seconds each collective may wait (``None``: the coordinator's).
+      extra_bundles: registered savers' step, run by the io client before the shards.
+      on_commit: the front door's step right after the commit (e.g. the state file),
+        on the io client; its failure is the save's failure.
+      on_failure: run when an asynchronous save's error is raised to the caller.
+    """
+
+    location: Location
+    options: CheckpointOptions
+    fsync: bool = True
+    max_workers: Optional[int] = None
+    io_rank: int = 0
+    funnel: bool = False
+    timeout: Optional[float] = None
+    extra_bundles: Optional[BundleMaker] = None
+    on_commit: Optional[Callable[[str], None]] = None
+    on_failure: Optional[Callable[[], None]] = None
+
+    @property
+    def prefix(self) -> str:
+        """The checkpoint's prefix."""
+        return self.location.prefix
