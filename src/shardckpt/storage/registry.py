@@ -13,17 +13,19 @@ also reaches other client processes. Stores are created once per scheme, under a
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 from .base import FileSystem, split_scheme
 from .local import local_fs
 
-__all__ = ["get_fs", "configure", "reset"]
+__all__ = ["get_fs", "configure", "reset", "mounted"]
 
 _LOCK = threading.Lock()
 _OPTIONS: Dict[str, Dict[str, Any]] = {}
 _INSTANCES: Dict[str, FileSystem] = {}
+_MOUNTED: Dict[str, FileSystem] = {}
 
 
 def configure(scheme: str, **options: Any) -> None:
@@ -56,10 +58,14 @@ def reset() -> None:
 
 def get_fs(path: Optional[str] = None) -> FileSystem:
     """The store that serves ``path``: local for plain paths and ``file://``, fsspec otherwise."""
-    if path is None:
-        return local_fs
-    scheme, _ = split_scheme(str(path))
-    if scheme in ("", "file"):
+    scheme, _ = split_scheme(str(path)) if path is not None else ("", "")
+    if scheme == "file":
+        scheme = ""
+    with _LOCK:
+        mounted_fs = _MOUNTED.get(scheme)
+    if mounted_fs is not None:
+        return mounted_fs
+    if scheme == "":
         return local_fs
     with _LOCK:
         fs = _INSTANCES.get(scheme)
@@ -71,3 +77,24 @@ def get_fs(path: Optional[str] = None) -> FileSystem:
         return fs
 
 
+
+
+@contextlib.contextmanager
+def mounted(fs: FileSystem, scheme: str = "") -> Iterator[FileSystem]:
+    """Serve paths of ``scheme`` (``""``: plain local paths) with ``fs`` inside the block.
+
+    For wrappers (fault injection, recording; :mod:`shardckpt.storage.wrappers`) in tests
+    and tools; process-wide while the block runs.
+    """
+    scheme = scheme.lower()
+    with _LOCK:
+        previous = _MOUNTED.get(scheme)
+        _MOUNTED[scheme] = fs
+    try:
+        yield fs
+    finally:
+        with _LOCK:
+            if previous is None:
+                _MOUNTED.pop(scheme, None)
+            else:
+                _MOUNTED[scheme] = previous
