@@ -9,10 +9,14 @@ is trivial. Steps (``io``: the request's io client; ``all``: every client)::
     stage     all  with enable_async: values are copied to host buffers; the rest
                    runs on a background thread over a clone of the coordinator
     prepare   io   committer.prepare(): leftovers removed, scratch area made,
-                   registered savers' bundles written          -> broadcast
-    number    all  all-gather of shard counts: shard i of client r gets the id
-                   first + sum(counts[:r]) + i; committer.plan(total)
-                   (with funnelling the io client first receives everyone's values)
+                   registered savers' bundles written
+    identity  all  all-gather of every client's save identity (prefix, number)
+                   and the io client's setup: clients running different saves fail
+    number    all  all-gather of shard counts and piece descriptions; every client
+                   checks that the pieces tile each tensor (agreement.py); shard i
+                   of client r gets the id first + sum(counts[:r]) + i;
+                   committer.plan(total) (with funnelling the io client first
+                   receives everyone's values)
     write     all  committer.write_shard() per own shard, in parallel
     agree     all  barrier (a dead client is named), every client's success
                    all-gathered: any failure fails the save everywhere, nothing
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..distributed.coordinator import CoordinationError, Coordinator
+from .agreement import describe_pieces, identity_problem, pieces_problem, save_identity
 from .async_save import AsyncSaver
 from .commit import Committer, committer_for
 from .commit.base import Written
@@ -104,7 +109,8 @@ def run_save(plan: SavePlan, request: SaveRequest, coordinator: Coordinator) -> 
     is_io = coordinator.rank == io
     committer = committer_for(request.location, fsync=request.fsync)
 
-    # prepare [io] -> everyone adopts its decisions
+    # prepare [io] -> everyone checks it runs the same save, and adopts the io client's decisions
+    identity = save_identity(coordinator, prefix)
     setup: Dict[str, Any] = {}
     prepare_error: Optional[Exception] = None
     if is_io:
@@ -114,7 +120,13 @@ def run_save(plan: SavePlan, request: SaveRequest, coordinator: Coordinator) -> 
             prepare_error = exc
             setup = {"error": _describe(exc)}
             committer.abort()
-    setup = coordinator.broadcast(setup, root=io, timeout=timeout)
+    first_round = coordinator.all_gather({"id": identity, "setup": setup}, timeout=timeout)
+    problem = identity_problem([r["id"] for r in first_round], io)
+    if problem is not None:
+        if is_io:
+            committer.abort()
+        raise CoordinationError(f"the save of {prefix}: {problem}")
+    setup = first_round[io]["setup"]
     if "error" in setup:
         _fail(coordinator, prepare_error,
               CoordinationError(f"client {io} could not prepare the save of {prefix}: {setup['error']}"))
@@ -124,7 +136,9 @@ def run_save(plan: SavePlan, request: SaveRequest, coordinator: Coordinator) -> 
     written: List[Written] = []
     failure: Optional[BaseException] = None
     try:
-        shards, total, offset = _number_shards(plan, request, coordinator)
+        shards, total, offset, disagreement = _number_shards(plan, request, coordinator)
+        if disagreement is not None:
+            raise CoordinationError(f"the save of {prefix} was not committed: {disagreement}")
         first = committer.first_shard_id
         committer.plan(first + total)
         if total == 0:
@@ -182,10 +196,12 @@ def _fail(coordinator: Coordinator, own: Optional[BaseException], agreed: BaseEx
 
 
 def _number_shards(plan: SavePlan, request: SaveRequest, coordinator: Coordinator
-                   ) -> Tuple[List[ShardPlan], int, int]:
+                   ) -> Tuple[List[ShardPlan], int, int, Optional[str]]:
     """The shards this client writes (all of them on the io client when funnelling), the total over
-    all clients, and this client's first shard number among them."""
+    all clients, this client's first shard number among them, and what is wrong with the union
+    of all clients' pieces (``None``: they tile every tensor)."""
     rank, io, timeout = coordinator.rank, request.io_rank, request.timeout
+    pieces = describe_pieces(plan)
     shards: List[ShardPlan] = list(plan.shards)
     if request.funnel and coordinator.size > 1:
         described = coordinator.all_gather(describe_plan(plan) if rank != io else [], timeout=timeout)
@@ -196,8 +212,9 @@ def _number_shards(plan: SavePlan, request: SaveRequest, coordinator: Coordinato
         else:
             send_plan(plan, coordinator, io)
             shards = []
-    counts = coordinator.all_gather(len(shards), timeout=timeout)
-    return shards, sum(counts), sum(counts[:rank])
+    gathered = coordinator.all_gather({"shards": len(shards), "pieces": pieces}, timeout=timeout)
+    counts = [g["shards"] for g in gathered]
+    return shards, sum(counts), sum(counts[:rank]), pieces_problem([g["pieces"] for g in gathered])
 
 
 def _write_shards(committer: Committer, shards: Sequence[ShardPlan], first_id: int,

@@ -1,0 +1,137 @@
+"""What every client of a collective save must agree on, checked before a byte is written.
+
+1. **The save's identity.** Each client numbers its saves over a coordinator; the
+   first collective of a save all-gathers every client's ``(prefix, number)``. A client
+   that skipped a save, or saves to another prefix, makes every client fail this save
+   at once, naming it (instead of pairing later saves off by one).
+2. **The pieces.** Every client describes its pieces (key, dtype, global shape, box);
+   all descriptions are all-gathered with the shard counts and every client checks the
+   union the same way: per key one dtype, one global shape, and boxes that tile the
+   tensor exactly (no gap, no overlap). Any disagreement fails the save on every
+   client with an error naming the disagreeing clients; nothing is written, nothing
+   committed, the previous checkpoint stays latest.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..distributed.coordinator import Coordinator
+from ..format.tensor_slice import Box, full_box, parse_shape_and_slice
+from .plan import SavePlan
+
+__all__ = ["save_identity", "identity_problem", "describe_pieces", "pieces_problem"]
+
+_COUNTERS: "weakref.WeakKeyDictionary[Coordinator, itertools.count]" = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def save_identity(coordinator: Coordinator, prefix: str) -> List[Any]:
+    """This client's identity of its next save over ``coordinator``: ``[prefix, number]``."""
+    with _LOCK:
+        counter = _COUNTERS.get(coordinator)
+        if counter is None:
+            counter = _COUNTERS[coordinator] = itertools.count(1)
+        return [prefix, next(counter)]
+
+
+def identity_problem(identities: List[List[Any]], io: int) -> Optional[str]:
+    """``None`` when every client runs the same save as the io client, else who does not."""
+    expected = identities[io]
+    odd = [r for r, ident in enumerate(identities) if ident != expected]
+    if not odd:
+        return None
+    detail = "; ".join(f"rank {r}: save #{identities[r][1]} of {identities[r][0]}" for r in odd)
+    return (f"clients disagree on which save this is (client {io}: save #{expected[1]} of {expected[0]}; "
+            f"{detail}) — did a client skip a save or save to another path?")
+
+
+def describe_pieces(plan: SavePlan) -> Dict[str, List[Any]]:
+    """``{key: [dtype enum, global shape, [box, ...]]}`` of this client's pieces (JSON)."""
+    out: Dict[str, List[Any]] = {}
+    for item in plan.items:
+        if item.slice_spec:
+            full_shape, _ = parse_shape_and_slice(item.slice_spec)
+        else:
+            full_shape = item.shape
+        entry = out.setdefault(item.key, [item.dtype.enum, list(full_shape), []])
+        entry[2].append([list(b) for b in item.box])
+    return out
+
+
+def pieces_problem(described: List[Dict[str, List[Any]]]) -> Optional[str]:
+    """``None`` when the clients' pieces make whole tensors, else what is wrong, naming ranks and keys."""
+    from ..format.tensor_slice import boxes_tile
+
+    by_key: Dict[str, List[Tuple[int, int, Tuple[int, ...], List[Box]]]] = {}
+    for rank, pieces in enumerate(described):
+        for key, (dtype, shape, boxes) in pieces.items():
+            by_key.setdefault(key, []).append(
+                (rank, int(dtype), tuple(int(d) for d in shape),
+                 [tuple((int(a), int(b)) for a, b in box) for box in boxes]))
+    problems = []
+    for key in sorted(by_key):
+        holders = by_key[key]
+        first_rank, dtype, shape, _ = holders[0]
+        wrong_dtype = [r for r, d, _, _ in holders if d != dtype]
+        wrong_shape = [r for r, _, s, _ in holders if s != shape]
+        if wrong_dtype:
+            names = sorted({_dtype_name(d) for r, d, _, _ in holders if r in wrong_dtype})
+            problems.append(f"key {key!r}: rank(s) {wrong_dtype} save it as {', '.join(names)}, rank {first_rank} "
+                            f"as {_dtype_name(dtype)}")
+            continue
+        if wrong_shape:
+            problems.append(f"key {key!r}: rank(s) {wrong_shape} save global shape "
+                            f"{[list(s) for r, _, s, _ in holders if r in wrong_shape]}, rank {first_rank} saves "
+                            f"{list(shape)}")
+            continue
+        boxes = [(r, b) for r, _, _, bs in holders for b in bs]
+        problem = boxes_tile([b for _, b in boxes], full_box(shape))
+        if problem is not None:
+            holding = sorted({r for r, _ in boxes})
+            overlapping = _most_overlapping_ranks(boxes)
+            if overlapping:
+                problems.append(f"key {key!r} (global shape {list(shape)}): the slices of rank(s) {overlapping} "
+                                f"overlap those of other ranks ({problem})")
+            else:
+                absent = [r for r in range(len(described)) if r not in holding and described[r]]
+                who = f"rank(s) {absent} hold no piece of it" if absent else f"held by rank(s) {holding}"
+                problems.append(f"key {key!r} (global shape {list(shape)}): the slices do not tile the tensor "
+                                f"({problem}); {who}")
+        if len(problems) >= 8:
+            break
+    if not problems:
+        return None
+    return "clients' pieces disagree: " + "; ".join(problems)
+
+
+
+def _dtype_name(enum: int) -> str:
+    from ..format.dtypes import as_dtype
+
+    try:
+        return as_dtype(enum).name
+    except Exception:  # noqa: BLE001 - only for the message
+        return f"dtype enum {enum}"
+
+
+def _most_overlapping_ranks(boxes: List[Tuple[int, Box]], limit: int = 4096) -> List[int]:
+    """The ranks whose boxes overlap the most other ranks' boxes (pairwise: only run once a problem is
+    known); ``[]`` when no two boxes of different ranks overlap."""
+    from ..format.tensor_slice import intersect
+
+    boxes = boxes[:limit]
+    count: Dict[int, int] = {}
+    for i, (ra, a) in enumerate(boxes):
+        for rb, b in boxes[i + 1:]:
+            if intersect(a, b) is not None:
+                count[ra] = count.get(ra, 0) + 1
+                if rb != ra:
+                    count[rb] = count.get(rb, 0) + 1
+    if not count:
+        return []
+    top = max(count.values())
+    return sorted(r for r, c in count.items() if c == top)
