@@ -18,4 +18,8 @@ if ! .venv-tf/bin/python -c "import tensorflow" >/dev/null 2>&1; then
 fi
 export SHARDCKPT_TF_PYTHON="$PWD/.venv-tf/bin/python"
 
+# The checks the code is written to: lint and types of the package.
+.venv/bin/ruff check src tests
+.venv/bin/mypy
+
 exec .venv/bin/python -m pytest "$@"

@@ -23,9 +23,9 @@ from .format.bundle_reader import BundleReader
 from .format.bundle_writer import BundleWriter
 from .format.crc import shared_executor
 from .format.dtypes import as_dtype
-from .saving.commit import merge_bundles
 from .format.naming import sharded_filename
 from .format.tensor_slice import TensorSlice, parse_shape_and_slice
+from .saving.commit import merge_bundles
 
 __all__ = ["save_v2", "restore_v2", "merge_v2_checkpoints", "sharded_filename"]
 

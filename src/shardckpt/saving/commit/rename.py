@@ -26,7 +26,6 @@ unreferenced data files; the next save to the prefix removes them
 
 from __future__ import annotations
 
-import os
 from typing import Collection, Dict, List, Optional, Sequence
 
 from ...errors import InvalidArgumentError, NotFoundError
@@ -38,8 +37,13 @@ from ...storage.base import FileSystem
 from ...storage.location import Location
 from ..plan import ShardPlan
 from .base import BundleMaker, Committer, Setup, Written
-from .leftovers import clean_leftovers, committed_num_shards, existing_shard_counts, new_temp_dir, \
-    remove_stale_data_files
+from .leftovers import (
+    clean_leftovers,
+    committed_num_shards,
+    existing_shard_counts,
+    new_temp_dir,
+    remove_stale_data_files,
+)
 from .writing import fill_bundle
 
 __all__ = ["RenameCommitter", "merge_bundles"]
