@@ -29,7 +29,7 @@ What is held here:
 * **TensorFlow** reads async-written checkpoints exactly as sync-written ones, and restores
   an async ``Checkpoint.save`` of a ``Module`` tree with ``assert_consumed()``.
 
-Background writes are slowed, held or failed by monkeypatching ``LocalFileSystem.write_all``
+Background writes are slowed, held or failed by a wrapping filesystem (``storage.wrappers``)
 for threads other than the main thread (the synchronous parts of these tests run on the main
 thread with one shard, so they are never affected).
 
@@ -77,6 +77,8 @@ from shardckpt.distributed.coordinator import Coordinator
 from shardckpt.saving.async_save import AsyncSaveError
 from shardckpt.saving.staging import StagingPool
 from shardckpt.storage.local import LocalFileSystem
+from shardckpt.storage.registry import mounted
+from shardckpt.storage.wrappers import FileSystemWrapper
 
 HELPERS = Path(__file__).parent / "helpers"
 KILL_HELPER = HELPERS / "async_kill.py"
@@ -99,18 +101,15 @@ def _background() -> bool:
     return threading.current_thread() is not threading.main_thread()
 
 
-@pytest.fixture
-def bg(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
-    """Control over the background save's writes: ``gate`` (held until set), ``delay``, ``fail``.
+class _GatedFileSystem(FileSystemWrapper):
+    """The local filesystem, with background ``write_all`` calls held, slowed or failed by ``ctl``."""
 
-    ``calls`` counts background ``write_all`` calls. At teardown the gate opens and every
-    background save still running is waited for, before the patch goes.
-    """
-    ctl = SimpleNamespace(gate=threading.Event(), delay=0.0, fail=None, calls=0)
-    ctl.gate.set()
-    original = LocalFileSystem.write_all
+    def __init__(self, ctl: SimpleNamespace) -> None:
+        super().__init__(LocalFileSystem())
+        self.ctl = ctl
 
-    def write_all(fs: Any, fd: int, buf: Any, path: str = "") -> None:
+    def write_all(self, handle: Any, buf: Any, path: str = "") -> None:
+        ctl = self.ctl
         if _background():
             ctl.calls += 1
             if not ctl.gate.wait(30):
@@ -119,15 +118,26 @@ def bg(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
                 raise ctl.fail
             if ctl.delay:
                 time.sleep(ctl.delay)
-        original(fs, fd, buf, path)
+        self.inner.write_all(handle, buf, path)
 
-    monkeypatch.setattr(LocalFileSystem, "write_all", write_all)
-    yield ctl
+
+@pytest.fixture
+def bg() -> Iterator[SimpleNamespace]:
+    """Control over the background save's writes: ``gate`` (held until set), ``delay``, ``fail``.
+
+    ``calls`` counts background ``write_all`` calls. Local paths go through a wrapping
+    filesystem (``storage.registry.mounted``) while the fixture is active. At teardown the
+    gate opens and every background save still running is waited for, before it goes.
+    """
+    ctl = SimpleNamespace(gate=threading.Event(), delay=0.0, fail=None, calls=0)
     ctl.gate.set()
-    ctl.fail = None
-    for thread in threading.enumerate():
-        if thread.name.startswith("shardckpt-async-save"):
-            thread.join(30)
+    with mounted(_GatedFileSystem(ctl)):
+        yield ctl
+        ctl.gate.set()
+        ctl.fail = None
+        for thread in threading.enumerate():
+            if thread.name.startswith("shardckpt-async-save"):
+                thread.join(30)
 
 
 def release_later(event: threading.Event, seconds: float) -> threading.Timer:
@@ -585,12 +595,13 @@ def test_byte_budget_background_failure_does_not_hang() -> None:
     the caller's ``fill()`` then waits in ``StagingPool._take`` forever (and with several shards
     the other writers wait for values that are never copied): ``save()`` never returns."""
     proc = _run_script(_HANG_PRELUDE + """
-    original = LocalFileSystem.write_all
-    def fail(self, fd, buf, path=""):
-        if threading.current_thread() is not threading.main_thread():
-            raise OSError(errno.ENOSPC, "No space left on device (injected)")
-        original(self, fd, buf, path)
-    LocalFileSystem.write_all = fail
+    from shardckpt.storage.registry import mounted
+    from shardckpt.storage.wrappers import FaultInjectingFileSystem
+    faulty = FaultInjectingFileSystem(LocalFileSystem())
+    faulty.fail("write_all", "", OSError(errno.ENOSPC, "No space left on device (injected)"), times=None,
+                when=lambda: threading.current_thread() is not threading.main_thread())
+    mount = mounted(faulty)
+    mount.__enter__()
     ckpt = shardckpt.Checkpoint(ws=[shardckpt.Variable(v) for v in values.values()])
     options = shardckpt.CheckpointOptions(enable_async=True, async_staging_bytes=2 * ITEM)
     try:
@@ -598,7 +609,7 @@ def test_byte_budget_background_failure_does_not_hang() -> None:
         ckpt.sync()
     except AsyncSaveError as exc:
         print("RAISED", type(exc.__cause__).__name__)
-    LocalFileSystem.write_all = original
+    mount.__exit__(None, None, None)
     print("COUNTER", int(ckpt.save_counter.numpy()))
     print("AGAIN", ckpt.save(os.path.join(d, "ckpt"), options=options))
     ckpt.sync()

@@ -36,6 +36,8 @@ import shardckpt.storage.local as local_storage
 from shardckpt.errors import ShardckptError
 from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.storage.local import LocalFileSystem, StorageError
+from shardckpt.storage.registry import mounted
+from shardckpt.storage.wrappers import FileSystemWrapper
 
 HELPER = Path(__file__).parent / "helpers" / "save_loop.py"
 
@@ -495,18 +497,23 @@ def _data_files(prefix: str) -> Set[str]:
     return {n for n in _siblings(prefix) if ".data-" in n}
 
 
-def _fail_write_atomic_for(monkeypatch: pytest.MonkeyPatch, path: str, after: bool = False,
-                           exc: Callable[[], BaseException] = lambda: StorageError("injected failure")) -> None:
-    original = LocalFileSystem.write_atomic
+class _FailingIndexWrite(FileSystemWrapper):
+    """The local filesystem; ``write_atomic`` of ``path`` raises ``exc()`` before or ``after`` writing."""
 
-    def write_atomic(self, target, data, *, fsync=False):
-        if os.path.abspath(target) == os.path.abspath(path) and not after:
-            raise exc()
-        original(self, target, data, fsync=fsync)
-        if os.path.abspath(target) == os.path.abspath(path) and after:
-            raise exc()
+    def __init__(self, path: str, exc: Callable[[], BaseException], after: bool = False,
+                 seen: Optional[Callable[[], None]] = None) -> None:
+        super().__init__(LocalFileSystem())
+        self.path, self.exc, self.after, self.seen = os.path.abspath(path), exc, after, seen
 
-    monkeypatch.setattr(LocalFileSystem, "write_atomic", write_atomic)
+    def write_atomic(self, target: str, data: bytes, *, fsync: bool = False) -> None:
+        hit = os.path.abspath(target) == self.path
+        if hit and self.seen is not None:
+            self.seen()
+        if hit and not self.after:
+            raise self.exc()
+        self.inner.write_atomic(target, data, fsync=fsync)
+        if hit and self.after:
+            raise self.exc()
 
 
 def test_failed_index_write_over_same_shard_count_keeps_old_checkpoint(tmp_path: Path,
@@ -520,18 +527,11 @@ def test_failed_index_write_over_same_shard_count_keeps_old_checkpoint(tmp_path:
     assert len(a_files) == 3
 
     seen: List[Set[str]] = []
-    original = LocalFileSystem.write_atomic
-
-    def write_atomic(self, target, data, *, fsync=False):
-        if os.path.abspath(target) == os.path.abspath(prefix + ".index"):
-            seen.append(_data_files(prefix))  # what is on disk right before the commit
-            raise StorageError("injected failure before the index rename", path=target)
-        original(self, target, data, fsync=fsync)
-
-    monkeypatch.setattr(LocalFileSystem, "write_atomic", write_atomic)
-    with pytest.raises(StorageError, match="injected failure"):
+    failing = _FailingIndexWrite(prefix + ".index",
+                                 lambda: StorageError("injected failure before the index rename", path=prefix),
+                                 seen=lambda: seen.append(_data_files(prefix)))  # on disk right before the commit
+    with mounted(failing), pytest.raises(StorageError, match="injected failure"):
         _save_three(prefix, 2)
-    monkeypatch.undo()
     # Right before the commit B's data files were there beside A's, under other names (4 shards: 3 + 1 empty).
     assert seen and seen[0] == a_files | {f"model.data-{i:05d}-of-00004" for i in range(4)}
     # A is still exactly A, byte for byte, and B's data files are gone again.
@@ -561,10 +561,9 @@ def test_failure_right_after_the_commit_keeps_a_readable_checkpoint(tmp_path: Pa
     _save_three(prefix, 1)
     make_exc = (lambda: StorageError("fsync directory failed: Input/output error", path=str(tmp_path))) \
         if failure == "StorageError" else KeyboardInterrupt
-    _fail_write_atomic_for(monkeypatch, prefix + ".index", after=True, exc=make_exc)
-    with pytest.raises((StorageError, KeyboardInterrupt)):
+    with mounted(_FailingIndexWrite(prefix + ".index", make_exc, after=True)), \
+            pytest.raises((StorageError, KeyboardInterrupt)):
         _save_three(prefix, 2)
-    monkeypatch.undo()
     with shardckpt.load_checkpoint(prefix) as reader:
         generation_of_t0 = int(reader.get_tensor("t0")[0]) >> 40
     _assert_holds_exactly(prefix, a if generation_of_t0 == 1 else b)

@@ -52,27 +52,30 @@ def _write_json(out_dir: str, rank: int, phase: str, data: Dict[str, Any]) -> No
 
 
 class _Faults:
-    """Patches LocalFileSystem.write_all once per process: slow and/or failing background writes."""
+    """Serves local paths, for the life of the process, through a wrapper that slows and/or fails
+    background writes."""
 
     def __init__(self) -> None:
-        from shardckpt.storage.local import LocalFileSystem
+        from shardckpt.storage.local import local_fs
+        from shardckpt.storage.registry import mounted
+        from shardckpt.storage.wrappers import FileSystemWrapper
 
         self.slow = 0.0
         self.fail = False
         self.calls = 0
-        original = LocalFileSystem.write_all
         faults = self
 
-        def write_all(fs: Any, fd: int, buf: Any, path: str = "") -> None:
-            if threading.current_thread() is not threading.main_thread():
-                faults.calls += 1
-                if faults.fail:
-                    raise OSError(errno.ENOSPC, "No space left on device (injected)")
-                if faults.slow:
-                    time.sleep(faults.slow)
-            original(fs, fd, buf, path)
+        class Faulty(FileSystemWrapper):
+            def before(self, op: str, path: str) -> None:
+                if op == "write_all" and threading.current_thread() is not threading.main_thread():
+                    faults.calls += 1
+                    if faults.fail:
+                        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+                    if faults.slow:
+                        time.sleep(faults.slow)
 
-        LocalFileSystem.write_all = write_all  # type: ignore[method-assign]
+        self.mount = mounted(Faulty(local_fs))  # kept referenced: for the life of the process
+        self.mount.__enter__()
 
 
 def _user_collective(coordinator: Any) -> Any:

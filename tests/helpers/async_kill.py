@@ -77,47 +77,39 @@ def _in_background() -> bool:
     return threading.current_thread() is not threading.main_thread()
 
 
-def patch(mode: str, directory: str) -> None:
-    from shardckpt.storage.local import LocalFileSystem
+_MOUNTS: list = []
 
-    write_all, fsync, write_atomic = LocalFileSystem.write_all, LocalFileSystem.fsync, LocalFileSystem.write_atomic
+
+def patch(mode: str, directory: str) -> None:
+    """Serve local paths, for the rest of this process, through a wrapper that acts on background operations."""
+    from shardckpt.storage.local import local_fs
+    from shardckpt.storage.registry import mounted
+    from shardckpt.storage.wrappers import FileSystemWrapper
+
     index = os.path.join(directory, "ckpt-2.index")
     state = os.path.join(directory, "checkpoint")
-
-    if mode == "kill-write":
-        def w(self: Any, fd: int, buf: Any, path: str = "") -> None:
-            if _in_background() and ".data-" in path:
-                _stop_here("write")
-            write_all(self, fd, buf, path)
-        LocalFileSystem.write_all = w  # type: ignore[method-assign]
-    elif mode == "kill-fsync":
-        def f(self: Any, fd: int, path: str = "") -> None:
-            if _in_background():
-                _stop_here("fsync")
-            fsync(self, fd, path)
-        LocalFileSystem.fsync = f  # type: ignore[method-assign]
-    elif mode in ("kill-commit", "kill-state"):
-        target = index if mode == "kill-commit" else state
-
-        def a(self: Any, path: str, data: bytes, *, fsync: bool = False) -> None:
-            if _in_background() and path == target:
-                _stop_here(mode[5:])
-            write_atomic(self, path, data, fsync=fsync)
-        LocalFileSystem.write_atomic = a  # type: ignore[method-assign]
-    elif mode == "exit":
-        def slow(self: Any, fd: int, buf: Any, path: str = "") -> None:
-            if _in_background():
-                time.sleep(SLOW_WRITE)
-            write_all(self, fd, buf, path)
-        LocalFileSystem.write_all = slow  # type: ignore[method-assign]
-    elif mode.startswith(("exit-error", "sync-error")):
-        def fail(self: Any, fd: int, buf: Any, path: str = "") -> None:
-            if _in_background():
-                raise OSError(errno.ENOSPC, "No space left on device (injected)")
-            write_all(self, fd, buf, path)
-        LocalFileSystem.write_all = fail  # type: ignore[method-assign]
-    else:
+    if mode not in ("kill-write", "kill-fsync", "kill-commit", "kill-state", "exit") \
+            and not mode.startswith(("exit-error", "sync-error")):
         raise SystemExit(f"unknown mode {mode!r}")
+
+    class Hooked(FileSystemWrapper):
+        def before(self, op: str, path: str) -> None:
+            if not _in_background():
+                return
+            if mode == "kill-write" and op == "write_all" and ".data-" in path:
+                _stop_here("write")
+            elif mode == "kill-fsync" and op == "fsync":
+                _stop_here("fsync")
+            elif mode in ("kill-commit", "kill-state") and op == "write_atomic" \
+                    and path == (index if mode == "kill-commit" else state):
+                _stop_here(mode[5:])
+            elif mode == "exit" and op == "write_all":
+                time.sleep(SLOW_WRITE)
+            elif mode.startswith(("exit-error", "sync-error")) and op == "write_all":
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    _MOUNTS.append(mounted(Hooked(local_fs)))  # kept referenced: for the life of the process
+    _MOUNTS[-1].__enter__()
 
 
 def main(directory: str, mode: str) -> None:
