@@ -17,11 +17,11 @@ from __future__ import annotations
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from .base import FileSystem, ReadHandle, WriteHandle
 
-__all__ = ["FileSystemWrapper", "FaultInjectingFileSystem", "Fault"]
+__all__ = ["FileSystemWrapper", "FaultInjectingFileSystem", "Fault", "RecordingFileSystem", "Op"]
 
 
 class FileSystemWrapper(FileSystem):
@@ -177,3 +177,95 @@ class FaultInjectingFileSystem(FileSystemWrapper):
                     continue
                 error = fault.error
                 raise error(path) if callable(error) and not isinstance(error, BaseException) else error
+
+
+#: One recorded operation: ``(kind, path, data_or_second_path)``.
+Op = Tuple[str, str, Any]
+
+
+class RecordingFileSystem(FileSystemWrapper):
+    """A wrapper that logs every operation that changes what is on disk, in order.
+
+    Kinds: ``create`` (path), ``write`` (path, bytes), ``fsync`` (path: the file's data),
+    ``rename`` (src, dst), ``remove`` (path), ``remove_tree`` (path), ``mkdir`` (path),
+    ``fsync_dir`` (path: the directory's entries). ``write_atomic`` is recorded as the
+    create / write / fsync / rename it is made of, so a crash-state checker can place
+    a power loss between any two of them. For the method of ALICE (OSDI'14) and
+    CrashMonkey (OSDI'18); see tests/helpers/crash_states.py.
+    """
+
+    def __init__(self, inner: FileSystem) -> None:
+        super().__init__(inner)
+        self.ops: List[Op] = []
+        self._paths: Dict[int, str] = {}
+        self._log_lock = threading.Lock()
+
+    def _log(self, kind: str, path: str, extra: Any = None) -> None:
+        with self._log_lock:
+            self.ops.append((kind, path, extra))
+
+    def open_write(self, path: str) -> WriteHandle:
+        handle = self.inner.open_write(path)
+        self._log("create", path)
+        return handle
+
+    def write_all(self, handle: WriteHandle, buf: memoryview, path: str = "") -> None:
+        self.inner.write_all(handle, buf, path)
+        self._log("write", path, bytes(buf))
+
+    def fsync(self, handle: WriteHandle, path: str = "") -> None:
+        self.inner.fsync(handle, path)
+        self._log("fsync", path)
+
+    def fsync_dir(self, path: str) -> None:
+        self.inner.fsync_dir(path)
+        self._log("fsync_dir", path)
+
+    def write_atomic(self, path: str, data: bytes, *, fsync: bool = False) -> None:
+        tmp = self.inner.temp_name(path)
+        handle = self.open_write(tmp)
+        try:
+            self.write_all(handle, memoryview(data), tmp)
+            if fsync:
+                self.fsync(handle, tmp)
+        except BaseException:
+            self.inner.close(handle)
+            self.remove(tmp)
+            raise
+        self.inner.close(handle)
+        self.rename(tmp, path)
+
+    def rename(self, src: str, dst: str) -> None:
+        self.inner.rename(src, dst)
+        self._log("rename", src, dst)
+
+    def remove(self, path: str) -> None:
+        existed = self.inner.exists(path)
+        self.inner.remove(path)
+        if existed:
+            self._log("remove", path)
+
+    def remove_tree(self, path: str) -> None:
+        existed = self.inner.exists(path)
+        self.inner.remove_tree(path)
+        if existed:
+            self._log("remove_tree", path)
+
+    def rmdir_if_empty(self, path: str) -> bool:
+        removed = self.inner.rmdir_if_empty(path)
+        if removed:
+            self._log("remove_tree", path)
+        return removed
+
+    def makedirs(self, path: str) -> None:
+        missing = []
+        p = path
+        while p and not self.inner.isdir(p):
+            missing.append(p)
+            parent = self.inner.dirname(p)
+            if parent == p:
+                break
+            p = parent
+        self.inner.makedirs(path)
+        for d in reversed(missing):
+            self._log("mkdir", d)

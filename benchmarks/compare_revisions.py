@@ -1,0 +1,101 @@
+"""Before/after: the same benchmark workers run against two revisions of the library, in one run.
+
+For each case, the *current* tree's benchmark worker (``bench_bundle``, ``bench_sharded``,
+``bench_async``) runs in a fresh process with ``PYTHONPATH`` pointing at the base
+revision's ``src`` or at this tree's ``src``, alternating (base, new, base, new, ...);
+medians per revision and the ratio new/base are printed (a ratio > 1 of a time is a
+slowdown). The base revision is checked out into a temporary ``git worktree``.
+
+    .venv/bin/python benchmarks/compare_revisions.py --base 6415933 --size 256MiB --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import common as C  # noqa: E402
+
+# (label, script, worker arguments (with {size} and {dir}), metrics: key -> "time" (lower is better) or "rate")
+CASES: List[Tuple[str, str, List[str], Dict[str, str]]] = [
+    ("save_v2 + fsync, 64 tensors", "bench_bundle.py",
+     ["--worker", "shardckpt_save_fsync", "--state", "uniform", "--size", "{size}", "--dir", "{dir}", "--no-cold"],
+     {"seconds": "time"}),
+    ("save_v2 + fsync, 485 tensors", "bench_bundle.py",
+     ["--worker", "shardckpt_save_fsync", "--state", "transformer", "--size", "{size}", "--dir", "{dir}",
+      "--no-cold"], {"seconds": "time"}),
+    ("restore into arrays, 485 tensors", "bench_bundle.py",
+     ["--worker", "shardckpt_restore_into", "--state", "transformer", "--size", "{size}", "--dir", "{dir}",
+      "--no-cold"], {"seconds": "time"}),
+    ("sharded save, 2 shards + fsync", "bench_sharded.py",
+     ["--worker", "shardckpt", "--size", "{size}", "--shards", "2", "--fsync", "1", "--dir", "{dir}",
+      "--state", "uniform"], {"seconds": "time"}),
+    ("sharded save, 4 shards + fsync", "bench_sharded.py",
+     ["--worker", "shardckpt", "--size", "{size}", "--shards", "4", "--fsync", "1", "--dir", "{dir}",
+      "--state", "uniform"], {"seconds": "time"}),
+    ("async Checkpoint.save", "bench_async.py",
+     ["--worker", "shardckpt_async", "--size", "{size}", "--dir", "{dir}"], {}),
+]
+
+
+def run(script: str, args: List[str], src: str, work: str) -> Dict:
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    os.sync()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, src]), TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, script), *args], capture_output=True, text=True,
+                          env=env, timeout=1800)
+    shutil.rmtree(work, ignore_errors=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{script} {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    return C.parse_result(proc.stdout)
+
+
+def numeric(result: Dict) -> Dict[str, float]:
+    return {k: float(v) for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", required=True, help="git revision to compare against")
+    p.add_argument("--size", default="256MiB")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dir", default=tempfile.gettempdir())
+    p.add_argument("--cases", default="", help="comma list of case numbers (default: all)")
+    args = p.parse_args()
+    base_tree = tempfile.mkdtemp(prefix="shardckpt-base-")
+    subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", "-q", base_tree, args.base], check=True)
+    chosen = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
+    try:
+        print(f"base {args.base} vs working tree, size {args.size}, {args.repeats} repeats each, alternating")
+        for label, script, template, metrics in chosen:
+            results: Dict[str, List[Dict[str, float]]] = {"base": [], "new": []}
+            for _ in range(args.repeats):
+                for which, src in (("base", os.path.join(base_tree, "src")), ("new", os.path.join(REPO, "src"))):
+                    work = os.path.join(args.dir, f"compare-{os.getpid()}")
+                    argv = [a.format(size=args.size, dir=work) for a in template]
+                    results[which].append(numeric(run(script, argv, src, work)))
+            keys = sorted(set(results["base"][0]) & set(results["new"][0]))
+            if metrics:
+                keys = [k for k in keys if k in metrics]
+            print(f"\n{label}")
+            for key in keys:
+                b = C.median([r[key] for r in results["base"] if key in r])
+                n = C.median([r[key] for r in results["new"] if key in r])
+                ratio = n / b if b else float("nan")
+                print(f"  {key:28s} base {b:10.4f}  new {n:10.4f}  new/base {ratio:6.3f}")
+    finally:
+        subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", base_tree], check=False)
+
+
+if __name__ == "__main__":
+    main()
