@@ -17,8 +17,9 @@ from typing import Any, Callable, List, Optional
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, NotFoundError
 from ..format.naming import index_filename
+from ..saving.commit.leftovers import clean_directory
 from ..saving.options import CheckpointOptions
 from ..storage.base import is_local_path, normalize
 from ..storage.registry import get_fs
@@ -129,19 +130,33 @@ class CheckpointManager:
         return prefix
 
     def _record(self, path: str) -> None:
-        """Note a committed checkpoint: state file first, then delete what is beyond ``max_to_keep``."""
-        now = time.time()
-        self._maybe_delete.pop(path, None)
-        self._maybe_delete[path] = now
-        self._latest_checkpoint = path
-        doomed = self._sweep()
-        update_checkpoint_state(self._directory, path, list(self._maybe_delete),
-                                all_model_checkpoint_timestamps=list(self._maybe_delete.values()),
-                                last_preserved_timestamp=self._last_preserved_timestamp)
-        for old in doomed:
-            _delete_checkpoint(old)
-        if not is_local_path(path):
-            _remove_orphans(self._directory, self._prefix, path)
+        """Note a committed checkpoint: state file first, then delete what is beyond ``max_to_keep``
+        and what dead saves left in the folder.
+
+        Runs under the folder's exclusive lock (``FileSystem.exclusive``), so that two managers
+        (or processes) sharing a folder never name a checkpoint the other is deleting: the state
+        file is written only while the checkpoint it names is there.
+        """
+        fs = get_fs(self._directory)
+        with fs.exclusive(self._directory):
+            if not fs.exists(index_filename(path)):
+                raise NotFoundError("the checkpoint just committed is gone (removed by another process "
+                                    "sharing this folder?); the state file was not changed", path=path)
+            now = time.time()
+            self._maybe_delete.pop(path, None)
+            self._maybe_delete[path] = now
+            self._latest_checkpoint = path
+            doomed = self._sweep()
+            update_checkpoint_state(self._directory, path, list(self._maybe_delete),
+                                    all_model_checkpoint_timestamps=list(self._maybe_delete.values()),
+                                    last_preserved_timestamp=self._last_preserved_timestamp)
+            for old in doomed:
+                _delete_checkpoint(old)
+            # Complete checkpoints the state file does not name are left alone, as TensorFlow's
+            # manager leaves them (a save killed between its commit and this point leaves one; the
+            # next save with the restored counter reuses its number and replaces it).
+            clean_directory(fs, self._directory, fs.basename(self._prefix), list(self._maybe_delete),
+                            remove_untracked=False)
 
     def _sweep(self) -> List[str]:
         """Drop checkpoints beyond ``max_to_keep`` (keeping one every N hours); return those to delete."""
@@ -186,16 +201,3 @@ def _delete_checkpoint(prefix: str) -> None:
             fs.remove(fs.join(directory, name))
 
 
-def _remove_orphans(directory: str, prefix: str, current: str) -> None:
-    """Object stores: remove data objects of ``<prefix>-N`` checkpoints that have no index (dead saves).
-
-    Runs right after ``current`` committed (it has an index), one save at a time.
-    """
-    fs = get_fs(directory)
-    pattern = re.compile(re.escape(fs.basename(prefix)) + r"-(\d+)\.(index|data-\d+-of-\d+)$")
-    names = fs.listdir(directory)
-    indexed = {m.group(1) for m in map(pattern.match, names) if m and m.group(2) == "index"}
-    for name in names:
-        m = pattern.match(name)
-        if m and m.group(2) != "index" and m.group(1) not in indexed:
-            fs.remove(fs.join(directory, name))

@@ -120,6 +120,9 @@ def run_save(plan: SavePlan, request: SaveRequest, coordinator: Coordinator) -> 
             prepare_error = exc
             setup = {"error": _describe(exc)}
             committer.abort()
+        except BaseException:
+            committer.abort()
+            raise
     first_round = coordinator.all_gather({"id": identity, "setup": setup}, timeout=timeout)
     problem = identity_problem([r["id"] for r in first_round], io)
     if problem is not None:
@@ -169,6 +172,9 @@ def run_save(plan: SavePlan, request: SaveRequest, coordinator: Coordinator) -> 
             commit_error = exc
             committer.abort()
             outcome = {"ok": False, "error": _describe(exc)}
+        except BaseException:  # Ctrl-C: leave nothing claimed, maybe committed (the index says)
+            committer.abort()
+            raise
         else:
             committer.finish()
             if request.on_commit is not None:

@@ -20,7 +20,9 @@ Roles and call sequences (who calls what):
 * **Readers** (``format.BundleReader``): ``open_read`` -> ``pread_into`` (repeated) /
   ``pread_batch`` -> ``close``; ``size`` and ``read_bytes`` for whole small files.
 * **Committers** (``saving.commit``): names (``rename``, ``remove``, ``listdir``,
-  ...), and durability of names (``fsync_dir``). ``supports_rename`` tells which
+  ...), durability of names (``fsync_dir``), and coordination between processes:
+  ``exclusive(directory)`` around cleaning and committing, ``claim``/``claimed`` so
+  that a live save's temporary folder is never taken for a dead save's leftovers. ``supports_rename`` tells which
   committer a store gets: rename-commit where renames are atomic and cheap,
   index-last where they are not.
 
@@ -33,9 +35,10 @@ the path.
 from __future__ import annotations
 
 import abc
+import contextlib
 import posixpath
 import re
-from typing import Any, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 __all__ = ["FileSystem", "ReadHandle", "WriteHandle", "split_scheme", "is_local_path", "normalize", "posix_dirname"]
 
@@ -143,6 +146,27 @@ class FileSystem(abc.ABC):
     @abc.abstractmethod
     def listdir(self, path: str) -> List[str]:
         """Names (not paths) of the entries of directory ``path``."""
+
+    # -- coordination between processes ---------------------------------
+    @contextlib.contextmanager
+    def exclusive(self, directory: str) -> Iterator[None]:
+        """Hold an exclusive lock on ``directory`` inside the block (committers take it around
+        cleaning leftovers and around the commit). Default: nothing (object stores order
+        writers with conditional writes instead)."""
+        yield
+
+    def claim(self, path: str) -> Any:
+        """Mark the directory ``path`` as in use by this live process until :meth:`release`;
+        :meth:`claimed` then answers True in any other process. Default: no claims."""
+        return None
+
+    def release(self, claim: Any) -> None:
+        """Give up a claim from :meth:`claim` (a process that dies gives up its claims)."""
+        return None
+
+    def claimed(self, path: str) -> bool:
+        """Whether a live process holds a claim on the directory ``path``."""
+        return False
 
     # -- path arithmetic -------------------------------------------------
     @abc.abstractmethod

@@ -6,11 +6,13 @@ Everything the format and saving rooms do with files goes through
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
 import secrets
 import shutil
-from typing import List, Optional
+from typing import Any, Iterator, List, Optional
 
 from ..errors import NotFoundError, ShardckptError, StorageError
 from .base import FileSystem
@@ -181,6 +183,49 @@ class LocalFileSystem(FileSystem):
             return sorted(os.listdir(path))
         except OSError as exc:
             raise _wrap(exc, path, "list directory") from None
+
+    # -- coordination between processes (flock: released by the kernel when a process dies) --
+    def _open_dir(self, path: str) -> int:
+        try:
+            return os.open(path or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise _wrap(exc, path, "open directory") from None
+
+    @contextlib.contextmanager
+    def exclusive(self, directory: str) -> Iterator[None]:
+        """An exclusive ``flock`` on the directory itself (no lock file is left behind)."""
+        fd = self._open_dir(directory)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing drops the lock
+
+    def claim(self, path: str) -> Any:
+        """A shared ``flock`` on the directory ``path``, held until :meth:`release` or death."""
+        fd = self._open_dir(path)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd
+
+    def release(self, claim: Any) -> None:
+        if claim is not None:
+            try:
+                os.close(claim)
+            except OSError:
+                pass
+
+    def claimed(self, path: str) -> bool:
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except OSError:
+            return True
+        finally:
+            os.close(fd)
 
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)

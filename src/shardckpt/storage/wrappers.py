@@ -116,6 +116,19 @@ class FileSystemWrapper(FileSystem):
         self.before("listdir", path)
         return self.inner.listdir(path)
 
+    # coordination
+    def exclusive(self, directory: str) -> Any:
+        return self.inner.exclusive(directory)
+
+    def claim(self, path: str) -> Any:
+        return self.inner.claim(path)
+
+    def release(self, claim: Any) -> None:
+        self.inner.release(claim)
+
+    def claimed(self, path: str) -> bool:
+        return self.inner.claimed(path)
+
     # path arithmetic
     def join(self, *parts: str) -> str:
         return self.inner.join(*parts)

@@ -21,9 +21,10 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from ...format.merge import read_index_header
 from ...format.naming import DATA_SUFFIX_PATTERN, data_filename, index_filename, parse_data_filename
+from ...storage.base import FileSystem
 from ...storage.location import Location
 
-__all__ = ["TEMP_SUFFIX", "new_temp_dir", "clean_leftovers", "data_files", "existing_shard_counts",
+__all__ = ["TEMP_SUFFIX", "new_temp_dir", "clean_leftovers", "clean_directory", "data_files", "existing_shard_counts",
            "committed_num_shards", "remove_data_files", "remove_stale_data_files", "NO_INDEX", "UNREADABLE_INDEX"]
 
 TEMP_SUFFIX = "_temp_"
@@ -110,6 +111,8 @@ def clean_leftovers(location: Location) -> List[str]:
     for name in _siblings(location):
         path = location.sibling(name)
         if _suffix_matches(_TEMP_DIR_SUFFIX, name, base) and fs.isdir(path):
+            if fs.claimed(path):  # a live save's folder (another process): not a leftover
+                continue
             fs.remove_tree(path)
             removed.append(path)
         elif _suffix_matches(_TEMPSTATE_SUFFIX, name, base):
@@ -144,3 +147,42 @@ def scan_in_place(location: Location) -> Tuple[Set[int], Dict[str, int]]:
                     del present[path]
             counts = set(present.values())
     return counts, present
+
+
+def clean_directory(fs: FileSystem, directory: str, base: str, tracked: List[str], *,
+                    remove_untracked: bool = True) -> List[str]:
+    """Remove what dead saves of the checkpoints ``<directory>/<base>-<N>`` left (a manager's folder).
+
+    For every such prefix: temporary folders no live save claims, ``.tempstate`` files and
+    data files no committed index uses (:func:`clean_leftovers`); and a *complete*
+    checkpoint that the state file never named (``tracked``: the prefixes it names) when
+    it is older than the newest tracked one — a save that died between its commit and the
+    state file update (unless ``remove_untracked`` is False: a manager that preserves a
+    checkpoint every N hours drops those from the state file, and they cannot be told
+    apart). Newer untracked checkpoints are left alone (a live save may be about to name
+    them). Call it under ``fs.exclusive(directory)``; returns the removed paths.
+    """
+    pattern = re.compile(re.escape(base) + r"-(\d+)(?:_temp_|\.index|\.data-)")
+    numbers = set()
+    for name in fs.listdir(directory) if fs.isdir(directory) else []:
+        m = pattern.match(name)
+        if m:
+            numbers.add(int(m.group(1)))
+    tracked_numbers = []
+    for prefix in tracked:
+        m = re.fullmatch(re.escape(base) + r"-(\d+)", fs.basename(prefix))
+        if m:
+            tracked_numbers.append(int(m.group(1)))
+    newest = max(tracked_numbers, default=-1)
+    removed: List[str] = []
+    for n in sorted(numbers):
+        location = Location(fs, fs.join(directory, f"{base}-{n}"))
+        removed += clean_leftovers(location)
+        if remove_untracked and n < newest and n not in tracked_numbers \
+                and fs.exists(index_filename(location.prefix)):
+            count = committed_num_shards(location)
+            fs.remove(index_filename(location.prefix))  # first: it stops being a checkpoint
+            removed.append(index_filename(location.prefix))
+            if count > 0:
+                remove_data_files(location, count)
+    return removed

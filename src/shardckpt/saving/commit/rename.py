@@ -2,20 +2,28 @@
 
 What is on disk at each moment of a save to ``<prefix>``:
 
-1. ``prepare`` [io client]: leftovers of dead saves are removed; a fresh folder
-   ``<prefix>_temp_<uuid>/`` is made; registered savers write their bundles there.
-   Readers still see the previous checkpoint (or none).
+1. ``prepare`` [io client]: under an exclusive lock on the folder, leftovers of dead
+   saves are removed and a fresh folder ``<prefix>_temp_<uuid>/`` is made and *claimed*
+   (a shared ``flock`` the process holds until the save ends, or dies: other processes'
+   cleaning never takes a live save's folder for leftovers); registered savers write
+   their bundles there. Readers still see the previous checkpoint (or none).
 2. ``write_shard`` [every client]: shard ``i`` of ``N`` is written as the bundle
    ``<temp>/part-0000i-of-0000N`` (data file fsynced; its index is temporary, never fsynced).
-3. ``commit`` [io client] (:func:`merge_bundles`): the parts' data files are renamed to
-   ``<prefix>.data-I-of-M``. If data files with that count ``M`` already exist (an
-   older checkpoint at the same prefix), empty data files are added until ``M``
-   differs, so the older checkpoint is never touched before the commit (TensorFlow
-   reads such checkpoints). Data files and the directory are fsynced; the merged index
-   is written to ``<prefix>.index.tempstate<random>``, fsynced and renamed over
-   ``<prefix>.index``: **that rename is the commit**; then the directory is fsynced.
-4. ``finish`` [io client]: data files of other counts (the previous checkpoint's) and
-   the temporary folder are removed.
+3. ``commit`` [io client], under the folder's exclusive lock (:func:`merge_bundles`): the
+   parts' data files are renamed to ``<prefix>.data-I-of-M``. If data files with that
+   count ``M`` exist at that moment (an older checkpoint at the same prefix, or another
+   writer's), empty data files are added until ``M`` differs, so no file of another
+   checkpoint is touched before the commit (TensorFlow reads such checkpoints). Data
+   files and the directory are fsynced; the merged index is written to
+   ``<prefix>.index.tempstate<random>``, fsynced and renamed over ``<prefix>.index``:
+   **that rename is the commit**; then the directory is fsynced, and data files of other
+   counts (the previous checkpoint's) are removed, still under the lock.
+4. ``finish`` [io client]: the temporary folder is removed, the claim released.
+
+Two processes saving to one prefix: each save is whole; commits are serialised by the
+folder's lock, and **the last commit wins** (its index names only its own data files;
+the earlier checkpoint's files are removed by it). Locks are ``flock`` locks: the kernel
+drops them when a process dies, so a dead save never blocks the next one.
 
 ``abort`` after a failure before the commit: this save's data files (a count that
 neither the previous checkpoint nor the committed index uses) and the temporary
@@ -26,6 +34,7 @@ unreferenced data files; the next save to the prefix removes them
 
 from __future__ import annotations
 
+import logging
 from typing import Collection, Dict, List, Optional, Sequence
 
 from ...errors import InvalidArgumentError, NotFoundError
@@ -48,6 +57,8 @@ from .writing import fill_bundle
 
 __all__ = ["RenameCommitter", "merge_bundles"]
 
+_log = logging.getLogger("shardckpt")
+
 
 class RenameCommitter(Committer):
     """Shards as bundles in a temporary folder, merged by renames; the index rename commits."""
@@ -56,6 +67,8 @@ class RenameCommitter(Committer):
         super().__init__(location, fsync=fsync)
         self._extra: List[str] = []
         self._committed = False
+        self._claim: object = None
+        self._avoid: Optional[set] = None
 
     @property
     def temp_dir(self) -> str:
@@ -65,10 +78,12 @@ class RenameCommitter(Committer):
     def prepare(self, extra_bundles: Optional[BundleMaker] = None) -> Setup:
         fs = self.location.fs
         fs.makedirs(self.location.directory)
-        clean_leftovers(self.location)
-        temp_dir = new_temp_dir(self.location)
-        fs.makedirs(temp_dir)
-        self.setup = {"temp": temp_dir, "avoid": sorted(existing_shard_counts(self.location))}
+        with fs.exclusive(self.location.directory):  # no other save is cleaning or committing here
+            clean_leftovers(self.location)
+            temp_dir = new_temp_dir(self.location)
+            fs.makedirs(temp_dir)
+            self._claim = fs.claim(temp_dir)  # live: other processes' cleaning leaves it alone
+        self.setup = {"temp": temp_dir}
         if extra_bundles is not None:
             self._extra = list(extra_bundles(temp_dir))
         self.setup["first_shard_id"] = 0  # parts are merged after the extras, which keep their own names
@@ -91,23 +106,38 @@ class RenameCommitter(Committer):
 
     def commit(self, written: List[Written]) -> None:
         parts = [str(w["part"]) for w in written]
-        self.num_shards = merge_bundles(self._extra + parts, self.location.prefix, delete_old_dirs=False,
-                                        fsync=self.fsync, synced=parts, avoid_num_shards=self.setup["avoid"],
-                                        fs=self.location.fs)
-        self._committed = True
+        fs = self.location.fs
+        with fs.exclusive(self.location.directory):  # one commit at a time in this folder
+            self._avoid = existing_shard_counts(self.location)  # counts in use now: never overwritten
+            self.num_shards = merge_bundles(self._extra + parts, self.location.prefix, delete_old_dirs=False,
+                                            fsync=self.fsync, synced=parts, avoid_num_shards=self._avoid, fs=fs)
+            self._committed = True
+            try:  # the previous checkpoint's files: the count just committed is known, no index read
+                remove_stale_data_files(self.location, self.num_shards)
+            except Exception as exc:  # committed all the same; the next save cleans up
+                _log.warning("after committing %s, could not remove older data files: %s", self.location.prefix,
+                             exc)
 
     def finish(self) -> None:
         self.location.fs.remove_tree(self.temp_dir)
-        remove_stale_data_files(self.location, self.num_shards)  # the count just committed: no index read
+        self._release()
 
     def abort(self) -> None:
-        if not self._committed:  # maybe not committed: remove our data files unless the index uses them
-            committed = committed_num_shards(self.location)
-            for count in existing_shard_counts(self.location) - set(self.setup.get("avoid", ())) - {committed}:
-                for i in range(count):
-                    self.location.fs.remove(data_filename(self.location.prefix, i, count))
+        fs = self.location.fs
+        if not self._committed and self._avoid is not None:  # the merge began: remove its data files
+            with fs.exclusive(self.location.directory):
+                committed = committed_num_shards(self.location)
+                for count in existing_shard_counts(self.location) - self._avoid - {committed}:
+                    for i in range(count):
+                        fs.remove(data_filename(self.location.prefix, i, count))
         if "temp" in self.setup:
-            self.location.fs.remove_tree(self.temp_dir)
+            fs.remove_tree(self.temp_dir)
+        self._release()
+
+    def _release(self) -> None:
+        if self._claim is not None:
+            self.location.fs.release(self._claim)
+            self._claim = None
 
 
 def merge_bundles(prefixes: Sequence[str], destination: str, *, delete_old_dirs: bool = True,
