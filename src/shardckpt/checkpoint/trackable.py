@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..format.dtypes import DType, as_dtype
+from .convert import convert_python_value
 
 __all__ = ["Trackable", "Variable", "Module", "TrackedList", "TrackedDict", "ArrayRef", "as_trackable",
            "VARIABLE_VALUE"]
@@ -81,14 +82,23 @@ class Variable(Trackable):
 
     Mirrors the parts of ``tf.Variable`` a checkpoint needs: ``numpy()``,
     ``assign()``, ``shape``, ``dtype``, ``name``.
+
+    Without ``dtype``, Python values take TensorFlow's dtypes (``Variable(1.0)`` is
+    float32, ``Variable(3)`` int32, ``Variable([1.0, 2.0])`` float32, ``Variable(True)``
+    bool, ``Variable("s")`` string; ints outside int32's range make int64), so a
+    checkpoint of it restores into the equivalent ``tf.Variable``. NumPy arrays and
+    scalars keep their dtype (see :mod:`shardckpt.checkpoint.convert`).
     """
 
     def __init__(self, initial_value: Any, name: Optional[str] = None, dtype: Any = None,
                  trainable: bool = True) -> None:
         value = initial_value() if callable(initial_value) else initial_value
-        array = np.array(value, dtype=None if dtype is None else as_dtype(dtype).numpy, copy=True, order="C")
-        if array.dtype.kind in "SU":
-            array = array.astype(object)
+        if dtype is None:
+            array = convert_python_value(value)
+        else:
+            array = np.array(value, dtype=as_dtype(dtype).numpy, copy=True, order="C")
+            if array.dtype.kind in "SU":
+                array = array.astype(object)
         as_dtype(array.dtype)  # rejects dtypes a checkpoint cannot hold
         self._value = array
         self._name = name or "Variable"
