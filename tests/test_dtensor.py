@@ -33,7 +33,7 @@ from shardckpt import Checkpoint, Variable, get_checkpoint_state, latest_checkpo
 from shardckpt import dtensor as dt
 from shardckpt.distributed import SingleProcessCoordinator
 from shardckpt.distributed.coordinator import CoordinationTimeout, Coordinator, decode, encode
-from shardckpt.dtensor.save import dtensor_pieces
+from shardckpt.dtensor._save import dtensor_pieces
 from shardckpt.errors import InvalidArgumentError
 from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.format.tensor_slice import box_volume, full_box
@@ -412,9 +412,9 @@ def test_dvariable_basics_and_assign() -> None:
     assert var.name == "w" and var.shape == (8, 16) and var.dtype.name == "float32" and var.layout == layout
     assert "DVariable" in repr(var) and "w" in repr(var)
     components = var.components()
-    assert len(components) == 8 and components[0] is var.value.components[0]  # live arrays
+    assert len(components) == 8 and components[0] is var.value().components[0]  # live arrays
     var.assign(dt.from_global(full * 2, layout))
-    assert_components_match(var.value, full * 2)
+    assert_components_match(var.value(), full * 2)
     with pytest.raises(ValueError, match="shape"):
         var.assign(dt.from_global(np.zeros((8, 8), np.float32), layout))
     with pytest.raises(TypeError):
@@ -432,7 +432,7 @@ def test_dvariable_assign_with_another_layout_keeps_the_global_value() -> None:
         var.assign(dt.from_global(new, dt.Layout(["y", U], mesh)))
     except (InvalidArgumentError, ValueError):
         return  # refusing is fine
-    assert_components_match(var.value, new)
+    assert_components_match(var.value(), new)
 
 
 # =============================================================================================
@@ -618,8 +618,8 @@ def test_restore_onto_a_transposed_layout_on_another_mesh(tmp_path: Path) -> Non
         status = dt.DTensorCheckpoint(mesh4, **targets).restore(prefix)
         status.assert_consumed()
         for name, var in targets.items():
-            assert_components_match(var.value, values[name])
-            np.testing.assert_array_equal(dt.to_global(var.value), values[name])
+            assert_components_match(var.value(), values[name])
+            np.testing.assert_array_equal(dt.to_global(var.value()), values[name])
 
 
 def test_restore_onto_a_one_device_mesh_and_into_plain_variables(tmp_path: Path) -> None:
@@ -646,13 +646,13 @@ def test_plain_checkpoint_restores_into_dvariables(tmp_path: Path) -> None:
                for name, spec in LAYOUTS_24.items()}
     dt.DTensorCheckpoint(mesh, **targets).restore(prefix).assert_consumed()
     for name, var in targets.items():
-        assert_components_match(var.value, values[name])
+        assert_components_match(var.value(), values[name])
     # a plain Checkpoint holding DVariables restores them as well (the graph is the same)
     again = {name: dt.DVariable.from_global(np.zeros((8, 16), ml_dtypes.bfloat16),
                                             dt.Layout(["y", "x"], mesh)) for name in LAYOUTS_24}
     Checkpoint(**again).restore(prefix).assert_consumed()
     for name, var in again.items():
-        assert_components_match(var.value, values[name])
+        assert_components_match(var.value(), values[name])
 
 
 def test_plain_checkpoint_saves_dvariables(tmp_path: Path) -> None:
@@ -694,9 +694,9 @@ def test_resharded_restore_reads_only_the_destinations_distinct_local_pieces(tmp
             var = dt.DVariable.from_global(np.zeros(shape, np.float32), dt.Layout(spec, mesh))
             bytes_read["bytes"] = 0
             dt.DTensorCheckpoint(mesh, **{name: var}).restore(prefix).expect_partial()
-            need = _bytes_of_local_pieces(var.value)
+            need = _bytes_of_local_pieces(var.value())
             assert need <= bytes_read["bytes"] <= 1.1 * need, (mesh, spec, name, bytes_read["bytes"], need)
-            assert_components_match(var.value, values[name])
+            assert_components_match(var.value(), values[name])
 
     restore(dt.create_mesh([("a", 4)]), [U, "a"])          # columns: runs of 4 KiB across row slices
     restore(dt.create_mesh([("a", 4)]), ["a", U])          # rows
@@ -747,16 +747,16 @@ def test_dtensor_checkpoint_save_numbering_state_file_write_and_read(tmp_path: P
     rstep = Variable(np.int64(0))
     restored = dt.DTensorCheckpoint(mesh4, a=ra, b=rb, step=rstep)
     restored.restore(first).assert_consumed()
-    assert_components_match(ra.value, values["a"])
-    assert_components_match(rb.value, values["b"])
+    assert_components_match(ra.value(), values["a"])
+    assert_components_match(rb.value(), values["b"])
     assert int(rstep.numpy()) == 7 and int(restored.save_counter.numpy()) == 1
     restored.restore(str(tmp_path)).assert_consumed()  # the directory: latest checkpoint (ck-2)
-    assert_components_match(ra.value, values["a"] + 1)
+    assert_components_match(ra.value(), values["a"] + 1)
     ra.assign(dt.from_global(np.zeros((8, 16), np.float32), ra.layout))
     fresh = dt.DTensorCheckpoint(mesh4, a=ra, b=rb, step=rstep)
     fresh.read(written).assert_existing_objects_matched()  # save_counter stays unmatched: read() makes none
     assert fresh._save_counter is None
-    assert_components_match(ra.value, values["a"] + 1)
+    assert_components_match(ra.value(), values["a"] + 1)
 
 
 def test_dtensor_checkpoint_rejects_a_mesh_of_more_clients_than_are_saving(tmp_path: Path) -> None:
@@ -781,7 +781,7 @@ def test_dtensor_checkpoint_status_assertions(tmp_path: Path) -> None:
     with pytest.raises(AssertionError):
         status.assert_consumed()  # b is in the checkpoint but nothing took it
     status.assert_existing_objects_matched()
-    assert_components_match(only_a.value, values["a"])
+    assert_components_match(only_a.value(), values["a"])
     extra = dt.DVariable.from_global(np.zeros((8, 16), np.float32), dt.Layout([U, "y"], mesh))
     status = dt.DTensorCheckpoint(mesh, a=only_a, c=extra).read(str(tmp_path / "ck"))
     with pytest.raises(AssertionError):
@@ -811,9 +811,9 @@ def test_dtensor_checkpoint_mixes_dvariables_of_two_meshes(tmp_path: Path) -> No
     tr = dt.DVariable.from_global(np.zeros((8, 16), np.float32), dt.Layout([U, U], mesh_a))
     dt.DTensorCheckpoint(mesh_b, p=tp, q=tq, r=tr).restore(prefix).assert_consumed()
     for name, var in (("p", tp), ("q", tq), ("r", tr)):
-        assert_components_match(var.value, values[name])
+        assert_components_match(var.value(), values[name])
     # and sharded_save takes tensors of several meshes too
-    dt.sharded_save(mesh_a, str(tmp_path / "raw"), ["p", "q"], ["", ""], [p.value, q.value])
+    dt.sharded_save(mesh_a, str(tmp_path / "raw"), ["p", "q"], ["", ""], [p.value(), q.value()])
     raw = BundleReader(str(tmp_path / "raw"))
     np.testing.assert_array_equal(raw.read("q"), values["q"])
 
@@ -835,9 +835,9 @@ def test_dtensor_checkpoint_across_four_clients(tmp_path: Path) -> None:
                    for name in LAYOUTS_24}
         dt.DTensorCheckpoint(dest, coordinator=coordinator, **targets).restore(path).assert_consumed()
         for name, var in targets.items():
-            assert sorted(var.value.components) == [2 * rank, 2 * rank + 1]
-            assert_components_match(var.value, values[name])
-        return {name: dt.to_global(var.value, coordinator) for name, var in targets.items()}
+            assert sorted(var.value().components) == [2 * rank, 2 * rank + 1]
+            assert_components_match(var.value(), values[name])
+        return {name: dt.to_global(var.value(), coordinator) for name, var in targets.items()}
 
     for gathered in run_clients(4, client):
         for name, value in gathered.items():

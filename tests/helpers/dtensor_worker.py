@@ -202,8 +202,8 @@ def user_allreduce(backend: str):
 def mismatches(var, expected: np.ndarray) -> List[str]:
     """Devices whose component differs from its box of ``expected`` (empty: exact)."""
     out = []
-    for device, component in var.value.components.items():
-        box = var.value.box(device)
+    for device, component in var.value().components.items():
+        box = var.value().box(device)
         want = expected[tuple(slice(a, b) for a, b in box)]
         if component.dtype != want.dtype or component.shape != want.shape or not np.array_equal(component, want):
             out.append(f"device {device} box {box}")
@@ -213,7 +213,7 @@ def mismatches(var, expected: np.ndarray) -> List[str]:
 def local_piece_bytes(var) -> int:
     from shardckpt.format.tensor_slice import box_volume
 
-    return sum(box_volume(box) for box in var.value.local_pieces()) * var.value.dtype.itemsize
+    return sum(box_volume(box) for box in var.value().local_pieces()) * var.value().dtype.itemsize
 
 
 def dvariables(mesh, generation: int, layouts: Dict[str, List[str]] = None) -> Dict[str, Any]:
@@ -258,12 +258,12 @@ def restore_and_check(mesh, layouts: Dict[str, List[str]], path: str, coordinato
     else:  # a sharded_save bundle: keys are the names, no object graph
         with BundleReader(path) as reader:
             for name, var in targets.items():
-                var.value.restore_from(reader, name)
+                var.value().restore_from(reader, name)
             out["plain_ok"] = bool(np.array_equal(reader.read(PLAIN), value(PLAIN, generation)))
     out["bytes_read"] = BYTES_READ["bytes"]
     out["bytes_needed"] = sum(local_piece_bytes(v) for v in targets.values())
     out["mismatches"] = {name: mismatches(var, value(name, generation)) for name, var in targets.items()}
-    out["gathered_ok"] = {name: bool(np.array_equal(dt.to_global(var.value, coordinator), value(name, generation)))
+    out["gathered_ok"] = {name: bool(np.array_equal(dt.to_global(var.value(), coordinator), value(name, generation)))
                           for name, var in targets.items()}
     out["local_devices"] = mesh.local_device_ids()
     # the big variable alone: the bytes this client reads against the bytes of its distinct local pieces
@@ -273,7 +273,7 @@ def restore_and_check(mesh, layouts: Dict[str, List[str]], path: str, coordinato
         dt.DTensorCheckpoint(mesh, coordinator=coordinator, **big).restore(path).expect_partial()
     else:
         with BundleReader(path) as reader:
-            big["big"].value.restore_from(reader, "big")
+            big["big"].value().restore_from(reader, "big")
     out["big_bytes_read"] = BYTES_READ["bytes"]
     out["big_bytes_needed"] = local_piece_bytes(big["big"])
     out["big_mismatches"] = mismatches(big["big"], value("big", generation))
@@ -307,7 +307,7 @@ def run_save4(data: str) -> None:
 
     def sharded(prefix: str, options=None):
         variables = dvariables(mesh, CKPT_GEN)
-        tensors = [variables[n].value for n in names] + [value(PLAIN, CKPT_GEN)]
+        tensors = [variables[n].value() for n in names] + [value(PLAIN, CKPT_GEN)]
         return dt.sharded_save(mesh, os.path.join(data, prefix), names + [PLAIN], [""] * (len(names) + 1),
                                tensors, options, coordinator=coord)
 

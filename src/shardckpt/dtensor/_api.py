@@ -3,22 +3,43 @@
 ``pack`` / ``unpack`` convert between a :class:`DTensor` and its local components
 (one NumPy array per local device, in the mesh's local device order);
 ``from_global`` cuts this client's pieces out of a full array; ``to_global``
-gathers the full array from every client.
+gathers the full array from every client; ``relayout`` / ``copy_to_mesh`` move a
+value onto another layout or mesh. Every function that takes a DTensor also takes
+a :class:`~shardckpt.dtensor.DVariable` (its current value is used).
+
+Collective functions (``to_global`` on several clients, ``relayout``,
+``copy_to_mesh`` of a DTensor, ``barrier``) must be called by every client in the
+same order, as TensorFlow's SPMD ops are.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import contextlib
+import threading
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..checkpoint.convert import convert_python_value
 from ..errors import InvalidArgumentError
 from ..format.bundle_reader import BundleReader
 from ..format.bundle_writer import byte_view
 from ..format.tensor_slice import Box, box_shape
-from .layout import Layout
+from ._layout import Layout
+from ._mesh import Mesh
 
-__all__ = ["DTensor", "pack", "unpack", "from_global", "to_global", "fetch_layout"]
+__all__ = ["DTensor", "pack", "unpack", "from_global", "to_global", "fetch_layout", "relayout", "copy_to_mesh",
+           "is_dtensor", "num_clients", "client_id", "barrier", "default_mesh", "get_default_mesh", "as_dtensor"]
+
+
+def as_dtensor(tensor: Any, what: str = "tensor") -> "DTensor":
+    """``tensor`` itself when it is a DTensor, a DVariable's current value, else ``TypeError``."""
+    if isinstance(tensor, DTensor):
+        return tensor
+    value = getattr(tensor, "_shardckpt_dtensor", None)
+    if value is not None:
+        return value()  # type: ignore[no-any-return]
+    raise TypeError(f"{what} must be a DTensor or a DVariable, got {type(tensor).__name__}")
 
 
 class DTensor:
@@ -48,6 +69,7 @@ class DTensor:
         self.components = components
 
     def box(self, device_id: int) -> Box:
+        """The region of the global tensor that device ``device_id`` holds."""
         return self.layout.box(device_id, self.shape)
 
     def local_pieces(self) -> Dict[Box, List[int]]:
@@ -62,7 +84,7 @@ class DTensor:
         if self.layout.mesh.num_clients != 1:
             raise InvalidArgumentError(f"{key!r} lies on a mesh of several clients: save it with "
                                        "dtensor.DTensorCheckpoint or dtensor.sharded_save")
-        from .save import dtensor_pieces
+        from ._save import dtensor_pieces
 
         return dtensor_pieces(key, self, replica_writer)
 
@@ -75,6 +97,19 @@ class DTensor:
             for other in devices[1:]:
                 np.copyto(self.components[other], first)
 
+    @property
+    def rank(self) -> int:
+        """Number of dimensions."""
+        return len(self.shape)
+
+    def numpy(self) -> np.ndarray:
+        """The global value, on a single client (several clients: use ``to_global``, a collective)."""
+        if self.layout.mesh.num_clients != 1:
+            raise InvalidArgumentError(f"numpy() of a DTensor on a mesh of {self.layout.mesh.num_clients} clients "
+                                       "would need the other clients' pieces: call dtensor.to_global(tensor) on "
+                                       "every client")
+        return to_global(self)
+
     def __repr__(self) -> str:
         return f"DTensor(shape={list(self.shape)}, dtype={self.dtype}, layout={self.layout.sharding_specs})"
 
@@ -84,19 +119,20 @@ def pack(components: Sequence[Any], layout: Layout) -> DTensor:
     local = layout.mesh.local_device_ids()
     if len(components) != len(local):
         raise InvalidArgumentError(f"pack needs {len(local)} components (one per local device), got {len(components)}")
-    arrays = [np.array(c, copy=True, order="C") for c in components]
+    arrays = [convert_python_value(c) for c in components]
     global_shape = layout.global_shape(arrays[0].shape)
     return DTensor(layout, global_shape, dict(zip(local, arrays)))
 
 
-def unpack(tensor: DTensor) -> List[np.ndarray]:
-    """The local components, in the mesh's local device order."""
+def unpack(tensor: Any) -> List[np.ndarray]:
+    """The local components of a DTensor or DVariable, in the mesh's local device order (live arrays)."""
+    tensor = as_dtensor(tensor)
     return [tensor.components[d] for d in tensor.layout.mesh.local_device_ids()]
 
 
 def from_global(array: Any, layout: Layout) -> DTensor:
     """This client's pieces of the full ``array`` (copies)."""
-    full = np.asarray(array)
+    full = array if isinstance(array, np.ndarray) else convert_python_value(array)
     components = {}
     for device in layout.mesh.local_device_ids():
         box = layout.box(device, full.shape)
@@ -104,15 +140,107 @@ def from_global(array: Any, layout: Layout) -> DTensor:
     return DTensor(layout, full.shape, components)
 
 
-def fetch_layout(tensor: DTensor) -> Layout:
-    return tensor.layout
+def fetch_layout(tensor: Any) -> Layout:
+    """The layout of a DTensor or DVariable."""
+    return as_dtensor(tensor).layout
 
 
-def to_global(tensor: DTensor, coordinator: Optional[Any] = None) -> np.ndarray:
-    """The full array on every client, gathered from the clients' components."""
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor or a DVariable (TF: a tensor placed on the DTensor device)."""
+    return isinstance(tensor, DTensor) or getattr(tensor, "_shardckpt_dtensor", None) is not None
+
+
+def _coordinator(coordinator: Optional[Any]) -> Any:
     from ..distributed import get_coordinator
 
-    coordinator = coordinator or get_coordinator()
+    return coordinator or get_coordinator()
+
+
+def num_clients() -> int:
+    """Number of client processes (the coordinator's size: ``torchrun``/``mpiexec`` world, else 1)."""
+    return int(_coordinator(None).size)
+
+
+def client_id() -> int:
+    """This client's id (the coordinator's rank)."""
+    return int(_coordinator(None).rank)
+
+
+def barrier(mesh: Mesh, barrier_name: Optional[str] = None, timeout_in_ms: Optional[int] = None) -> None:
+    """Wait until every client reached this barrier (``dtensor.barrier``); a timeout raises
+    :class:`~shardckpt.distributed.coordinator.CoordinationTimeout`."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"barrier needs a Mesh, got {type(mesh).__name__}")
+    coordinator = _coordinator(None)
+    if mesh.num_clients != coordinator.size:
+        raise InvalidArgumentError(f"the mesh spans {mesh.num_clients} clients, but the coordinator has "
+                                   f"{coordinator.size}")
+    timeout = None if timeout_in_ms is None else timeout_in_ms / 1000.0
+    coordinator.barrier(barrier_name or "dtensor.barrier", timeout=timeout)
+
+
+_DEFAULT = threading.local()
+
+
+@contextlib.contextmanager
+def default_mesh(mesh: Mesh) -> Iterator[Mesh]:
+    """Within the block, ``get_default_mesh()`` is ``mesh`` (and ``DTensorCheckpoint()`` without a mesh uses it)."""
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"Expect `mesh` to be `Mesh`, got {type(mesh).__name__}")
+    stack = _DEFAULT.__dict__.setdefault("stack", [])
+    stack.append(mesh)
+    try:
+        yield mesh
+    finally:
+        stack.pop()
+
+
+def get_default_mesh() -> Optional[Mesh]:
+    """The mesh of the innermost ``default_mesh`` block of this thread, or ``None``."""
+    stack = _DEFAULT.__dict__.get("stack")
+    return stack[-1] if stack else None
+
+
+def relayout(tensor: Any, layout: Layout, name: Optional[str] = None,
+             coordinator: Optional[Any] = None) -> DTensor:
+    """The same value laid out by ``layout`` (a new DTensor; collective on several clients).
+
+    The target mesh may differ from the source mesh (TF requires the same mesh; this
+    is ``copy_to_mesh`` there) as long as both span the same clients. On several
+    clients the full value is gathered on each client first (simple, not memory-lean).
+    """
+    source = as_dtensor(tensor)
+    if not isinstance(layout, Layout):
+        raise TypeError(f"relayout needs a Layout, got {type(layout).__name__}")
+    if layout.mesh.num_clients != source.layout.mesh.num_clients:
+        raise InvalidArgumentError(f"cannot relayout from a mesh of {source.layout.mesh.num_clients} clients to one "
+                                   f"of {layout.mesh.num_clients}")
+    if source.layout.mesh.num_clients == 1:
+        full = np.empty(source.shape, dtype=source.dtype)
+        for box, devices in source.local_pieces().items():
+            full[tuple(slice(a, b) for a, b in box)] = source.components[devices[0]]
+    else:
+        full = to_global(source, coordinator)
+    return from_global(full, layout)
+
+
+def copy_to_mesh(tensor: Any, layout: Layout, source_layout: Optional[Layout] = None) -> DTensor:
+    """Put a value onto ``layout``'s mesh: a NumPy value (the global value, on every client) is cut
+    into this client's pieces; a DTensor or DVariable is relaid out (collective on several clients).
+
+    TensorFlow accepts only replicated target layouts for regular tensors; any layout works here.
+    """
+    if is_dtensor(tensor):
+        return relayout(tensor, layout)
+    if source_layout is not None and not source_layout.is_fully_replicated():
+        raise InvalidArgumentError("a non-DTensor value can only come from a replicated source_layout")
+    return from_global(tensor, layout)
+
+
+def to_global(tensor: Any, coordinator: Optional[Any] = None) -> np.ndarray:
+    """The full array on every client, gathered from the clients' components (a DTensor or DVariable)."""
+    tensor = as_dtensor(tensor)
+    coordinator = _coordinator(coordinator)
     if tensor.layout.mesh.num_clients != coordinator.size:
         raise InvalidArgumentError(f"the tensor lies on a mesh of {tensor.layout.mesh.num_clients} clients, "
                                    f"but the coordinator has {coordinator.size}")
