@@ -247,10 +247,10 @@ class LoadStatus(abc.ABC):
     def assert_nontrivial_match(self) -> "LoadStatus":
         """Raise ``AssertionError`` if nothing besides the root matched."""
 
-    def run_restore_ops(self, session: Any = None) -> None:
+    def run_restore_ops(self, session: Any = None) -> None:  # noqa: B027 - a no-op default, as TF eager
         """Values are restored eagerly; nothing to run (``session`` is accepted for TF's signature)."""
 
-    def initialize_or_restore(self, session: Any = None) -> None:
+    def initialize_or_restore(self, session: Any = None) -> None:  # noqa: B027 - a no-op default
         """Values are restored (or left as initialized) eagerly; nothing to run."""
 
     def expect_partial(self) -> "LoadStatus":

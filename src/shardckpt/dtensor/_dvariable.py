@@ -18,8 +18,9 @@ __all__ = ["DVariable"]
 class DVariable(Trackable):
     """A named DTensor, saved as slices of one checkpoint key and restored onto its own layout.
 
-    A DTensor given as ``initial_value`` is held as is (not copied). The value's arrays
-    are live: ``assign*`` and restores write into them in place, so the layout never changes (``relayout`` a value before assigning it).
+    A DTensor given as ``initial_value`` is held as is (not copied). The value's
+    arrays are live: ``assign*`` and restores write into them in place, so the
+    layout never changes (``relayout`` a value before assigning it).
     Everything that takes a DTensor takes a DVariable too.
     """
 
