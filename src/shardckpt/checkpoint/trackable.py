@@ -106,14 +106,17 @@ class Variable(Trackable):
 
     @property
     def name(self) -> str:
+        """The variable's name (recorded as ``full_name`` in the checkpoint; TF1 checkpoints match by it)."""
         return self._name
 
     @property
     def shape(self) -> Tuple[int, ...]:
+        """The value's shape."""
         return tuple(self._value.shape)
 
     @property
     def dtype(self) -> DType:
+        """The value's dtype (TensorFlow's names; ``dtype.numpy`` is the NumPy dtype)."""
         return as_dtype(self._value.dtype)
 
     def numpy(self) -> np.ndarray:
@@ -126,6 +129,7 @@ class Variable(Trackable):
         return self._value
 
     def assign(self, value: Any) -> "Variable":
+        """Write ``value`` into the variable in place (same shape; cast within its kind)."""
         new = np.asarray(value)
         if new.shape != self._value.shape:
             raise InvalidArgumentError(f"cannot assign a value of shape {list(new.shape)} to variable "
@@ -134,9 +138,15 @@ class Variable(Trackable):
         return self
 
     def assign_add(self, delta: Any) -> "Variable":
+        """Add ``delta`` in place."""
         return self.assign(self._value + delta)
 
+    def assign_sub(self, delta: Any) -> "Variable":
+        """Subtract ``delta`` in place."""
+        return self.assign(self._value - delta)
+
     def read_value(self) -> np.ndarray:
+        """A copy of the value."""
         return self.numpy()
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
