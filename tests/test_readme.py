@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Callable, Dict, List
 
 import numpy as np
-import pytest
 from helpers.launchers import clean_env, tool
 
 ROOT = Path(__file__).resolve().parents[1]
