@@ -48,8 +48,8 @@ class DType:
 
     @property
     def size(self) -> int:
-        """Bytes per element as TensorFlow's ``DType.size`` reports it (the NumPy itemsize; 8 for strings)."""
-        return int(self.numpy.itemsize)
+        """Bytes per element as TensorFlow's ``DType.size`` reports it (0 for strings and variants)."""
+        return int(self.itemsize) if self.itemsize is not None else 0
 
     @property
     def as_numpy_dtype(self) -> Any:
