@@ -18,9 +18,9 @@ __all__ = ["DVariable"]
 class DVariable(Trackable):
     """A named DTensor, saved as slices of one checkpoint key and restored onto its own layout.
 
-    A DTensor given as ``initial_value`` is held as is (not copied). The value's
-    arrays are live: ``assign*`` and restores write into them in place, so the
-    layout never changes (``relayout`` a value before assigning it).
+    The initial value is copied, as TensorFlow copies it. The value's arrays are
+    live: ``assign*`` and restores write into them in place, so the layout never
+    changes (``relayout`` a value before assigning it).
     Everything that takes a DTensor takes a DVariable too.
     """
 
@@ -30,6 +30,7 @@ class DVariable(Trackable):
             if layout is not None and layout != value.layout:
                 raise InvalidArgumentError(f"initial value laid out as {value.layout.sharding_specs}, but "
                                            f"layout={layout.sharding_specs} was given (relayout it first)")
+            value = _copy(value)
         elif layout is not None:
             value = from_global(initial_value, layout)
         else:
@@ -41,7 +42,10 @@ class DVariable(Trackable):
     @classmethod
     def from_global(cls, array: Any, layout: Layout, name: Optional[str] = None) -> "DVariable":
         """A variable holding this client's pieces of the full ``array`` laid out by ``layout``."""
-        return cls(from_global(array, layout), name)
+        variable = cls.__new__(cls)  # from_global already made fresh arrays: no second copy
+        variable._value = from_global(array, layout)
+        variable._name = name or "Variable"
+        return variable
 
     def _shardckpt_dtensor(self) -> DTensor:
         return self._value
@@ -57,8 +61,7 @@ class DVariable(Trackable):
 
     def read_value(self) -> DTensor:
         """A copy of the current value."""
-        v = self._value
-        return DTensor(v.layout, v.shape, {d: c.copy() for d, c in v.components.items()})
+        return _copy(self._value)
 
     def numpy(self) -> np.ndarray:
         """The global value as one NumPy array; on several clients use ``dtensor.to_global`` (a collective)."""
@@ -144,3 +147,7 @@ class DVariable(Trackable):
     def __repr__(self) -> str:
         return (f"<shardckpt.dtensor.DVariable {self._name!r} shape={list(self.shape)} "
                 f"layout={self.layout.sharding_specs}>")
+
+
+def _copy(value: DTensor) -> DTensor:
+    return DTensor(value.layout, value.shape, {d: c.copy() for d, c in value.components.items()})
