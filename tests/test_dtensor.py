@@ -847,3 +847,132 @@ def test_dtensor_checkpoint_across_four_clients(tmp_path: Path) -> None:
     for name, spec in LAYOUTS_24.items():
         key = f"{name}/.ATTRIBUTES/VARIABLE_VALUE"
         assert set(shard_of_pieces(reader, key)) == set(dt.Layout(spec, mesh24()).distinct_boxes((8, 16)))
+
+
+# -- the rest of TF's DTensor API (issue 15) and DVariables wherever DTensors go (issue 10) ---------------
+
+
+def test_to_global_and_every_dtensor_function_take_a_dvariable() -> None:
+    mesh = mesh24()
+    full = np.arange(128, dtype=np.float32).reshape(8, 16)
+    var = dt.DVariable.from_global(full, dt.Layout(["x", "y"], mesh), name="w")
+    np.testing.assert_array_equal(dt.to_global(var), full)  # was: TypeError 'shardckpt.float32'
+    assert dt.fetch_layout(var) == var.layout and dt.is_dtensor(var) and not dt.is_dtensor(full)
+    assert [c is d for c, d in zip(dt.unpack(var), var.components())] == [True] * 8
+    moved = dt.relayout(var, dt.Layout([U, "x"], mesh))
+    assert moved.layout.sharding_specs == [U, "x"]
+    np.testing.assert_array_equal(dt.to_global(moved), full)
+    np.testing.assert_array_equal(dt.copy_to_mesh(var, dt.Layout([U, U], dt.create_mesh([("z", 2)]))).numpy(), full)
+
+
+def test_dvariable_read_assign_and_numpy() -> None:
+    mesh = mesh24()
+    full = np.arange(128, dtype=np.float32).reshape(8, 16)
+    t = dt.from_global(full, dt.Layout(["x", "y"], mesh))
+    var = dt.DVariable(t)
+    assert var.value() is not t  # copied, as TF
+    var.assign_add(t)
+    var.assign_add(1.0)  # a scalar broadcast
+    np.testing.assert_array_equal(var.numpy(), 2 * full + 1)
+    snapshot = var.read_value()
+    var.assign_sub(full)  # a global NumPy value
+    np.testing.assert_array_equal(var.numpy(), full + 1)
+    np.testing.assert_array_equal(snapshot.numpy(), 2 * full + 1)  # read_value is a copy
+    var.assign(np.zeros_like(full))
+    assert not var.numpy().any() and var.value().components[0] is var.components()[0]
+    with pytest.raises(InvalidArgumentError, match="relayout it first"):
+        var.assign(dt.from_global(full, dt.Layout([U, "x"], mesh)))
+    with pytest.raises(InvalidArgumentError, match="shape"):
+        var.assign_add(np.zeros((2, 2), np.float32))
+    remote = dt.create_distributed_mesh([("x", 8)], client_id=1, num_clients=4)
+    with pytest.raises(InvalidArgumentError, match="to_global"):
+        dt.DVariable.from_global(np.zeros(8, np.float32), dt.Layout(["x"], remote)).numpy()
+    with pytest.raises(TypeError, match="DTensor"):
+        dt.DVariable(np.zeros(3))
+    assert dt.DVariable(full, layout=dt.Layout([U, U], mesh)).numpy().tolist() == full.tolist()
+
+
+def test_relayout_and_to_global_of_dvariables_across_clients() -> None:
+    full = np.arange(64, dtype=np.int64).reshape(8, 8)
+
+    def client(rank: int, coordinator: Coordinator) -> List[Any]:
+        mesh = dt.create_distributed_mesh([("x", 2), ("y", 4)], client_id=rank, num_clients=4)
+        var = dt.DVariable.from_global(full, dt.Layout(["x", "y"], mesh))
+        moved = dt.relayout(var, dt.Layout(["y", U], mesh), coordinator=coordinator)
+        return [dt.to_global(var, coordinator).tolist(), dt.to_global(moved, coordinator).tolist(),
+                [c.shape for c in dt.unpack(moved)]]
+
+    for gathered, moved, shapes in run_clients(4, client):
+        assert gathered == full.tolist() and moved == full.tolist() and shapes == [(2, 8), (2, 8)]
+
+
+def test_mesh_strings_round_trip_for_every_kind_of_mesh() -> None:
+    meshes = [mesh24(), dt.create_mesh({"a": 4}, mesh_name="named"),
+              dt.create_mesh([("x", 2)], devices=["GPU:0", "/device:GPU:1"]),
+              dt.create_distributed_mesh([("x", 2), ("y", 4)], client_id=3, num_clients=4),
+              dt.create_distributed_mesh([("x", 4)], local_devices=["CPU:0", "CPU:1"], client_id=1, num_clients=2)]
+    for mesh in meshes:
+        again = dt.Mesh.from_string(mesh.to_string())
+        assert again == mesh and again.to_string() == mesh.to_string() and str(mesh) == repr(mesh)
+        assert again.local_device_ids() == mesh.local_device_ids() and again.local_devices() == mesh.local_devices()
+        layout = dt.Layout([mesh.dim_names[0]] + [U] * 1, mesh)
+        assert dt.Layout.from_string(layout.to_string()) == layout
+    assert meshes[2].device_type() == "GPU" and meshes[2].local_devices()[1].endswith("/device:GPU:1")
+    assert meshes[4].local_devices() == ["/job:worker/replica:0/task:1/device:CPU:0",
+                                         "/job:worker/replica:0/task:1/device:CPU:1"]
+    assert meshes[4].local_device_ids() == [2, 3]
+    with pytest.raises(InvalidArgumentError):
+        dt.create_distributed_mesh([("x", 4)], local_devices=["CPU:0"], num_local_devices=2, client_id=0,
+                                   num_clients=4)
+
+
+def test_name_based_save_and_restore_on_several_meshes(tmp_path: Path) -> None:
+    a_mesh, b_mesh = mesh24(), dt.create_mesh([("z", 4)])
+    a = dt.DVariable.from_global(np.arange(128, dtype=np.float32).reshape(8, 16), dt.Layout(["x", "y"], a_mesh))
+    b = dt.from_global(np.arange(8, dtype=np.int32), dt.Layout(["z"], b_mesh))
+    prefix = str(tmp_path / "nb")
+    dt.name_based_save(a_mesh, prefix, {"a": a, "b": b})
+    like_a = dt.from_global(np.zeros((8, 16), np.float32), dt.Layout([U, "z"], b_mesh))
+    like_b = dt.from_global(np.zeros(8, np.int32), dt.Layout([U], a_mesh))
+    got = dt.name_based_restore(a_mesh, prefix, {"b": like_b, "a": like_a})
+    assert list(got) == ["b", "a"] and got["a"].layout == like_a.layout
+    np.testing.assert_array_equal(got["a"].numpy(), a.numpy())
+    np.testing.assert_array_equal(got["b"].numpy(), np.arange(8, dtype=np.int32))
+    assert not like_a.components[0].any()  # new values; the templates are untouched
+    with pytest.raises(InvalidArgumentError, match="float32"):
+        dt.name_based_restore(a_mesh, prefix, {"a": dt.from_global(np.zeros((8, 16)), dt.Layout([U, U], a_mesh))})
+    with pytest.raises(shardckpt.errors.NotFoundError):
+        dt.name_based_restore(a_mesh, prefix, {"nope": like_a})
+    with pytest.raises(InvalidArgumentError, match="DTensor or DVariable"):
+        dt.name_based_restore(a_mesh, prefix, {"a": np.zeros((8, 16), np.float32)})
+
+
+def test_default_mesh_barrier_and_clients(tmp_path: Path) -> None:
+    mesh = mesh24()
+    assert dt.get_default_mesh() is None and dt.num_clients() == 1 and dt.client_id() == 0
+    with dt.default_mesh(mesh):
+        assert dt.get_default_mesh() is mesh
+        ckpt = dt.DTensorCheckpoint(v=dt.DVariable.from_global(np.ones(8, np.float32), dt.Layout(["y"], mesh)))
+        assert ckpt.mesh is mesh
+    assert dt.get_default_mesh() is None
+    with pytest.raises(InvalidArgumentError, match="needs a mesh"):
+        dt.DTensorCheckpoint()
+    assert dt.barrier(mesh, "here", timeout_in_ms=1000) is None
+    with pytest.raises(InvalidArgumentError, match="clients"):
+        dt.barrier(dt.create_distributed_mesh([("x", 8)], client_id=0, num_clients=4))
+
+
+def test_dtensor_namespace_is_the_public_api() -> None:
+    names = {n for n in vars(dt) if not n.startswith("__")}
+    assert names == set(dt.__all__)
+    assert not hasattr(dt, "save") and not hasattr(dt, "api") and not hasattr(dt, "mesh")
+    from shardckpt.dtensor._api import relayout  # the private modules stay importable by path
+
+    assert relayout is dt.relayout
+
+
+def test_sharded_save_takes_dvariables(tmp_path: Path) -> None:
+    mesh = mesh24()
+    var = dt.DVariable.from_global(np.arange(128, dtype=np.float32).reshape(8, 16), dt.Layout(["x", "y"], mesh))
+    dt.sharded_save(mesh, str(tmp_path / "s"), ["v"], [""], [var])
+    np.testing.assert_array_equal(shardckpt.load_checkpoint(str(tmp_path / "s")).get_tensor("v"), var.numpy())
