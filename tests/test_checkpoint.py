@@ -1410,3 +1410,43 @@ def test_manager_max_to_keep_none_keeps_all_and_zero_is_rejected(tmp_path: Path)
         with pytest.raises(InvalidArgumentError, match="max_to_keep"):
             CheckpointManager(ckpt, str(tmp_path / "x"), max_to_keep=bad)
     assert isinstance(InvalidArgumentError("x"), ValueError)
+
+
+# -- TF's habits (issue 15) -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, dtype", [(1.0, "float32"), (3, "int32"), (True, "bool"), ("s", "string"),
+                                          ([1.0, 2.0], "float32"), ([[1, 2], [3, 4]], "int32"), ([1, 2.0], "float32"),
+                                          (2**31, "int64"), ([1, 2**40], "int64"), (1j, "complex128"),
+                                          (np.float64(1.0), "float64"), (np.int64(3), "int64"),
+                                          (np.zeros(2, np.int16), "int16")])
+def test_variable_takes_tfs_dtype_for_python_values(value: Any, dtype: str) -> None:
+    assert Variable(value).dtype.name == dtype
+
+
+def test_variable_rejects_ints_outside_int64() -> None:
+    with pytest.raises(ValueError, match="out-of-range"):
+        Variable(2**63)
+
+
+def test_manager_sync_and_last_checkpoint_step(tmp_path: Path) -> None:
+    step = Variable(np.int64(12))
+    manager = CheckpointManager(Checkpoint(step=step), str(tmp_path), 2, step_counter=step, checkpoint_interval=5,
+                                last_checkpoint_step=10)
+    assert manager.last_checkpoint_step == 10 and manager.save() is None
+    step.assign(15)
+    assert manager.save() is not None and manager.last_checkpoint_step == 15
+    assert manager.sync() is None
+    with pytest.raises(TypeError):
+        CheckpointManager(Checkpoint(), str(tmp_path / "x"))  # type: ignore[call-arg]  # max_to_keep is required
+
+
+def test_reader_returns_scalars_as_numpy_scalars(tmp_path: Path) -> None:
+    path = Checkpoint(f=Variable(1.5), s=Variable("text"), v=Variable([1, 2])).save(str(tmp_path / "c"))
+    reader = shardckpt.load_checkpoint(path)
+    f = reader.get_tensor("f/.ATTRIBUTES/VARIABLE_VALUE")
+    assert type(f) is np.float32 and f == 1.5
+    assert reader.get_tensor("s/.ATTRIBUTES/VARIABLE_VALUE") == b"text"
+    assert type(reader.get_tensor("save_counter/.ATTRIBUTES/VARIABLE_VALUE")) is np.int64
+    assert isinstance(reader.get_tensor("v/.ATTRIBUTES/VARIABLE_VALUE"), np.ndarray)
+    assert shardckpt.load_variable(path, "f/.ATTRIBUTES/VARIABLE_VALUE:0") == np.float32(1.5)
