@@ -135,13 +135,13 @@ def build_graph(root: Trackable, extra_root_children: Optional[Dict[str, Trackab
                 slot = optimizer.get_slot(variable, slot_name)
                 if slot is None:
                     continue
-                ref = proto.nodes[opt_id].slot_variables.add()
-                ref.original_variable_node_id = var_id
-                ref.slot_name = slot_name
+                slot_ref = proto.nodes[opt_id].slot_variables.add()
+                slot_ref.original_variable_node_id = var_id
+                slot_ref.slot_name = slot_name
                 if slot._identity() in ids:
-                    ref.slot_variable_node_id = ids[slot._identity()]
+                    slot_ref.slot_variable_node_id = ids[slot._identity()]
                     continue
-                ref.slot_variable_node_id = len(objects)
+                slot_ref.slot_variable_node_id = len(objects)
                 ids[slot._identity()] = len(objects)
                 objects.append(slot)
                 key_path = slot_path(paths[var_id], paths[opt_id], slot_name)

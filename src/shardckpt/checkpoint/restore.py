@@ -152,16 +152,16 @@ class RestoreSession:
                       if n.slot_variables and not self.skip_slots and i in self.bound
                       and slot_variables_of(self.bound[i]) is not None]
         for node_id, optimizer in optimizers:
-            for ref in self.proto.nodes[node_id].slot_variables:
-                variable = self.bound.get(ref.original_variable_node_id)
-                if variable is None or ref.slot_variable_node_id in self.bound \
-                        or ref.slot_variable_node_id in self.deferred:
+            for slot_ref in self.proto.nodes[node_id].slot_variables:
+                variable = self.bound.get(slot_ref.original_variable_node_id)
+                if variable is None or slot_ref.slot_variable_node_id in self.bound \
+                        or slot_ref.slot_variable_node_id in self.deferred:
                     continue
-                slot = optimizer.get_slot(variable, ref.slot_name)  # type: ignore[attr-defined]
+                slot = optimizer.get_slot(variable, slot_ref.slot_name)  # type: ignore[attr-defined]
                 if slot is not None:
-                    self._collect(ref.slot_variable_node_id, slot, reads, registered, deferrals, None)
+                    self._collect(slot_ref.slot_variable_node_id, slot, reads, registered, deferrals, None)
                 elif hasattr(optimizer, "_defer_slot_restore"):
-                    deferrals.append(self._defer_slot(optimizer, variable, ref.slot_name, ref.slot_variable_node_id))
+                    deferrals.append(self._defer_slot(optimizer, variable, slot_ref.slot_name, slot_ref.slot_variable_node_id))
 
     def _defer_child(self, parent: Trackable, name: str, node_id: int) -> Callable[[], None]:
         def register() -> None:
