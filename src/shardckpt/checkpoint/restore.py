@@ -161,7 +161,8 @@ class RestoreSession:
                 if slot is not None:
                     self._collect(slot_ref.slot_variable_node_id, slot, reads, registered, deferrals, None)
                 elif hasattr(optimizer, "_defer_slot_restore"):
-                    deferrals.append(self._defer_slot(optimizer, variable, slot_ref.slot_name, slot_ref.slot_variable_node_id))
+                    deferrals.append(self._defer_slot(optimizer, variable, slot_ref.slot_name,
+                                                      slot_ref.slot_variable_node_id))
 
     def _defer_child(self, parent: Trackable, name: str, node_id: int) -> Callable[[], None]:
         def register() -> None:
