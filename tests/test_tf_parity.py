@@ -443,3 +443,19 @@ dtensor.name_based_save(mesh, {tf_prefix!r}, {{'a': a, 'b': b}})
 
 def a_like_b(mesh: dtensor.Mesh) -> Optional[dtensor.DTensor]:
     return dtensor.copy_to_mesh(np.zeros((8, 2), np.int64), dtensor.Layout(["x", "unsharded"], mesh))
+
+
+def test_layout_and_mesh_protos_cross(tf_dtensor: DTensorOracle) -> None:
+    mesh = dtensor.create_distributed_mesh([("x", 2), ("y", 4)], client_id=1, num_clients=2, mesh_name="m")
+    layout = dtensor.Layout(["y", "unsharded"], mesh)
+    layout_hex, mesh_hex = layout.as_proto().SerializeToString().hex(), mesh.as_proto().SerializeToString().hex()
+    theirs = tf_dtensor.exec(f"""
+from tensorflow.dtensor.proto import layout_pb2
+lay = dtensor.Layout.from_proto(layout_pb2.LayoutProto.FromString(bytes.fromhex({layout_hex!r})))
+mesh = dtensor.Mesh.from_proto(layout_pb2.MeshProto.FromString(bytes.fromhex({mesh_hex!r})))
+result = [lay.to_string(), mesh.to_string(), lay.as_proto().SerializeToString().hex()]
+""")
+    assert theirs[:2] == [layout.to_string(), mesh.to_string()]
+    from shardckpt.dtensor._proto import LayoutProto
+
+    assert dtensor.Layout.from_proto(LayoutProto.FromString(bytes.fromhex(theirs[2]))) == layout

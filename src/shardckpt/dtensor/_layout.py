@@ -10,7 +10,7 @@ Only static layouts exist here (no single-device or parted layouts).
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from ..errors import InvalidArgumentError
 from ..format.tensor_slice import Box
@@ -136,3 +136,20 @@ class Layout:
                                        "'sharding_specs:<spec>,..., mesh:<mesh>' (only static layouts are supported)")
         specs = [s for s in specs_text.split(",") if s]
         return cls(specs, Mesh.from_string(mesh_text))
+
+    def as_proto(self) -> Any:
+        """The layout as TensorFlow's ``LayoutProto`` (a static layout; TF's class parses its bytes)."""
+        from ._proto import LayoutProto
+
+        proto = LayoutProto(type=1)  # STATIC
+        for spec in self.sharding_specs:
+            proto.sharding_specs.add(sharding_spec=spec)
+        proto.mesh_config.CopyFrom(self.mesh.as_proto())
+        return proto
+
+    @classmethod
+    def from_proto(cls, layout_proto: Any) -> "Layout":
+        """A layout from a ``LayoutProto`` (ours or TensorFlow's); only static layouts exist here."""
+        if layout_proto.type not in (0, 1):
+            raise InvalidArgumentError(f"only static layouts are supported, got layout type {layout_proto.type}")
+        return cls([s.sharding_spec for s in layout_proto.sharding_specs], Mesh.from_proto(layout_proto.mesh_config))

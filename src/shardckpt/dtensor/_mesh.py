@@ -14,7 +14,7 @@ belongs to client ``d // k`` where ``k`` is the number of local devices (the lay
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -175,6 +175,31 @@ class Mesh:
     def from_string(cls, mesh_str: str) -> "Mesh":
         """Parse TensorFlow's string form of a mesh (see the module docstring)."""
         return _parse_mesh(mesh_str)
+
+    def as_proto(self) -> Any:
+        """The mesh as TensorFlow's ``MeshProto`` (same field numbers; TF's class parses its bytes)."""
+        from ._proto import MeshProto
+
+        proto = MeshProto(name=self.name, use_xla_spmd=self._use_xla_spmd)
+        for name, size in zip(self.dim_names, self.shape):
+            proto.mesh_dimensions.add(name=name, size=size)
+        proto.global_device_ids.extend(int(i) for i in self._ids.reshape(-1))
+        proto.local_device_ids.extend(self._local)
+        proto.local_devices.extend(self._local_devices)
+        proto.global_devices.extend(self._global_devices or [])
+        return proto
+
+    @classmethod
+    def from_proto(cls, proto: Any) -> "Mesh":
+        """A mesh from a ``MeshProto`` (ours or TensorFlow's: read through its string form)."""
+        parts = [proto.name, ",".join(f"{d.name}={d.size}" for d in proto.mesh_dimensions),
+                 ",".join(str(i) for i in proto.global_device_ids), ",".join(str(i) for i in proto.local_device_ids),
+                 ",".join(proto.local_devices)]
+        if len(proto.global_devices):
+            parts.append(",".join(proto.global_devices))
+        if proto.use_xla_spmd:
+            parts.append("use_xla_spmd")
+        return _parse_mesh("|".join(parts))
 
 _DEVICE_TYPE = re.compile(r"device:([A-Za-z_]+):\d+")
 _TASK = re.compile(r"/task:(\d+)")
