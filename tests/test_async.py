@@ -189,7 +189,7 @@ def mutate(m: Module, k: int = 1) -> None:
 
 def read_all(prefix: str, graph: bool = False) -> Dict[str, np.ndarray]:
     with shardckpt.load_checkpoint(prefix) as reader:
-        return {k: reader.get_tensor(k) for k in sorted(reader.get_variable_to_shape_map())
+        return {k: reader.bundle.read(k) for k in sorted(reader.get_variable_to_shape_map())  # arrays, scalars too
                 if graph or k != OBJECT_GRAPH_KEY}
 
 

@@ -558,7 +558,8 @@ def test_restore_none_returns_initialization_only_status() -> None:
         with pytest.raises(AssertionError):
             check()
     assert status.expect_partial() is status
-    status.run_restore_ops()
+    with pytest.raises(AssertionError, match="no restore ops"):  # as TF's InitializationOnlyStatus
+        status.run_restore_ops()
     status.initialize_or_restore()
     assert float(ckpt.v.numpy()) == 1.0
 
@@ -605,7 +606,7 @@ def test_kwargs_sorted_and_save_counter_last(tmp_path: Path) -> None:
     ckpt = Checkpoint(zeta=Variable(1.0), alpha=Variable(2.0), mid=Module())
     path = ckpt.save(str(tmp_path / "k"))
     assert children(read_graph(path)) == ["alpha", "mid", "zeta", "save_counter"]
-    with pytest.raises(InvalidArgumentError, match="non-trackable"):
+    with pytest.raises(InvalidArgumentError, match="expecting x to be a trackable object"):
         Checkpoint(x=3)
     with pytest.raises(InvalidArgumentError, match="save_counter"):
         Checkpoint(save_counter=Variable(0))
@@ -1312,7 +1313,7 @@ def test_manager_checkpoint_interval_and_step_counter(tmp_path: Path) -> None:
     step = Variable(np.int64(0))
     ckpt = Checkpoint(step=step)
     with pytest.raises(InvalidArgumentError):
-        CheckpointManager(ckpt, str(tmp_path), checkpoint_interval=5)  # needs a step counter
+        CheckpointManager(ckpt, str(tmp_path), 3, checkpoint_interval=5)  # needs a step counter
     manager = CheckpointManager(ckpt, str(tmp_path), max_to_keep=None, step_counter=step, checkpoint_interval=5)
     assert manager.checkpoint_interval == 5
     assert manager.save() == str(tmp_path / "ckpt-1")  # the first save always happens
@@ -1336,7 +1337,7 @@ def test_manager_checkpoint_number(tmp_path: Path) -> None:
     assert int(stored(str(tmp_path / "ckpt-100"), COUNTER_KEY)) == 1
     assert manager.save(checkpoint_number=Variable(np.int64(200))) == str(tmp_path / "ckpt-200")
     assert manager.save() == str(tmp_path / "ckpt-3")
-    named = CheckpointManager(Checkpoint(v=Variable(1.0)), str(tmp_path / "other"), checkpoint_name="model")
+    named = CheckpointManager(Checkpoint(v=Variable(1.0)), str(tmp_path / "other"), 5, checkpoint_name="model")
     assert named.save() == str(tmp_path / "other" / "model-1")
 
 
@@ -1352,7 +1353,7 @@ def test_manager_restore_or_initialize(tmp_path: Path) -> None:
     initialized: List[int] = []
     v = Variable(np.arange(3.0))
     ckpt = Checkpoint(v=v)
-    manager = CheckpointManager(ckpt, str(tmp_path), init_fn=lambda: initialized.append(1))
+    manager = CheckpointManager(ckpt, str(tmp_path), 5, init_fn=lambda: initialized.append(1))
     assert manager.restore_or_initialize() is None
     assert initialized == [1]
     manager.save()
@@ -1360,7 +1361,7 @@ def test_manager_restore_or_initialize(tmp_path: Path) -> None:
 
     tv = Variable(np.zeros(3))
     tckpt = Checkpoint(v=tv)
-    again = CheckpointManager(tckpt, str(tmp_path), init_fn=lambda: initialized.append(2))
+    again = CheckpointManager(tckpt, str(tmp_path), 5, init_fn=lambda: initialized.append(2))
     assert again.restore_or_initialize() == saved
     assert initialized == [1]  # init_fn not run when restoring
     assert tv.numpy().tolist() == [0.0, 1.0, 2.0]
@@ -1409,3 +1410,43 @@ def test_manager_max_to_keep_none_keeps_all_and_zero_is_rejected(tmp_path: Path)
         with pytest.raises(InvalidArgumentError, match="max_to_keep"):
             CheckpointManager(ckpt, str(tmp_path / "x"), max_to_keep=bad)
     assert isinstance(InvalidArgumentError("x"), ValueError)
+
+
+# -- TF's habits (issue 15) -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, dtype", [(1.0, "float32"), (3, "int32"), (True, "bool"), ("s", "string"),
+                                          ([1.0, 2.0], "float32"), ([[1, 2], [3, 4]], "int32"), ([1, 2.0], "float32"),
+                                          (2**31, "int64"), ([1, 2**40], "int64"), (1j, "complex128"),
+                                          (np.float64(1.0), "float64"), (np.int64(3), "int64"),
+                                          (np.zeros(2, np.int16), "int16")])
+def test_variable_takes_tfs_dtype_for_python_values(value: Any, dtype: str) -> None:
+    assert Variable(value).dtype.name == dtype
+
+
+def test_variable_rejects_ints_outside_int64() -> None:
+    with pytest.raises(ValueError, match="out-of-range"):
+        Variable(2**63)
+
+
+def test_manager_sync_and_last_checkpoint_step(tmp_path: Path) -> None:
+    step = Variable(np.int64(12))
+    manager = CheckpointManager(Checkpoint(step=step), str(tmp_path), 2, step_counter=step, checkpoint_interval=5,
+                                last_checkpoint_step=10)
+    assert manager.last_checkpoint_step == 10 and manager.save() is None
+    step.assign(15)
+    assert manager.save() is not None and manager.last_checkpoint_step == 15
+    assert manager.sync() is None
+    with pytest.raises(TypeError):
+        CheckpointManager(Checkpoint(), str(tmp_path / "x"))  # type: ignore[call-arg]  # max_to_keep is required
+
+
+def test_reader_returns_scalars_as_numpy_scalars(tmp_path: Path) -> None:
+    path = Checkpoint(f=Variable(1.5), s=Variable("text"), v=Variable([1, 2])).save(str(tmp_path / "c"))
+    reader = shardckpt.load_checkpoint(path)
+    f = reader.get_tensor("f/.ATTRIBUTES/VARIABLE_VALUE")
+    assert type(f) is np.float32 and f == 1.5
+    assert reader.get_tensor("s/.ATTRIBUTES/VARIABLE_VALUE") == b"text"
+    assert type(reader.get_tensor("save_counter/.ATTRIBUTES/VARIABLE_VALUE")) is np.int64
+    assert isinstance(reader.get_tensor("v/.ATTRIBUTES/VARIABLE_VALUE"), np.ndarray)
+    assert shardckpt.load_variable(path, "f/.ATTRIBUTES/VARIABLE_VALUE:0") == np.float32(1.5)

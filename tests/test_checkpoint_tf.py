@@ -67,8 +67,17 @@ def tf_run(tf_oracle: Any, code: str, **params: Any) -> Any:
     return tf_oracle.exec(f"P = json.loads({json.dumps(params)!r})\n{code}")
 
 
+def _array(value: object) -> np.ndarray:
+    """A reader's value as an array: scalars come back as NumPy scalars and ``bytes``, as from TF's reader."""
+    if isinstance(value, bytes):
+        out = np.empty((), dtype=object)
+        out[()] = value
+        return out
+    return np.asarray(value)
+
+
 def assert_bits_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    got, want = np.asarray(got), np.asarray(want)
+    got, want = _array(got), _array(want)
     assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
     if want.dtype == object:
         assert got.dtype == object, f"{what}: dtype {got.dtype} != string"
@@ -80,7 +89,7 @@ def assert_bits_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
 
 def graph_of(prefix: str) -> TrackableObjectGraph:
     proto = TrackableObjectGraph()
-    proto.ParseFromString(shardckpt.load_variable(prefix, OBJECT_GRAPH_KEY).item())
+    proto.ParseFromString(shardckpt.load_variable(prefix, OBJECT_GRAPH_KEY))  # a scalar string: bytes
     return proto
 
 

@@ -33,7 +33,7 @@ from shardckpt import Checkpoint, Variable, get_checkpoint_state, latest_checkpo
 from shardckpt import dtensor as dt
 from shardckpt.distributed import SingleProcessCoordinator
 from shardckpt.distributed.coordinator import CoordinationTimeout, Coordinator, decode, encode
-from shardckpt.dtensor.save import dtensor_pieces
+from shardckpt.dtensor._save import dtensor_pieces
 from shardckpt.errors import InvalidArgumentError
 from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.format.tensor_slice import box_volume, full_box
@@ -265,7 +265,7 @@ def test_create_mesh_rejects_bad_dims(dims) -> None:
 
 
 def test_mesh_errors() -> None:
-    with pytest.raises(InvalidArgumentError, match="needs 8 devices"):
+    with pytest.raises(InvalidArgumentError, match=r"length of devices \(2\) must be equal to total size of the mesh"):
         dt.create_mesh([("x", 2), ("y", 4)], devices=["CPU:0", "CPU:1"])
     with pytest.raises(InvalidArgumentError, match="cannot be split"):
         dt.create_distributed_mesh([("x", 8)], client_id=0, num_clients=3)
@@ -412,9 +412,9 @@ def test_dvariable_basics_and_assign() -> None:
     assert var.name == "w" and var.shape == (8, 16) and var.dtype.name == "float32" and var.layout == layout
     assert "DVariable" in repr(var) and "w" in repr(var)
     components = var.components()
-    assert len(components) == 8 and components[0] is var.value.components[0]  # live arrays
+    assert len(components) == 8 and components[0] is var.value().components[0]  # live arrays
     var.assign(dt.from_global(full * 2, layout))
-    assert_components_match(var.value, full * 2)
+    assert_components_match(var.value(), full * 2)
     with pytest.raises(ValueError, match="shape"):
         var.assign(dt.from_global(np.zeros((8, 8), np.float32), layout))
     with pytest.raises(TypeError):
@@ -432,7 +432,7 @@ def test_dvariable_assign_with_another_layout_keeps_the_global_value() -> None:
         var.assign(dt.from_global(new, dt.Layout(["y", U], mesh)))
     except (InvalidArgumentError, ValueError):
         return  # refusing is fine
-    assert_components_match(var.value, new)
+    assert_components_match(var.value(), new)
 
 
 # =============================================================================================
@@ -618,8 +618,8 @@ def test_restore_onto_a_transposed_layout_on_another_mesh(tmp_path: Path) -> Non
         status = dt.DTensorCheckpoint(mesh4, **targets).restore(prefix)
         status.assert_consumed()
         for name, var in targets.items():
-            assert_components_match(var.value, values[name])
-            np.testing.assert_array_equal(dt.to_global(var.value), values[name])
+            assert_components_match(var.value(), values[name])
+            np.testing.assert_array_equal(dt.to_global(var.value()), values[name])
 
 
 def test_restore_onto_a_one_device_mesh_and_into_plain_variables(tmp_path: Path) -> None:
@@ -646,13 +646,13 @@ def test_plain_checkpoint_restores_into_dvariables(tmp_path: Path) -> None:
                for name, spec in LAYOUTS_24.items()}
     dt.DTensorCheckpoint(mesh, **targets).restore(prefix).assert_consumed()
     for name, var in targets.items():
-        assert_components_match(var.value, values[name])
+        assert_components_match(var.value(), values[name])
     # a plain Checkpoint holding DVariables restores them as well (the graph is the same)
     again = {name: dt.DVariable.from_global(np.zeros((8, 16), ml_dtypes.bfloat16),
                                             dt.Layout(["y", "x"], mesh)) for name in LAYOUTS_24}
     Checkpoint(**again).restore(prefix).assert_consumed()
     for name, var in again.items():
-        assert_components_match(var.value, values[name])
+        assert_components_match(var.value(), values[name])
 
 
 def test_plain_checkpoint_saves_dvariables(tmp_path: Path) -> None:
@@ -694,9 +694,9 @@ def test_resharded_restore_reads_only_the_destinations_distinct_local_pieces(tmp
             var = dt.DVariable.from_global(np.zeros(shape, np.float32), dt.Layout(spec, mesh))
             bytes_read["bytes"] = 0
             dt.DTensorCheckpoint(mesh, **{name: var}).restore(prefix).expect_partial()
-            need = _bytes_of_local_pieces(var.value)
+            need = _bytes_of_local_pieces(var.value())
             assert need <= bytes_read["bytes"] <= 1.1 * need, (mesh, spec, name, bytes_read["bytes"], need)
-            assert_components_match(var.value, values[name])
+            assert_components_match(var.value(), values[name])
 
     restore(dt.create_mesh([("a", 4)]), [U, "a"])          # columns: runs of 4 KiB across row slices
     restore(dt.create_mesh([("a", 4)]), ["a", U])          # rows
@@ -747,16 +747,16 @@ def test_dtensor_checkpoint_save_numbering_state_file_write_and_read(tmp_path: P
     rstep = Variable(np.int64(0))
     restored = dt.DTensorCheckpoint(mesh4, a=ra, b=rb, step=rstep)
     restored.restore(first).assert_consumed()
-    assert_components_match(ra.value, values["a"])
-    assert_components_match(rb.value, values["b"])
+    assert_components_match(ra.value(), values["a"])
+    assert_components_match(rb.value(), values["b"])
     assert int(rstep.numpy()) == 7 and int(restored.save_counter.numpy()) == 1
     restored.restore(str(tmp_path)).assert_consumed()  # the directory: latest checkpoint (ck-2)
-    assert_components_match(ra.value, values["a"] + 1)
+    assert_components_match(ra.value(), values["a"] + 1)
     ra.assign(dt.from_global(np.zeros((8, 16), np.float32), ra.layout))
     fresh = dt.DTensorCheckpoint(mesh4, a=ra, b=rb, step=rstep)
     fresh.read(written).assert_existing_objects_matched()  # save_counter stays unmatched: read() makes none
     assert fresh._save_counter is None
-    assert_components_match(ra.value, values["a"] + 1)
+    assert_components_match(ra.value(), values["a"] + 1)
 
 
 def test_dtensor_checkpoint_rejects_a_mesh_of_more_clients_than_are_saving(tmp_path: Path) -> None:
@@ -781,7 +781,7 @@ def test_dtensor_checkpoint_status_assertions(tmp_path: Path) -> None:
     with pytest.raises(AssertionError):
         status.assert_consumed()  # b is in the checkpoint but nothing took it
     status.assert_existing_objects_matched()
-    assert_components_match(only_a.value, values["a"])
+    assert_components_match(only_a.value(), values["a"])
     extra = dt.DVariable.from_global(np.zeros((8, 16), np.float32), dt.Layout([U, "y"], mesh))
     status = dt.DTensorCheckpoint(mesh, a=only_a, c=extra).read(str(tmp_path / "ck"))
     with pytest.raises(AssertionError):
@@ -811,9 +811,9 @@ def test_dtensor_checkpoint_mixes_dvariables_of_two_meshes(tmp_path: Path) -> No
     tr = dt.DVariable.from_global(np.zeros((8, 16), np.float32), dt.Layout([U, U], mesh_a))
     dt.DTensorCheckpoint(mesh_b, p=tp, q=tq, r=tr).restore(prefix).assert_consumed()
     for name, var in (("p", tp), ("q", tq), ("r", tr)):
-        assert_components_match(var.value, values[name])
+        assert_components_match(var.value(), values[name])
     # and sharded_save takes tensors of several meshes too
-    dt.sharded_save(mesh_a, str(tmp_path / "raw"), ["p", "q"], ["", ""], [p.value, q.value])
+    dt.sharded_save(mesh_a, str(tmp_path / "raw"), ["p", "q"], ["", ""], [p.value(), q.value()])
     raw = BundleReader(str(tmp_path / "raw"))
     np.testing.assert_array_equal(raw.read("q"), values["q"])
 
@@ -835,9 +835,9 @@ def test_dtensor_checkpoint_across_four_clients(tmp_path: Path) -> None:
                    for name in LAYOUTS_24}
         dt.DTensorCheckpoint(dest, coordinator=coordinator, **targets).restore(path).assert_consumed()
         for name, var in targets.items():
-            assert sorted(var.value.components) == [2 * rank, 2 * rank + 1]
-            assert_components_match(var.value, values[name])
-        return {name: dt.to_global(var.value, coordinator) for name, var in targets.items()}
+            assert sorted(var.value().components) == [2 * rank, 2 * rank + 1]
+            assert_components_match(var.value(), values[name])
+        return {name: dt.to_global(var.value(), coordinator) for name, var in targets.items()}
 
     for gathered in run_clients(4, client):
         for name, value in gathered.items():
@@ -847,3 +847,134 @@ def test_dtensor_checkpoint_across_four_clients(tmp_path: Path) -> None:
     for name, spec in LAYOUTS_24.items():
         key = f"{name}/.ATTRIBUTES/VARIABLE_VALUE"
         assert set(shard_of_pieces(reader, key)) == set(dt.Layout(spec, mesh24()).distinct_boxes((8, 16)))
+
+
+# -- the rest of TF's DTensor API (issue 15) and DVariables wherever DTensors go (issue 10) ---------------
+
+
+def test_to_global_and_every_dtensor_function_take_a_dvariable() -> None:
+    mesh = mesh24()
+    full = np.arange(128, dtype=np.float32).reshape(8, 16)
+    var = dt.DVariable.from_global(full, dt.Layout(["x", "y"], mesh), name="w")
+    np.testing.assert_array_equal(dt.to_global(var), full)  # was: TypeError 'shardckpt.float32'
+    assert dt.fetch_layout(var) == var.layout and dt.is_dtensor(var) and not dt.is_dtensor(full)
+    assert [c is d for c, d in zip(dt.unpack(var), var.components())] == [True] * 8
+    moved = dt.relayout(var, dt.Layout([U, "x"], mesh))
+    assert moved.layout.sharding_specs == [U, "x"]
+    np.testing.assert_array_equal(dt.to_global(moved), full)
+    np.testing.assert_array_equal(dt.copy_to_mesh(var, dt.Layout([U, U], dt.create_mesh([("z", 2)]))).numpy(), full)
+
+
+def test_dvariable_read_assign_and_numpy() -> None:
+    mesh = mesh24()
+    full = np.arange(128, dtype=np.float32).reshape(8, 16)
+    t = dt.from_global(full, dt.Layout(["x", "y"], mesh))
+    var = dt.DVariable(t)
+    assert var.value() is not t  # copied, as TF
+    var.assign_add(t)
+    var.assign_add(1.0)  # a scalar broadcast
+    np.testing.assert_array_equal(var.numpy(), 2 * full + 1)
+    snapshot = var.read_value()
+    var.assign_sub(full)  # a global NumPy value
+    np.testing.assert_array_equal(var.numpy(), full + 1)
+    np.testing.assert_array_equal(snapshot.numpy(), 2 * full + 1)  # read_value is a copy
+    var.assign(np.zeros_like(full))
+    assert not var.numpy().any() and var.value().components[0] is var.components()[0]
+    with pytest.raises(InvalidArgumentError, match="relayout it first"):
+        var.assign(dt.from_global(full, dt.Layout([U, "x"], mesh)))
+    with pytest.raises(InvalidArgumentError, match="shape"):
+        var.assign_add(np.zeros((2, 2), np.float32))
+    remote = dt.create_distributed_mesh([("x", 8)], client_id=1, num_clients=4)
+    with pytest.raises(InvalidArgumentError, match="to_global"):
+        dt.DVariable.from_global(np.zeros(8, np.float32), dt.Layout(["x"], remote)).numpy()
+    with pytest.raises(TypeError, match="DTensor"):
+        dt.DVariable(np.zeros(3))
+    assert dt.DVariable(full, layout=dt.Layout([U, U], mesh)).numpy().tolist() == full.tolist()
+
+
+def test_relayout_and_to_global_of_dvariables_across_clients() -> None:
+    full = np.arange(64, dtype=np.int64).reshape(8, 8)
+
+    def client(rank: int, coordinator: Coordinator) -> List[Any]:
+        mesh = dt.create_distributed_mesh([("x", 2), ("y", 4)], client_id=rank, num_clients=4)
+        var = dt.DVariable.from_global(full, dt.Layout(["x", "y"], mesh))
+        moved = dt.relayout(var, dt.Layout(["y", U], mesh), coordinator=coordinator)
+        return [dt.to_global(var, coordinator).tolist(), dt.to_global(moved, coordinator).tolist(),
+                [c.shape for c in dt.unpack(moved)]]
+
+    for gathered, moved, shapes in run_clients(4, client):
+        assert gathered == full.tolist() and moved == full.tolist() and shapes == [(2, 8), (2, 8)]
+
+
+def test_mesh_strings_round_trip_for_every_kind_of_mesh() -> None:
+    meshes = [mesh24(), dt.create_mesh({"a": 4}, mesh_name="named"),
+              dt.create_mesh([("x", 2)], devices=["GPU:0", "/device:GPU:1"]),
+              dt.create_distributed_mesh([("x", 2), ("y", 4)], client_id=3, num_clients=4),
+              dt.create_distributed_mesh([("x", 4)], local_devices=["CPU:0", "CPU:1"], client_id=1, num_clients=2)]
+    for mesh in meshes:
+        again = dt.Mesh.from_string(mesh.to_string())
+        assert again == mesh and again.to_string() == mesh.to_string() and str(mesh) == repr(mesh)
+        assert again.local_device_ids() == mesh.local_device_ids() and again.local_devices() == mesh.local_devices()
+        layout = dt.Layout([mesh.dim_names[0]] + [U] * 1, mesh)
+        assert dt.Layout.from_string(layout.to_string()) == layout
+    assert meshes[2].device_type() == "GPU" and meshes[2].local_devices()[1].endswith("/device:GPU:1")
+    assert meshes[4].local_devices() == ["/job:worker/replica:0/task:1/device:CPU:0",
+                                         "/job:worker/replica:0/task:1/device:CPU:1"]
+    assert meshes[4].local_device_ids() == [2, 3]
+    with pytest.raises(InvalidArgumentError):
+        dt.create_distributed_mesh([("x", 4)], local_devices=["CPU:0"], num_local_devices=2, client_id=0,
+                                   num_clients=4)
+
+
+def test_name_based_save_and_restore_on_several_meshes(tmp_path: Path) -> None:
+    a_mesh, b_mesh = mesh24(), dt.create_mesh([("z", 4)])
+    a = dt.DVariable.from_global(np.arange(128, dtype=np.float32).reshape(8, 16), dt.Layout(["x", "y"], a_mesh))
+    b = dt.from_global(np.arange(8, dtype=np.int32), dt.Layout(["z"], b_mesh))
+    prefix = str(tmp_path / "nb")
+    dt.name_based_save(a_mesh, prefix, {"a": a, "b": b})
+    like_a = dt.from_global(np.zeros((8, 16), np.float32), dt.Layout([U, "z"], b_mesh))
+    like_b = dt.from_global(np.zeros(8, np.int32), dt.Layout([U], a_mesh))
+    got = dt.name_based_restore(a_mesh, prefix, {"b": like_b, "a": like_a})
+    assert list(got) == ["b", "a"] and got["a"].layout == like_a.layout
+    np.testing.assert_array_equal(got["a"].numpy(), a.numpy())
+    np.testing.assert_array_equal(got["b"].numpy(), np.arange(8, dtype=np.int32))
+    assert not like_a.components[0].any()  # new values; the templates are untouched
+    with pytest.raises(InvalidArgumentError, match="float32"):
+        dt.name_based_restore(a_mesh, prefix, {"a": dt.from_global(np.zeros((8, 16)), dt.Layout([U, U], a_mesh))})
+    with pytest.raises(shardckpt.errors.NotFoundError):
+        dt.name_based_restore(a_mesh, prefix, {"nope": like_a})
+    with pytest.raises(InvalidArgumentError, match="DTensor or DVariable"):
+        dt.name_based_restore(a_mesh, prefix, {"a": np.zeros((8, 16), np.float32)})
+
+
+def test_default_mesh_barrier_and_clients(tmp_path: Path) -> None:
+    mesh = mesh24()
+    assert dt.get_default_mesh() is None and dt.num_clients() == 1 and dt.client_id() == 0
+    with dt.default_mesh(mesh):
+        assert dt.get_default_mesh() is mesh
+        ckpt = dt.DTensorCheckpoint(v=dt.DVariable.from_global(np.ones(8, np.float32), dt.Layout(["y"], mesh)))
+        assert ckpt.mesh is mesh
+    assert dt.get_default_mesh() is None
+    with pytest.raises(InvalidArgumentError, match="needs a mesh"):
+        dt.DTensorCheckpoint()
+    assert dt.barrier(mesh, "here", timeout_in_ms=1000) is None
+    with pytest.raises(InvalidArgumentError, match="clients"):
+        dt.barrier(dt.create_distributed_mesh([("x", 8)], client_id=0, num_clients=4))
+
+
+def test_dtensor_namespace_is_the_public_api() -> None:
+    import shardckpt.dtensor._proto  # noqa: F401 - a lazily imported private module stays private
+
+    names = {n for n in vars(dt) if not n.startswith("_")}
+    assert names == set(dt.__all__)
+    assert not hasattr(dt, "save") and not hasattr(dt, "api") and not hasattr(dt, "mesh")
+    from shardckpt.dtensor._api import relayout  # the private modules stay importable by path
+
+    assert relayout is dt.relayout
+
+
+def test_sharded_save_takes_dvariables(tmp_path: Path) -> None:
+    mesh = mesh24()
+    var = dt.DVariable.from_global(np.arange(128, dtype=np.float32).reshape(8, 16), dt.Layout(["x", "y"], mesh))
+    dt.sharded_save(mesh, str(tmp_path / "s"), ["v"], [""], [var])
+    np.testing.assert_array_equal(shardckpt.load_checkpoint(str(tmp_path / "s")).get_tensor("v"), var.numpy())

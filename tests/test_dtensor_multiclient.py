@@ -446,3 +446,15 @@ def test_tensorflow_reads_the_four_client_checkpoints(run4, tf_oracle) -> None:
             assert errors == {}, (prefix, errors)
             for name, key in _keys(kind).items():
                 np.testing.assert_array_equal(tensors[key], W.value(name, W.CKPT_GEN), err_msg=f"{prefix}: {key}")
+
+
+@pytest.mark.parametrize("backend", ["torch", "mpi"])
+def test_tfs_client_api_across_real_clients(backend: str, tmp_path: Path) -> None:
+    """num_clients/client_id, barrier, to_global and relayout of a DVariable, name-based save/restore
+    onto other meshes, numpy() refused on several clients — four real processes."""
+    data = tmp_path / "data"
+    data.mkdir()
+    results = _launch(backend, 4, "api4", tmp_path, data)
+    for rank, res in results.items():
+        assert res["api"] == {"clients": [4, rank], "to_global_dvariable": True, "relayout": True, "numpy": True,
+                              "name_based": [True, True]}, res["api"]

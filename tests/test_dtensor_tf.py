@@ -416,15 +416,15 @@ def test_shardckpt_restores_tensorflow_dtensor_checkpoints_onto_other_layouts(tf
     Checkpoint(**swapped).restore(prefix).assert_consumed()
     for group in (targets, swapped):
         for name, var in group.items():
-            for device, component in var.value.components.items():
-                box = var.value.box(device)
+            for device, component in var.value().components.items():
+                box = var.value().box(device)
                 assert_bits_equal(component, values[name][tuple(slice(a, b) for a, b in box)], f"{name}@{device}")
     # one client of four reads its own pieces
     remote = dt.create_distributed_mesh([("q", 8)], client_id=3, num_clients=4)
     mine = {n: dt.DVariable.from_global(np.zeros(SHAPE, dtype_of(n)), dt.Layout(["q", U], remote)) for n in NAMES}
     dt.DTensorCheckpoint(remote, **mine).restore(prefix).assert_consumed()
     for name, var in mine.items():
-        assert sorted(var.value.components) == [6, 7]
+        assert sorted(var.value().components) == [6, 7]
         assert_bits_equal(var.components()[1], values[name][7:8], name)
     # into plain Variables
     plain = {n: Variable(np.zeros(SHAPE, dtype_of(n))) for n in NAMES}
@@ -442,8 +442,8 @@ def test_shardckpt_restores_tensorflow_checkpoints_of_dvariables(tf_run: TFRun) 
     p = dt.DVariable.from_global(np.zeros((3, 5), np.float32), dt.Layout([U, U], m24))
     Checkpoint(s=s, r=r, p=p).restore(tf_run.prefix("T1")).assert_consumed()
     for var, name in ((s, "f32_on_x"), (r, "f32_rep"), (p, "plain")):
-        for device, component in var.value.components.items():
-            assert_bits_equal(component, values[name][tuple(slice(a, b) for a, b in var.value.box(device))], name)
+        for device, component in var.value().components.items():
+            assert_bits_equal(component, values[name][tuple(slice(a, b) for a, b in var.value().box(device))], name)
     # T2 ([a,.] on 2x4: 2 slices) and T4 ([a,b]) onto a one-device mesh and plain Variables
     m1 = dt.create_mesh([("s", 1)])
     v = dt.DVariable.from_global(np.zeros(SHAPE, np.float32), dt.Layout(["s", U], m1))

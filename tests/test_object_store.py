@@ -164,7 +164,7 @@ def test_resharded_dtensor_restore(s3dir: str) -> None:
         fs = _fs()
         fs.reset_stats()
         dtensor.DTensorCheckpoint(mesh4, v=target).restore(prefix).assert_consumed()
-        np.testing.assert_array_equal(dtensor.to_global(target.value), full)
+        np.testing.assert_array_equal(dtensor.to_global(target.value()), full)
         index = fs.size(prefix + ".index")
         assert fs.stats["bytes_read"] - index <= 1.1 * full.nbytes + 64, fs.stats
 

@@ -182,3 +182,28 @@ def test_empty_shards_are_dropped(tmp_path) -> None:
 def test_options_reject_a_callback_that_is_not_a_sharding_callback() -> None:
     with pytest.raises(InvalidArgumentError, match="ShardingCallback"):
         CheckpointOptions(sharding_callback=lambda ts: ts)  # type: ignore[arg-type]
+
+
+# -- the fields a callback written for TensorFlow reads (issue 15) ------------------------------------------
+
+
+def test_shardable_tensor_fields_answer_tfs_accessors() -> None:
+    st = shardckpt.ShardableTensor.from_value("w", np.zeros((3, 4), np.float32), slice_spec="6 4 3,3:-",
+                                              device="/job:worker/task:2/device:GPU:1")
+    assert st.shape == (3, 4) and st.shape.rank == 2 and st.shape.num_elements() == 12
+    assert st.shape.as_list() == [3, 4] and st.full_shape == (6, 4)
+    assert (st.device.job, st.device.replica, st.device.task) == ("worker", 0, 2)
+    assert (st.device.device_type, st.device.device_index) == ("GPU", 1)
+    assert st.device == "/job:worker/replica:0/task:2/device:GPU:1" == st.device.to_string()
+    assert (st.dtype.name, st.dtype.size, st.dtype.as_numpy_dtype) == ("float32", 4, np.float32)
+    scalar = shardckpt.ShardableTensor.from_value("s", np.array(b"x", dtype=object))
+    assert scalar.shape.rank == 0 and scalar.shape.num_elements() == 1 and scalar.dtype.size == 0
+
+
+def test_max_shard_size_partitioner_is_what_the_policy_runs() -> None:
+    tensors = [shardckpt.ShardableTensor.from_value(f"t{i}", np.zeros((4, 4), np.float32)) for i in range(3)]
+    policy = shardckpt.MaxShardSizePolicy(100)
+    direct = shardckpt.MaxShardSizePolicy.MaxShardSizePartitioner().get_shards(100, tensors)
+    assert [{k: sorted(v) for k, v in s.items()} for s in policy(tensors)] == \
+        [{k: sorted(v) for k, v in s.items()} for s in direct]
+    assert len(direct) == 2  # 3 x 64 bytes under a 100-byte limit: the second tensor is split over two shards

@@ -127,13 +127,13 @@ def run(coordinator: Any, out_dir: str, ckpt_dir: str, phases: List[str]) -> Non
     def train_step(record: Dict[str, Any]) -> None:
         for name in WEIGHTS:
             variable = getattr(model, name.replace("/", "_"))
-            for device, component in variable.value.components.items():
+            for device, component in variable.value().components.items():
                 step(component, goals[name].components[device])
         step_counter.assign_add(1)
         # the training loop's collectives, on the main coordinator, while a save may run on the clone
         busy = pending()
         checksum = float(sum(float(c.sum(dtype=np.float64)) for name in WEIGHTS
-                             for c in getattr(model, name.replace("/", "_")).value.components.values()))
+                             for c in getattr(model, name.replace("/", "_")).value().components.values()))
         gathered = coordinator.all_gather({"rank": rank, "step": int(step_counter.numpy()), "sum": checksum})
         assert [g["rank"] for g in gathered] == list(range(size)), gathered
         assert {g["step"] for g in gathered} == {int(step_counter.numpy())}, gathered

@@ -202,8 +202,8 @@ def user_allreduce(backend: str):
 def mismatches(var, expected: np.ndarray) -> List[str]:
     """Devices whose component differs from its box of ``expected`` (empty: exact)."""
     out = []
-    for device, component in var.value.components.items():
-        box = var.value.box(device)
+    for device, component in var.value().components.items():
+        box = var.value().box(device)
         want = expected[tuple(slice(a, b) for a, b in box)]
         if component.dtype != want.dtype or component.shape != want.shape or not np.array_equal(component, want):
             out.append(f"device {device} box {box}")
@@ -213,7 +213,7 @@ def mismatches(var, expected: np.ndarray) -> List[str]:
 def local_piece_bytes(var) -> int:
     from shardckpt.format.tensor_slice import box_volume
 
-    return sum(box_volume(box) for box in var.value.local_pieces()) * var.value.dtype.itemsize
+    return sum(box_volume(box) for box in var.value().local_pieces()) * var.value().dtype.itemsize
 
 
 def dvariables(mesh, generation: int, layouts: Dict[str, List[str]] = None) -> Dict[str, Any]:
@@ -258,12 +258,12 @@ def restore_and_check(mesh, layouts: Dict[str, List[str]], path: str, coordinato
     else:  # a sharded_save bundle: keys are the names, no object graph
         with BundleReader(path) as reader:
             for name, var in targets.items():
-                var.value.restore_from(reader, name)
+                var.value().restore_from(reader, name)
             out["plain_ok"] = bool(np.array_equal(reader.read(PLAIN), value(PLAIN, generation)))
     out["bytes_read"] = BYTES_READ["bytes"]
     out["bytes_needed"] = sum(local_piece_bytes(v) for v in targets.values())
     out["mismatches"] = {name: mismatches(var, value(name, generation)) for name, var in targets.items()}
-    out["gathered_ok"] = {name: bool(np.array_equal(dt.to_global(var.value, coordinator), value(name, generation)))
+    out["gathered_ok"] = {name: bool(np.array_equal(dt.to_global(var.value(), coordinator), value(name, generation)))
                           for name, var in targets.items()}
     out["local_devices"] = mesh.local_device_ids()
     # the big variable alone: the bytes this client reads against the bytes of its distinct local pieces
@@ -273,7 +273,7 @@ def restore_and_check(mesh, layouts: Dict[str, List[str]], path: str, coordinato
         dt.DTensorCheckpoint(mesh, coordinator=coordinator, **big).restore(path).expect_partial()
     else:
         with BundleReader(path) as reader:
-            big["big"].value.restore_from(reader, "big")
+            big["big"].value().restore_from(reader, "big")
     out["big_bytes_read"] = BYTES_READ["bytes"]
     out["big_bytes_needed"] = local_piece_bytes(big["big"])
     out["big_mismatches"] = mismatches(big["big"], value("big", generation))
@@ -307,7 +307,7 @@ def run_save4(data: str) -> None:
 
     def sharded(prefix: str, options=None):
         variables = dvariables(mesh, CKPT_GEN)
-        tensors = [variables[n].value for n in names] + [value(PLAIN, CKPT_GEN)]
+        tensors = [variables[n].value() for n in names] + [value(PLAIN, CKPT_GEN)]
         return dt.sharded_save(mesh, os.path.join(data, prefix), names + [PLAIN], [""] * (len(names) + 1),
                                tensors, options, coordinator=coord)
 
@@ -483,11 +483,53 @@ def run_restore2(data: str) -> None:
     coord.close()
 
 
+def run_api4(data: str) -> None:
+    """TF's DTensor client API across real clients: num_clients/client_id, barrier, DVariable to_global,
+    relayout, name_based_save / name_based_restore onto other meshes and layouts, numpy() refused."""
+    from shardckpt import dtensor as dt
+    from shardckpt.distributed import set_coordinator
+    from shardckpt.errors import InvalidArgumentError
+
+    coord = make_coordinator(LONG)
+    set_coordinator(coord)
+    result.update(rank=coord.rank, size=coord.size, backend=coord.backend, pid=os.getpid())
+    flush()
+    mesh = dt.create_distributed_mesh([("x", 2), ("y", 4)])
+    mesh8 = dt.create_distributed_mesh([("z", 8)])
+    full_a = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+    full_b = np.arange(8, dtype=np.int64)
+    out: Dict[str, Any] = {"clients": [dt.num_clients(), dt.client_id()]}
+    dt.barrier(mesh, "api4-start", timeout_in_ms=60_000)
+    var = dt.DVariable.from_global(full_a, dt.Layout(["x", "y"], mesh), name="a")
+    var.assign_add(1.0)
+    out["to_global_dvariable"] = bool(np.array_equal(dt.to_global(var), full_a + 1))
+    moved = dt.relayout(var, dt.Layout([U, "z"], mesh8))
+    out["relayout"] = bool(np.array_equal(dt.to_global(moved), full_a + 1))
+    try:
+        var.numpy()
+        out["numpy"] = "no error"
+    except InvalidArgumentError as e:
+        out["numpy"] = "to_global" in str(e)
+    b = dt.from_global(full_b, dt.Layout(["z"], mesh8))
+    prefix = os.path.join(data, "api4", "named")
+    dt.name_based_save(mesh, prefix, {"a": var, "b": b})
+    got = dt.name_based_restore(mesh, prefix, {
+        "a": dt.from_global(np.zeros_like(full_a), dt.Layout(["y", U], mesh)),
+        "b": dt.from_global(np.zeros_like(full_b), dt.Layout([U], mesh))})
+    out["name_based"] = [bool(np.array_equal(dt.to_global(got["a"]), full_a + 1)),
+                         bool(np.array_equal(dt.to_global(got["b"]), full_b))]
+    dt.barrier(mesh, "api4-end")
+    result["api"] = out
+    result["done"] = True
+    flush()
+    coord.close()
+
+
 def main() -> None:
     global OUT
     mode, OUT, data = sys.argv[1], sys.argv[2], sys.argv[3]
     os.makedirs(OUT, exist_ok=True)
-    {"save4": run_save4, "restore2": run_restore2, "fault2": run_fault2}[mode](data)
+    {"save4": run_save4, "restore2": run_restore2, "fault2": run_fault2, "api4": run_api4}[mode](data)
 
 
 if __name__ == "__main__":

@@ -72,7 +72,8 @@ class TFOracle:
     Use as a context manager, or call :meth:`close`. Not re-entrant; calls are serialised.
     """
 
-    def __init__(self, tf_python: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, tf_python: str | None = None, timeout: float = DEFAULT_TIMEOUT, logical_cpus: int = 0) -> None:
+        """Start the server; ``logical_cpus > 1`` splits its CPU into that many logical devices (for DTensor)."""
         tf_python = tf_python or find_tf_python()
         self.timeout = timeout
         self._tmp = Path(tempfile.mkdtemp(prefix="shardckpt-tf-oracle-"))
@@ -80,7 +81,8 @@ class TFOracle:
         self._log: IO[bytes] = open(self._log_path, "wb")  # noqa: SIM115  lives as long as the server
         self._lock = threading.Lock()
         self._lines: queue.Queue[str | None] = queue.Queue()
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="-1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="-1", PYTHONUNBUFFERED="1",
+                   SHARDCKPT_TF_LOGICAL_CPUS=str(logical_cpus))
         self._proc = subprocess.Popen(
             [tf_python, str(SERVER)],
             stdin=subprocess.PIPE,
@@ -219,6 +221,12 @@ class TFOracle:
         """Exec ``code`` in the server (``tf``, ``np``, ``json``, ``os``, ``write_tensors``,
         ``read_tensors`` predefined) and return its JSON-serialisable ``result`` variable."""
         return self.request({"op": "exec", "code": code})["result"]
+
+    def probe(self, code: str) -> dict[str, Any]:
+        """Exec ``code`` in the server; return ``{"result": ..., "error": None}`` or, when it raised,
+        ``{"result": None, "error": {"type", "bases", "message"}}`` (the exception is an answer, not a failure)."""
+        reply = self.request({"op": "probe", "code": code})
+        return {"result": reply["result"], "error": reply["error"]}
 
     # -- lifecycle ---------------------------------------------------------------------------
 

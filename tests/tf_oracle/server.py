@@ -25,6 +25,14 @@ import numpy as np
 import tensorflow as tf
 from tensorfile import read_tensors, tf_name, write_tensors  # the script's directory is on sys.path
 
+# DTensor needs its logical CPUs configured before any other TF op: a server started with
+# SHARDCKPT_TF_LOGICAL_CPUS=N splits the CPU into N logical devices at start-up.
+_LOGICAL_CPUS = int(os.environ.get("SHARDCKPT_TF_LOGICAL_CPUS", "0") or 0)
+if _LOGICAL_CPUS > 1:
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * _LOGICAL_CPUS
+    )
+
 Request = dict[str, Any]
 
 
@@ -109,6 +117,20 @@ def op_exec(req: Request) -> Request:
     return {"result": namespace.get("result")}
 
 
+def op_probe(req: Request) -> Request:
+    """Like ``exec``, but an exception is part of the answer: ``{"result": ..., "error": null}`` or
+    ``{"result": null, "error": {"type": name, "bases": [names of its classes, most derived first],
+    "message": str}}`` — so tests can compare exception classes with shardckpt's."""
+    namespace: dict[str, Any] = {"tf": tf, "np": np, "json": json, "os": os}
+    try:
+        exec(req["code"], namespace)  # noqa: S102  trusted test code
+    except Exception as e:  # noqa: BLE001  the exception is the answer
+        return {"result": None,
+                "error": {"type": type(e).__name__, "bases": [c.__name__ for c in type(e).__mro__],
+                          "message": str(e)}}
+    return {"result": namespace.get("result"), "error": None}
+
+
 def op_ping(req: Request) -> Request:
     return {"tf_version": tf.__version__}
 
@@ -119,6 +141,7 @@ OPS: dict[str, Callable[[Request], Request]] = {
     "restore_v2": op_restore_v2,
     "merge_v2": op_merge_v2,
     "exec": op_exec,
+    "probe": op_probe,
     "ping": op_ping,
 }
 

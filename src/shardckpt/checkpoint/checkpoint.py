@@ -49,6 +49,14 @@ class Checkpoint(Module):
     with children ``model`` and ``optimizer`` (sorted by name) and, once it exists,
     ``save_counter``. ``Checkpoint(root=obj, **kwargs)`` makes ``obj`` the root and
     attaches ``kwargs`` to it as extra children.
+
+    Values must be trackable (modules, variables, lists/tuples/dicts of them), as in
+    TensorFlow; anything else raises :class:`~shardckpt.errors.InvalidArgumentError`
+    (a ``ValueError``, as TF's). Extension: NumPy arrays are accepted too, saved like
+    variables and restored in place.
+
+    Unlike TensorFlow, a ``save`` that fails gives its number back (``save_counter``
+    is what it was before the call), so the next save reuses the number.
     """
 
     _root: Optional[Trackable]
@@ -70,8 +78,8 @@ class Checkpoint(Module):
         for name in sorted(kwargs):
             value = kwargs[name]
             if as_trackable(value) is None:
-                raise InvalidArgumentError(f"Checkpoint was given a non-trackable value for {name!r}: "
-                                           f"{type(value).__name__}")
+                raise InvalidArgumentError(f"`Checkpoint` was expecting {name} to be a trackable object (a Module, "
+                                           f"Variable, NumPy array, list or dict), got {value!r}")
             if name == SAVE_COUNTER:
                 raise InvalidArgumentError("'save_counter' is reserved by Checkpoint")
             setattr(self, name, value)
@@ -175,7 +183,8 @@ class Checkpoint(Module):
         """Restore from ``save_path`` (a prefix, or a directory with a ``checkpoint`` file).
 
         Returns a status (``assert_consumed()``, ``assert_existing_objects_matched()``,
-        ``assert_nontrivial_match()``, ``expect_partial()``). ``None`` restores nothing.
+        ``assert_nontrivial_match()``, ``expect_partial()``). ``None`` restores nothing and
+        returns an ``InitializationOnlyStatus`` whose asserts and ``run_restore_ops`` fail, as TF's.
         Checkpoints without an object graph (TF1 ``Saver``) are matched by variable name.
         """
         if save_path is None:

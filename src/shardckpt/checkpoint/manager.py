@@ -33,14 +33,20 @@ def _value(counter: Any) -> int:
 
 
 class CheckpointManager:
-    """Manage numbered checkpoints of one :class:`~shardckpt.Checkpoint` in ``directory``."""
+    """Manage numbered checkpoints of one :class:`~shardckpt.Checkpoint` in ``directory``.
 
-    def __init__(self, checkpoint: Any, directory: str, max_to_keep: Optional[int] = 5,
+    ``max_to_keep`` is required, as in TensorFlow (``None`` keeps every checkpoint).
+    With ``checkpoint_interval``, ``save`` writes only when ``step_counter`` advanced
+    that many steps since ``last_checkpoint_step`` (initially the argument, then the
+    step of the last save or restore).
+    """
+
+    def __init__(self, checkpoint: Any, directory: str, max_to_keep: Optional[int],
                  keep_checkpoint_every_n_hours: Optional[float] = None, checkpoint_name: str = "ckpt",
                  step_counter: Any = None, checkpoint_interval: Optional[int] = None,
-                 init_fn: Optional[Callable[[], Any]] = None) -> None:
+                 init_fn: Optional[Callable[[], Any]] = None, last_checkpoint_step: Optional[int] = None) -> None:
         if max_to_keep is not None and max_to_keep <= 0:
-            raise InvalidArgumentError(f"max_to_keep must be positive or None, got {max_to_keep}")
+            raise InvalidArgumentError(f"Expected a positive integer or `None` for `max_to_keep`, got {max_to_keep}")
         if checkpoint_interval is not None and step_counter is None:
             raise InvalidArgumentError("checkpoint_interval needs a step_counter")
         self._checkpoint = checkpoint
@@ -51,7 +57,8 @@ class CheckpointManager:
         self._step_counter = step_counter
         self._checkpoint_interval = checkpoint_interval
         self._init_fn = init_fn
-        self._last_checkpoint_step: Optional[int] = None
+        self._last_checkpoint_step: Optional[int] = None if last_checkpoint_step is None \
+            else _value(last_checkpoint_step)
         self._maybe_delete: "OrderedDict[str, float]" = OrderedDict()
         now = time.time()
         # TF: one second back, so that a manager re-created at once does not race the last one.
@@ -70,10 +77,12 @@ class CheckpointManager:
 
     @property
     def directory(self) -> str:
+        """The directory holding the checkpoints and the ``checkpoint`` state file."""
         return self._directory
 
     @property
     def checkpoint(self) -> Any:
+        """The managed :class:`~shardckpt.Checkpoint`."""
         return self._checkpoint
 
     @property
@@ -88,7 +97,17 @@ class CheckpointManager:
 
     @property
     def checkpoint_interval(self) -> Optional[int]:
+        """Minimum number of steps between saves (``None``: every ``save`` call writes)."""
         return self._checkpoint_interval
+
+    @property
+    def last_checkpoint_step(self) -> Optional[int]:
+        """The step counter's value at the last save or restore (``checkpoint_interval`` only; else ``None``)."""
+        return self._last_checkpoint_step
+
+    def sync(self) -> None:
+        """Wait until the save in flight (``enable_async``) has committed; raise its error if it failed."""
+        self._checkpoint.sync()
 
     def save(self, checkpoint_number: Optional[int] = None, check_interval: bool = True,
              options: Optional[CheckpointOptions] = None) -> Optional[str]:

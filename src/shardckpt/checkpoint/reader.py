@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Tuple, Union
+from typing import Any, Dict, List, Tuple, Union
 
 import numpy as np
 
@@ -54,6 +54,7 @@ class CheckpointReader:
         self.bundle = BundleReader(prefix)
 
     def get_variable_to_shape_map(self) -> Dict[str, List[int]]:
+        """Every key (partitioned tensors by their plain key) -> its full shape."""
         return {_name(k): list(self.bundle.shape(k)) for k in self.bundle.keys()}
 
     def get_variable_to_dtype_map(self) -> Dict[str, np.dtype]:
@@ -65,14 +66,21 @@ class CheckpointReader:
         return {_name(k): self.bundle.dtype(k) for k in self.bundle.keys()}
 
     def has_tensor(self, key: Union[str, bytes]) -> bool:
+        """Whether ``key`` names a tensor of the checkpoint."""
         kb = key.encode("utf-8") if isinstance(key, str) else key
         return kb in self.bundle and not kb.startswith(b"\x00")
 
-    def get_tensor(self, key: Union[str, bytes]) -> np.ndarray:
-        """The whole tensor; strings come back as an object array of ``bytes``."""
-        return self.bundle.read(key)
+    def get_tensor(self, key: Union[str, bytes]) -> Any:
+        """The whole tensor; strings come back as an object array of ``bytes``.
+
+        Scalars come back as NumPy scalars (``np.float32(1.0)``; a scalar string as
+        ``bytes``), as TensorFlow's reader returns them.
+        """
+        value = self.bundle.read(key)
+        return value[()] if value.ndim == 0 else value
 
     def close(self) -> None:
+        """Close the files (the reader cannot be used afterwards)."""
         self.bundle.close()
 
     def __enter__(self) -> "CheckpointReader":
@@ -93,7 +101,7 @@ def list_variables(ckpt_dir_or_file: str) -> List[Tuple[str, List[int]]]:
         return sorted(reader.get_variable_to_shape_map().items())
 
 
-def load_variable(ckpt_dir_or_file: str, name: str) -> np.ndarray:
+def load_variable(ckpt_dir_or_file: str, name: str) -> Any:
     """One tensor. As in TF, a trailing ``:0`` in ``name`` is ignored."""
     if name.endswith(":0"):
         name = name[:-2]

@@ -11,6 +11,7 @@ slots created later.
 
 from __future__ import annotations
 
+import abc
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
@@ -25,7 +26,7 @@ from .graph import OBJECT_GRAPH_KEY, build_graph, slot_variables_of, walk
 from .registration import get_saver
 from .trackable import Trackable, Variable
 
-__all__ = ["RestoreSession", "CheckpointLoadStatus", "NameBasedSaverStatus", "InitializationOnlyStatus",
+__all__ = ["RestoreSession", "LoadStatus", "CheckpointLoadStatus", "NameBasedSaverStatus", "InitializationOnlyStatus",
            "load_object_graph"]
 
 _log = logging.getLogger("shardckpt")
@@ -227,7 +228,38 @@ def _unrestored_live_values(root: Trackable, extra: Optional[Dict[str, Trackable
     return [t.key for t in graph.tensors if t.obj._identity() not in restored | skipped]
 
 
-class CheckpointLoadStatus:
+class LoadStatus(abc.ABC):
+    """Base of the statuses ``Checkpoint.restore`` returns (TensorFlow's ``_LoadStatus``).
+
+    Values are restored eagerly, so ``run_restore_ops`` and ``initialize_or_restore``
+    have nothing left to run; ``expect_partial`` silences the warning about values
+    left unrestored.
+    """
+
+    @abc.abstractmethod
+    def assert_consumed(self) -> "LoadStatus":
+        """Raise ``AssertionError`` unless everything in the checkpoint and every object matched."""
+
+    @abc.abstractmethod
+    def assert_existing_objects_matched(self) -> "LoadStatus":
+        """Raise ``AssertionError`` unless every object that exists now got its value."""
+
+    @abc.abstractmethod
+    def assert_nontrivial_match(self) -> "LoadStatus":
+        """Raise ``AssertionError`` if nothing besides the root matched."""
+
+    def run_restore_ops(self, session: Any = None) -> None:  # noqa: B027 - a no-op default, as TF eager
+        """Values are restored eagerly; nothing to run (``session`` is accepted for TF's signature)."""
+
+    def initialize_or_restore(self, session: Any = None) -> None:  # noqa: B027 - a no-op default
+        """Values are restored (or left as initialized) eagerly; nothing to run."""
+
+    def expect_partial(self) -> "LoadStatus":
+        """Silence warnings about values of the checkpoint left unrestored."""
+        return self
+
+
+class CheckpointLoadStatus(LoadStatus):
     """What ``Checkpoint.restore`` returns: how well the checkpoint and the objects matched."""
 
     def __init__(self, session: RestoreSession, root: Trackable,
@@ -268,12 +300,6 @@ class CheckpointLoadStatus:
         self._quiet = True
         return self
 
-    def run_restore_ops(self, session: Any = None) -> None:
-        """Values are restored eagerly; nothing to run (TF API compatibility)."""
-
-    def initialize_or_restore(self, session: Any = None) -> None:
-        """Values are restored eagerly; nothing to run (TF API compatibility)."""
-
     def __del__(self) -> None:
         try:
             if not self._quiet:
@@ -291,7 +317,7 @@ def _some(keys: List[str], n: int = 5) -> str:
     return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")
 
 
-class NameBasedSaverStatus:
+class NameBasedSaverStatus(LoadStatus):
     """Status of restoring a name-based (TF1 ``Saver``) checkpoint: variables matched by name."""
 
     def __init__(self, reader: BundleReader, root: Trackable, extra: Optional[Dict[str, Trackable]],
@@ -323,43 +349,38 @@ class NameBasedSaverStatus:
         return self.assert_existing_objects_matched()
 
     def assert_existing_objects_matched(self) -> "NameBasedSaverStatus":
+        """Every variable found a value by its name."""
         if self._missing:
             raise AssertionError(f"variables not found by name in checkpoint {self._reader.prefix}: "
                                  f"{_some(self._missing)}")
         return self
 
     def assert_nontrivial_match(self) -> "NameBasedSaverStatus":
+        """At least one variable matched by name."""
         if not self._matched:
             raise AssertionError(f"no variable matched by name in checkpoint {self._reader.prefix}")
         return self
 
-    def expect_partial(self) -> "NameBasedSaverStatus":
-        return self
 
-    def run_restore_ops(self, session: Any = None) -> None:
-        pass
-
-    def initialize_or_restore(self, session: Any = None) -> None:
-        pass
+_NOTHING = "No checkpoint specified (save_path=None); nothing is being restored."
 
 
-class InitializationOnlyStatus:
-    """Status of ``restore(None)``: nothing was restored."""
+class InitializationOnlyStatus(LoadStatus):
+    """Status of ``restore(None)``: nothing was restored; the asserts and ``run_restore_ops`` fail (as TF)."""
 
     def assert_consumed(self) -> "InitializationOnlyStatus":
-        raise AssertionError("no checkpoint was restored (restore was given None)")
+        """Always fails: nothing is being restored."""
+        raise AssertionError(_NOTHING)
 
     def assert_existing_objects_matched(self) -> "InitializationOnlyStatus":
-        raise AssertionError("no checkpoint was restored (restore was given None)")
+        """Always fails: nothing is being restored."""
+        raise AssertionError(_NOTHING)
 
     def assert_nontrivial_match(self) -> "InitializationOnlyStatus":
-        raise AssertionError("no checkpoint was restored (restore was given None)")
-
-    def expect_partial(self) -> "InitializationOnlyStatus":
-        return self
+        """Always fails: nothing is being restored."""
+        raise AssertionError(_NOTHING)
 
     def run_restore_ops(self, session: Any = None) -> None:
-        pass
-
-    def initialize_or_restore(self, session: Any = None) -> None:
-        pass
+        """Always fails: there are no restore ops (use ``initialize_or_restore``)."""
+        raise AssertionError("No checkpoint specified, so no restore ops are available "
+                             "(save_path=None to Saver.restore).")

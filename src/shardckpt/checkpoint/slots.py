@@ -50,9 +50,11 @@ class Optimizer(Module):
         return slot
 
     def get_slot_names(self) -> List[str]:
+        """Names of the slots this optimizer creates (``"m"``, ``"v"``, ...)."""
         return list(self._slot_names)
 
     def get_slot(self, variable: Trackable, slot_name: str) -> Optional[Variable]:
+        """The slot ``slot_name`` of ``variable``, or ``None`` when it was not created yet."""
         return self._slots.get((variable._identity(), slot_name))
 
     def _defer_slot_restore(self, variable: Trackable, slot_name: str, restore: Callable[[Trackable], None]) -> None:

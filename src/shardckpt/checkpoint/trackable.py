@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..format.dtypes import DType, as_dtype
+from .convert import convert_python_value
 
 __all__ = ["Trackable", "Variable", "Module", "TrackedList", "TrackedDict", "ArrayRef", "as_trackable",
            "VARIABLE_VALUE"]
@@ -81,14 +82,23 @@ class Variable(Trackable):
 
     Mirrors the parts of ``tf.Variable`` a checkpoint needs: ``numpy()``,
     ``assign()``, ``shape``, ``dtype``, ``name``.
+
+    Without ``dtype``, Python values take TensorFlow's dtypes (``Variable(1.0)`` is
+    float32, ``Variable(3)`` int32, ``Variable([1.0, 2.0])`` float32, ``Variable(True)``
+    bool, ``Variable("s")`` string; ints outside int32's range make int64), so a
+    checkpoint of it restores into the equivalent ``tf.Variable``. NumPy arrays and
+    scalars keep their dtype (see :mod:`shardckpt.checkpoint.convert`).
     """
 
     def __init__(self, initial_value: Any, name: Optional[str] = None, dtype: Any = None,
                  trainable: bool = True) -> None:
         value = initial_value() if callable(initial_value) else initial_value
-        array = np.array(value, dtype=None if dtype is None else as_dtype(dtype).numpy, copy=True, order="C")
-        if array.dtype.kind in "SU":
-            array = array.astype(object)
+        if dtype is None:
+            array = convert_python_value(value)
+        else:
+            array = np.array(value, dtype=as_dtype(dtype).numpy, copy=True, order="C")
+            if array.dtype.kind in "SU":
+                array = array.astype(object)
         as_dtype(array.dtype)  # rejects dtypes a checkpoint cannot hold
         self._value = array
         self._name = name or "Variable"
@@ -96,14 +106,17 @@ class Variable(Trackable):
 
     @property
     def name(self) -> str:
+        """The variable's name (recorded as ``full_name`` in the checkpoint; TF1 checkpoints match by it)."""
         return self._name
 
     @property
     def shape(self) -> Tuple[int, ...]:
+        """The value's shape."""
         return tuple(self._value.shape)
 
     @property
     def dtype(self) -> DType:
+        """The value's dtype (TensorFlow's names; ``dtype.numpy`` is the NumPy dtype)."""
         return as_dtype(self._value.dtype)
 
     def numpy(self) -> np.ndarray:
@@ -116,6 +129,7 @@ class Variable(Trackable):
         return self._value
 
     def assign(self, value: Any) -> "Variable":
+        """Write ``value`` into the variable in place (same shape; cast within its kind)."""
         new = np.asarray(value)
         if new.shape != self._value.shape:
             raise InvalidArgumentError(f"cannot assign a value of shape {list(new.shape)} to variable "
@@ -124,9 +138,15 @@ class Variable(Trackable):
         return self
 
     def assign_add(self, delta: Any) -> "Variable":
+        """Add ``delta`` in place."""
         return self.assign(self._value + delta)
 
+    def assign_sub(self, delta: Any) -> "Variable":
+        """Subtract ``delta`` in place."""
+        return self.assign(self._value - delta)
+
     def read_value(self) -> np.ndarray:
+        """A copy of the value."""
         return self.numpy()
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:

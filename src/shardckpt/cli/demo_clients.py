@@ -91,7 +91,7 @@ def run_client(group: Any, rank: int, phase: Dict[str, Any], out_dir: str) -> No
         for name in WEIGHTS:
             variable = getattr(model, name.replace("/", "_"))
             goal = goals[name]
-            for device, component in variable.value.components.items():
+            for device, component in variable.value().components.items():
                 step(component, goal.components[device])
         step_counter.assign_add(1)
         if int(step_counter.numpy()) % phase["every"] == 0:
@@ -100,7 +100,7 @@ def run_client(group: Any, rank: int, phase: Dict[str, Any], out_dir: str) -> No
             events.append({"event": "save", "path": os.path.basename(path), "step": int(step_counter.numpy()),
                            "seconds": time.perf_counter() - started})
     local_bytes = sum(c.nbytes for name in WEIGHTS
-                      for c in getattr(model, name.replace("/", "_")).value.components.values())
+                      for c in getattr(model, name.replace("/", "_")).value().components.values())
     with open(os.path.join(out_dir, f"client-{phase['name']}-{rank}.json"), "w") as f:
         json.dump({"rank": rank, "events": events, "devices": mesh.local_device_ids(),
                    "local_bytes": local_bytes}, f)

@@ -33,15 +33,28 @@ class DType:
 
     @property
     def is_string(self) -> bool:
+        """Whether this is TensorFlow's ``string``."""
         return self.enum == 7
 
     @property
     def is_variant(self) -> bool:
+        """Whether this is TensorFlow's ``variant``."""
         return self.enum == 21
 
     @property
     def is_numeric(self) -> bool:
+        """Whether elements have a fixed size (not a string or variant)."""
         return self.itemsize is not None
+
+    @property
+    def size(self) -> int:
+        """Bytes per element as TensorFlow's ``DType.size`` reports it (0 for strings and variants)."""
+        return int(self.itemsize) if self.itemsize is not None else 0
+
+    @property
+    def as_numpy_dtype(self) -> Any:
+        """The NumPy scalar type (TensorFlow's ``DType.as_numpy_dtype``)."""
+        return self.numpy.type
 
     def __repr__(self) -> str:
         return f"shardckpt.{self.name}"

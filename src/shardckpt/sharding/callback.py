@@ -51,9 +51,11 @@ class ShardByTaskPolicy(ShardingCallback):
 
     @property
     def description(self) -> str:
+        """What the policy does."""
         return "Split tensors into shards based on their device spec task."
 
     def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> List[Shard]:
+        """All of the task's tensors in one shard."""
         shard: Shard = {}
         for st in shardable_tensors:
             shard.setdefault(st.checkpoint_key, {})[st.slice_spec] = st.tensor
@@ -65,9 +67,11 @@ class ShardByDevicePolicy(ShardingCallback):
 
     @property
     def description(self) -> str:
+        """What the policy does."""
         return "Split tensors into shards based on their device spec."
 
     def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> List[Shard]:
+        """One shard per device."""
         by_device: Dict[str, Shard] = {}
         for st in shardable_tensors:
             by_device.setdefault(st.device, {}).setdefault(st.checkpoint_key, {})[st.slice_spec] = st.tensor
@@ -88,6 +92,16 @@ class MaxShardSizePolicy(ShardingCallback):
     is put alone in its own shard, with a warning.
     """
 
+    class MaxShardSizePartitioner:
+        """The partitioner the policy runs, as TensorFlow's (``get_shards(max_shard_size, shardable_tensors)``)."""
+
+        def get_shards(self, max_shard_size: int, shardable_tensors: Sequence[ShardableTensor]) -> List[Shard]:
+            """Split ``shardable_tensors`` into shards of at most ``max_shard_size`` bytes."""
+            packer = _Packer(int(max_shard_size))
+            for st in shardable_tensors:
+                packer.add_tensor(st)
+            return packer.result()
+
     def __init__(self, max_shard_size: int) -> None:
         if int(max_shard_size) <= 0:
             raise InvalidArgumentError(f"max_shard_size must be positive, got {max_shard_size}")
@@ -95,13 +109,12 @@ class MaxShardSizePolicy(ShardingCallback):
 
     @property
     def description(self) -> str:
+        """What the policy does."""
         return "Split tensors into shards with a max shard size."
 
     def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> List[Shard]:
-        packer = _Packer(self.max_shard_size)
-        for st in shardable_tensors:
-            packer.add_tensor(st)
-        return packer.result()
+        """Shards of at most ``max_shard_size`` bytes (see the class docstring)."""
+        return self.MaxShardSizePartitioner().get_shards(self.max_shard_size, shardable_tensors)
 
 
 def _sizes(st: ShardableTensor, value: np.ndarray) -> Tuple[int, int]:

@@ -2,24 +2,89 @@
 
 Mirrors ``tf.train.experimental.ShardableTensor``: the callback sees the
 checkpoint key, dtype, shape, slice spec, device and the value, and returns
-shards built from them.
+shards built from them. The fields answer what a callback written for TensorFlow
+reads: ``shape`` is a :class:`TensorShape` (a tuple with ``rank``,
+``num_elements()``, ``as_list()``), ``device`` a :class:`DeviceSpec` (the full
+device string with ``job``, ``replica``, ``task``, ``device_type``,
+``device_index``), ``dtype`` a :class:`~shardckpt.DType` (``size``, ``name``,
+``as_numpy_dtype``), ``slice_spec`` the ``shape_and_slices`` string (``""`` for a
+whole tensor). ``tensor`` is a NumPy array (TF: a ``tf.Tensor``) or a zero-argument
+callable producing it.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import numpy as np
 
 from ..format.dtypes import DType, as_dtype
 from ..format.tensor_slice import Box, full_box, parse_shape_and_slice
 
-__all__ = ["ShardableTensor", "DEFAULT_DEVICE", "task_of", "canonical_device"]
+__all__ = ["ShardableTensor", "TensorShape", "DeviceSpec", "DEFAULT_DEVICE", "task_of", "canonical_device"]
 
 DEFAULT_DEVICE = "/job:localhost/replica:0/task:0/device:CPU:0"
 _DEVICE_FIELD = re.compile(r"/(job|replica|task|device):([^/]*)")
+
+
+class TensorShape(tuple):
+    """A shape: a tuple of ints with TensorFlow's ``TensorShape`` accessors."""
+
+    @property
+    def rank(self) -> int:
+        """Number of dimensions."""
+        return len(self)
+
+    @property
+    def dims(self) -> List[int]:
+        """The dimensions as a list."""
+        return list(self)
+
+    def as_list(self) -> List[int]:
+        """The dimensions as a list."""
+        return list(self)
+
+    def num_elements(self) -> int:
+        """Number of elements (1 for a scalar)."""
+        n = 1
+        for d in self:
+            n *= int(d)
+        return n
+
+
+class DeviceSpec(str):
+    """A full device string (``/job:localhost/replica:0/task:0/device:CPU:0``) with TF's ``DeviceSpec`` fields."""
+
+    @property
+    def job(self) -> str:
+        """The job name."""
+        return str(_fields(self)["job"])
+
+    @property
+    def replica(self) -> int:
+        """The replica index."""
+        return int(_fields(self)["replica"])
+
+    @property
+    def task(self) -> int:
+        """The task index."""
+        return int(_fields(self)["task"])
+
+    @property
+    def device_type(self) -> str:
+        """The device type (``"CPU"``, ``"GPU"``, ...)."""
+        return str(_fields(self)["device"]).rsplit(":", 1)[0]
+
+    @property
+    def device_index(self) -> int:
+        """The device index on its task."""
+        return int(str(_fields(self)["device"]).rsplit(":", 1)[-1])
+
+    def to_string(self) -> str:
+        """The device string."""
+        return str(self)
 
 
 def _fields(device: str) -> dict:
@@ -80,8 +145,8 @@ class ShardableTensor:
     def __post_init__(self) -> None:
         if not self.name:
             object.__setattr__(self, "name", self.checkpoint_key)
-        object.__setattr__(self, "device", canonical_device(self.device))
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        object.__setattr__(self, "device", DeviceSpec(canonical_device(self.device)))
+        object.__setattr__(self, "shape", TensorShape(int(d) for d in self.shape))
 
     def __hash__(self) -> int:
         return hash((self.name, self.dtype.enum, self.device, self.checkpoint_key))
@@ -92,6 +157,7 @@ class ShardableTensor:
 
     @property
     def task(self) -> str:
+        """The task this tensor is saved by (its device with ``CPU:0``); callbacks run once per task."""
         return task_of(self.device)
 
     @property

@@ -1,12 +1,20 @@
-"""``Layout``: how each dimension of a tensor is split over a mesh (``dtensor.Layout``)."""
+"""``Layout``: how each dimension of a tensor is split over a mesh (``dtensor.Layout``).
+
+String form (TensorFlow's)::
+
+    sharding_specs:<spec>,<spec>,..., mesh:<mesh string>
+
+each spec followed by a comma (a scalar's layout: ``sharding_specs: mesh:...``).
+Only static layouts exist here (no single-device or parted layouts).
+"""
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from ..errors import InvalidArgumentError
 from ..format.tensor_slice import Box
-from .mesh import Mesh
+from ._mesh import Mesh
 
 __all__ = ["Layout", "UNSHARDED", "MATCH"]
 
@@ -35,27 +43,33 @@ class Layout:
 
     @property
     def rank(self) -> int:
+        """Number of tensor dimensions the layout describes."""
         return len(self.sharding_specs)
 
     @classmethod
     def replicated(cls, mesh: Mesh, rank: int) -> "Layout":
+        """Every dimension unsharded: each device holds the whole tensor."""
         return cls([UNSHARDED] * rank, mesh)
 
     @classmethod
     def batch_sharded(cls, mesh: Mesh, batch_dim: str, rank: int, axis: int = 0) -> "Layout":
+        """Tensor dimension ``axis`` sharded over mesh dimension ``batch_dim``, the others unsharded."""
         specs = [UNSHARDED] * rank
         specs[axis] = batch_dim
         return cls(specs, mesh)
 
     @classmethod
     def inner_sharded(cls, mesh: Mesh, inner_dim: str, rank: int) -> "Layout":
+        """The last tensor dimension sharded over ``inner_dim``, the others unsharded."""
         return cls.batch_sharded(mesh, inner_dim, rank, axis=rank - 1)
 
     def num_shards(self, dim: int) -> int:
+        """Number of pieces tensor dimension ``dim`` is cut into."""
         spec = self.sharding_specs[dim]
         return 1 if spec == UNSHARDED else self.mesh.dim_size(spec)
 
     def is_fully_replicated(self) -> bool:
+        """Whether no dimension is sharded."""
         return all(s == UNSHARDED for s in self.sharding_specs)
 
     def _check_shape(self, shape: Sequence[int]) -> None:
@@ -67,9 +81,11 @@ class Layout:
                                            f"{self.num_shards(d)} shards of mesh dimension {self.sharding_specs[d]!r}")
 
     def global_shape(self, local_shape: Sequence[int]) -> Tuple[int, ...]:
+        """The global shape of a tensor whose per-device pieces have ``local_shape``."""
         return tuple(int(n) * self.num_shards(d) for d, n in enumerate(local_shape))
 
     def local_shape(self, global_shape: Sequence[int]) -> Tuple[int, ...]:
+        """The shape of each device's piece of a tensor of ``global_shape``."""
         self._check_shape(global_shape)
         return tuple(int(n) // self.num_shards(d) for d, n in enumerate(global_shape))
 
@@ -101,4 +117,39 @@ class Layout:
         return hash(tuple(self.sharding_specs))
 
     def __repr__(self) -> str:
-        return f"Layout({self.sharding_specs}, {self.mesh!r})"
+        return f"Layout.from_string({self.to_string()})"
+
+    __str__ = __repr__
+
+    def to_string(self) -> str:
+        """The layout in TensorFlow's string form (``Layout.from_string`` in either library reads it)."""
+        return "sharding_specs:" + "".join(f"{s}," for s in self.sharding_specs) + " mesh:" + self.mesh.to_string()
+
+    @classmethod
+    def from_string(cls, layout_str: str) -> "Layout":
+        """Parse TensorFlow's string form of a (static) layout."""
+        text = str(layout_str)
+        head = "sharding_specs:"
+        specs_text, sep, mesh_text = text[len(head):].partition(" mesh:") if text.startswith(head) else ("", "", "")
+        if not sep:
+            raise InvalidArgumentError(f"invalid layout string {layout_str!r}: expected "
+                                       "'sharding_specs:<spec>,..., mesh:<mesh>' (only static layouts are supported)")
+        specs = [s for s in specs_text.split(",") if s]
+        return cls(specs, Mesh.from_string(mesh_text))
+
+    def as_proto(self) -> Any:
+        """The layout as TensorFlow's ``LayoutProto`` (a static layout; TF's class parses its bytes)."""
+        from ._proto import LayoutProto
+
+        proto = LayoutProto(type=1)  # STATIC
+        for spec in self.sharding_specs:
+            proto.sharding_specs.add(sharding_spec=spec)
+        proto.mesh_config.CopyFrom(self.mesh.as_proto())
+        return proto
+
+    @classmethod
+    def from_proto(cls, layout_proto: Any) -> "Layout":
+        """A layout from a ``LayoutProto`` (ours or TensorFlow's); only static layouts exist here."""
+        if layout_proto.type not in (0, 1):
+            raise InvalidArgumentError(f"only static layouts are supported, got layout type {layout_proto.type}")
+        return cls([s.sharding_spec for s in layout_proto.sharding_specs], Mesh.from_proto(layout_proto.mesh_config))

@@ -1,4 +1,5 @@
-"""Collective saves of DTensors: ``sharded_save`` and ``DTensorCheckpoint``.
+"""Collective saves of DTensors: ``sharded_save``, ``name_based_save`` / ``name_based_restore`` and
+``DTensorCheckpoint``.
 
 Each distinct piece of a DTensor is written once, by the client holding its
 writer device: the lowest device id that holds it (as TensorFlow DTensor does)
@@ -10,23 +11,28 @@ are not DTensors are written by the io client.
 from __future__ import annotations
 
 import os
-from typing import Any, List, Optional, Sequence
+from collections import OrderedDict
+from typing import Any, List, Mapping, Optional, Sequence
+
+import numpy as np
 
 from ..checkpoint.checkpoint import Checkpoint
 from ..checkpoint.graph import SaveableGraph
 from ..distributed import get_coordinator
 from ..distributed.coordinator import Coordinator
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, NotFoundError
+from ..format.bundle_reader import BundleReader
+from ..format.dtypes import as_dtype
 from ..format.tensor_slice import FULL, TensorSlice, format_shape_and_slice, full_box
 from ..saving.distributed import io_rank_of, save_tensors_distributed
 from ..saving.options import CheckpointOptions
 from ..sharding.callback import ShardByDevicePolicy
 from ..sharding.shardable import ShardableTensor, canonical_device
-from .api import DTensor
-from .layout import UNSHARDED
-from .mesh import Mesh
+from ._api import DTensor, as_dtensor, get_default_mesh, is_dtensor
+from ._layout import UNSHARDED
+from ._mesh import Mesh
 
-__all__ = ["sharded_save", "DTensorCheckpoint", "dtensor_pieces"]
+__all__ = ["sharded_save", "name_based_save", "name_based_restore", "DTensorCheckpoint", "dtensor_pieces"]
 
 
 def dtensor_pieces(key: str, value: DTensor, replica_writer: str = "lowest") -> List[ShardableTensor]:
@@ -76,7 +82,8 @@ def sharded_save(mesh: Mesh, file_prefix: str, tensor_names: Sequence[str], shap
     io = io_rank_of(options, coordinator.size)
     local: List[ShardableTensor] = []
     for name, value in zip(tensor_names, tensors):
-        if isinstance(value, DTensor):
+        if is_dtensor(value):
+            value = as_dtensor(value)
             if value.layout.mesh.num_clients != coordinator.size:
                 raise InvalidArgumentError(f"{name!r} lies on a mesh of {value.layout.mesh.num_clients} clients, "
                                            f"but {coordinator.size} clients are saving")
@@ -85,6 +92,52 @@ def sharded_save(mesh: Mesh, file_prefix: str, tensor_names: Sequence[str], shap
             local.append(ShardableTensor.from_value(name, value, device=_io_device(mesh, io)))
     return save_tensors_distributed(os.fspath(file_prefix), local, options, coordinator, io_rank=io,
                                     timeout=timeout)
+
+
+def name_based_save(mesh: Mesh, checkpoint_prefix: str, name_tensor_dict: Mapping[str, Any],
+                    options: Optional[CheckpointOptions] = None) -> str:
+    """Collectively save ``{name: DTensor or DVariable}`` under those names (``dtensor.name_based_save``).
+
+    Every client calls it with the same names. Unlike TensorFlow (one mesh for every
+    tensor), each value may lie on its own mesh, as long as the meshes span the
+    same clients; plain NumPy values are written once, by the io client.
+    """
+    names = list(name_tensor_dict)
+    return sharded_save(mesh, checkpoint_prefix, names, [""] * len(names), [name_tensor_dict[n] for n in names],
+                        options)
+
+
+def name_based_restore(mesh: Mesh, checkpoint_prefix: str,
+                       name_tensor_dict: Mapping[str, Any]) -> "OrderedDict[str, DTensor]":
+    """Read ``{name: DTensor or DVariable}`` from ``checkpoint_prefix`` onto their own layouts
+    (``dtensor.name_based_restore``): returns new DTensors, name -> value, in the given order.
+
+    Each client reads only the bytes of its own pieces; the checkpoint may have been
+    written with any layout, mesh or number of clients. Dtypes and shapes must match
+    the checkpoint's (checked for every name before any value is read). Unlike
+    TensorFlow, the values may lie on different meshes. ``mesh`` is accepted for
+    TensorFlow's signature (the values' layouts carry their meshes).
+    """
+    del mesh
+    targets: "OrderedDict[str, DTensor]" = OrderedDict()
+    with BundleReader(os.fspath(checkpoint_prefix)) as reader:
+        for name, tensor in name_tensor_dict.items():
+            if not is_dtensor(tensor):
+                raise InvalidArgumentError(f"name_based_restore: {name!r} must be a DTensor or DVariable, got "
+                                           f"{type(tensor).__name__}")
+            like = as_dtensor(tensor)
+            if name not in reader:
+                raise NotFoundError("no such tensor in the checkpoint", path=checkpoint_prefix, key=name)
+            stored, shape = reader.dtype(name), tuple(reader.shape(name))
+            if stored.enum != as_dtype(like.dtype).enum or shape != like.shape:
+                raise InvalidArgumentError(f"the checkpoint holds {stored.name}{list(shape)}, the tensor is "
+                                           f"{as_dtype(like.dtype).name}{list(like.shape)}",
+                                           path=checkpoint_prefix, key=name)
+            targets[name] = DTensor(like.layout, like.shape,
+                                    {d: np.empty_like(c) for d, c in like.components.items()})
+        for name, target in targets.items():
+            target.restore_from(reader, name)
+    return targets
 
 
 def _io_device(mesh: Mesh, rank: int) -> str:
@@ -101,8 +154,11 @@ class DTensorCheckpoint(Checkpoint):
     components, whatever mesh and layout wrote the checkpoint.
     """
 
-    def __init__(self, mesh: Mesh, root: Optional[Any] = None, *, coordinator: Optional[Coordinator] = None,
-                 replica_writer: str = "lowest", **kwargs: Any) -> None:
+    def __init__(self, mesh: Optional[Mesh] = None, root: Optional[Any] = None, *,
+                 coordinator: Optional[Coordinator] = None, replica_writer: str = "lowest", **kwargs: Any) -> None:
+        mesh = mesh if mesh is not None else get_default_mesh()
+        if mesh is None:
+            raise InvalidArgumentError("DTensorCheckpoint needs a mesh (or a dtensor.default_mesh block)")
         object.__setattr__(self, "_mesh", mesh)
         object.__setattr__(self, "_coordinator", coordinator)
         object.__setattr__(self, "_replica_writer", replica_writer)
@@ -110,6 +166,7 @@ class DTensorCheckpoint(Checkpoint):
 
     @property
     def mesh(self) -> Mesh:
+        """The mesh given at construction (its io client's first device writes the non-DTensor values)."""
         return self._mesh  # type: ignore[attr-defined, no-any-return]
 
     def _coord(self) -> Coordinator:
