@@ -19,6 +19,7 @@ from ..errors import InvalidArgumentError, NotFoundError
 from ..format.bundle_reader import BundleReader
 from ..saving.async_save import AsyncSaver
 from ..saving.options import CheckpointOptions
+from ..saving.pieces import pieces_of
 from ..saving.save import save_tensors
 from ..sharding.shardable import ShardableTensor
 from ..storage.registry import get_fs
@@ -159,12 +160,8 @@ class Checkpoint(Module):
                     options: CheckpointOptions, on_commit: Any) -> None:
         """Save the graph's values (in graph order) and then the graph itself."""
         tensors: List[ShardableTensor] = []
-        for t in graph.tensors:
-            pieces = getattr(t.value, "shardable_pieces", None)
-            if pieces is not None:  # a distributed value (a DVariable's DTensor): its distinct pieces
-                tensors += pieces(t.key)
-            else:
-                tensors.append(ShardableTensor.from_value(t.key, t.value, trackable=t.obj))
+        for t in graph.tensors:  # a distributed value (a DVariable's DTensor) lists its distinct pieces
+            tensors += pieces_of(t.key, t.value, trackable=t.obj)
         tensors.append(graph_tensor)
         extra = _registered_bundles(graph)
         if extra is not None and options.enable_async:

@@ -98,7 +98,7 @@ class RestoreSession:
             for read in reads:
                 if isinstance(read.target, np.ndarray):
                     self.reader.read_region(read.key, None, out=read.target)
-                else:  # a distributed value reads its own pieces
+                else:  # a DistributedValue reads its own pieces
                     read.target.restore_from(self.reader, read.key)
         touched: Dict[int, Tuple[Trackable, List[str]]] = {}
         for read in reads:

@@ -64,6 +64,7 @@ class Coordinator(abc.ABC):
 
     @property
     def backend(self) -> str:
+        """The engine underneath (``"torch"``, ``"mpi"``, ``"local"``, ``"single"``, ...)."""
         return type(self).__name__
 
     @abc.abstractmethod

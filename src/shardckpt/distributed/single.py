@@ -23,6 +23,7 @@ class SingleProcessCoordinator(Coordinator):
 
     @property
     def backend(self) -> str:
+        """``"single"``: no engine, one process."""
         return "single"
 
     def barrier(self, name: str = "barrier", timeout: Optional[float] = None) -> None:

@@ -79,11 +79,15 @@ class DTensor:
             out.setdefault(self.box(device), []).append(device)
         return out
 
-    def shardable_pieces(self, key: str, replica_writer: str = "lowest") -> List[Any]:
-        """The pieces this client writes when saved under ``key`` by a single-client ``Checkpoint``."""
-        if self.layout.mesh.num_clients != 1:
-            raise InvalidArgumentError(f"{key!r} lies on a mesh of several clients: save it with "
-                                       "dtensor.DTensorCheckpoint or dtensor.sharded_save")
+    def shardable_pieces(self, key: str, *, clients: int = 1, replica_writer: str = "lowest") -> List[Any]:
+        """The distinct pieces this client writes under ``key`` when ``clients`` clients save together
+        (:class:`~shardckpt.saving.pieces.DistributedValue`)."""
+        if self.layout.mesh.num_clients != clients:
+            if clients == 1:
+                raise InvalidArgumentError(f"{key!r} lies on a mesh of several clients: save it with "
+                                           "dtensor.DTensorCheckpoint or dtensor.sharded_save")
+            raise InvalidArgumentError(f"{key!r} lies on a mesh of {self.layout.mesh.num_clients} clients, "
+                                       f"but {clients} clients are saving")
         from ._save import dtensor_pieces
 
         return dtensor_pieces(key, self, replica_writer)

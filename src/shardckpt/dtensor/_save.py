@@ -26,6 +26,7 @@ from ..format.dtypes import as_dtype
 from ..format.tensor_slice import FULL, TensorSlice, format_shape_and_slice, full_box
 from ..saving.distributed import io_rank_of, save_tensors_distributed
 from ..saving.options import CheckpointOptions
+from ..saving.pieces import pieces_of
 from ..sharding.callback import ShardByDevicePolicy
 from ..sharding.shardable import ShardableTensor, canonical_device
 from ._api import DTensor, as_dtensor, get_default_mesh, is_dtensor
@@ -82,14 +83,9 @@ def sharded_save(mesh: Mesh, file_prefix: str, tensor_names: Sequence[str], shap
     io = io_rank_of(options, coordinator.size)
     local: List[ShardableTensor] = []
     for name, value in zip(tensor_names, tensors):
-        if is_dtensor(value):
-            value = as_dtensor(value)
-            if value.layout.mesh.num_clients != coordinator.size:
-                raise InvalidArgumentError(f"{name!r} lies on a mesh of {value.layout.mesh.num_clients} clients, "
-                                           f"but {coordinator.size} clients are saving")
-            local += dtensor_pieces(name, value, replica_writer)
-        elif coordinator.rank == io:
-            local.append(ShardableTensor.from_value(name, value, device=_io_device(mesh, io)))
+        local += pieces_of(name, as_dtensor(value) if is_dtensor(value) else value, clients=coordinator.size,
+                           writes_whole=coordinator.rank == io, device=_io_device(mesh, io),
+                           replica_writer=replica_writer)
     return save_tensors_distributed(os.fspath(file_prefix), local, options, coordinator, io_rank=io,
                                     timeout=timeout)
 
@@ -182,13 +178,9 @@ class DTensorCheckpoint(Checkpoint):
         io_device = _io_device(self.mesh, io)
         local: List[ShardableTensor] = []
         for t in graph.tensors:
-            if isinstance(t.value, DTensor):
-                if t.value.layout.mesh.num_clients != coordinator.size:
-                    raise InvalidArgumentError(f"{t.key!r} lies on a mesh of {t.value.layout.mesh.num_clients} "
-                                               f"clients, but {coordinator.size} clients are saving")
-                local += dtensor_pieces(t.key, t.value, self._replica_writer)  # type: ignore[attr-defined]
-            elif coordinator.rank == io:
-                local.append(ShardableTensor.from_value(t.key, t.value, device=io_device, trackable=t.obj))
+            local += pieces_of(t.key, t.value, clients=coordinator.size, writes_whole=coordinator.rank == io,
+                               device=io_device, trackable=t.obj,
+                               replica_writer=self._replica_writer)  # type: ignore[attr-defined]
         if coordinator.rank == io:
             local.append(ShardableTensor.from_value(graph_tensor.checkpoint_key, graph_tensor.tensor,
                                                     device=io_device))

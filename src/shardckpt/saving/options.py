@@ -83,11 +83,15 @@ class CheckpointOptions:
         self.timeout: Optional[float] = None if timeout is None else float(timeout)
 
     # TensorFlow's attribute spellings
-    experimental_io_device = property(lambda self: self.io_device)
-    experimental_enable_async_checkpoint = property(lambda self: self.enable_async)
-    experimental_write_callbacks = property(lambda self: self.write_callbacks)
-    experimental_sharding_callback = property(lambda self: self.sharding_callback)
-    experimental_skip_slot_variables = property(lambda self: self.skip_slot_variables)
+    experimental_io_device = property(lambda self: self.io_device, doc="TensorFlow's name of ``io_device``.")
+    experimental_enable_async_checkpoint = property(lambda self: self.enable_async,
+                                                    doc="TensorFlow's name of ``enable_async``.")
+    experimental_write_callbacks = property(lambda self: self.write_callbacks,
+                                            doc="TensorFlow's name of ``write_callbacks``.")
+    experimental_sharding_callback = property(lambda self: self.sharding_callback,
+                                              doc="TensorFlow's name of ``sharding_callback``.")
+    experimental_skip_slot_variables = property(lambda self: self.skip_slot_variables,
+                                                doc="TensorFlow's name of ``skip_slot_variables``.")
 
     def run_write_callbacks(self, save_path: str) -> None:
         """Run the write callbacks in order (with ``save_path`` when a callback takes an argument)."""

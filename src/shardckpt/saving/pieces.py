@@ -1,0 +1,51 @@
+"""``DistributedValue`` and :func:`pieces_of`: the one way front doors turn values into pieces.
+
+A value laid out over several devices or clients (a DTensor, a DVariable's value; later
+torch and JAX arrays) implements :class:`DistributedValue`: it lists the distinct
+pieces *this client* writes (each piece once, by its lowest holder unless told
+otherwise) and fills itself from a checkpoint, reading only its own bytes. Any other
+value is one whole piece, written by one client (the io client in a collective save).
+
+``Checkpoint``, ``DTensorCheckpoint`` and ``dtensor.sharded_save`` call :func:`pieces_of`
+for every value; the object graph and the restore matching never ask what a value is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+from ..sharding.shardable import ShardableTensor
+
+try:
+    from typing import Protocol, runtime_checkable
+except ImportError:  # pragma: no cover - Python < 3.8
+    from typing_extensions import Protocol, runtime_checkable  # type: ignore[assignment]
+
+__all__ = ["DistributedValue", "pieces_of"]
+
+
+@runtime_checkable
+class DistributedValue(Protocol):
+    """A value whose pieces lie on several devices or clients."""
+
+    def shardable_pieces(self, key: str, *, clients: int = 1, replica_writer: str = "lowest"
+                         ) -> List[ShardableTensor]:
+        """The distinct pieces this client writes under ``key`` when ``clients`` clients save together
+        (an error naming ``key`` when the value's layout spans another number of clients)."""
+
+    def restore_from(self, reader: Any, key: str) -> None:
+        """Fill this client's pieces from checkpoint ``key`` of ``reader`` (reading only their bytes)."""
+
+
+def pieces_of(key: str, value: Any, *, clients: int = 1, writes_whole: bool = True, device: Optional[str] = None,
+              trackable: Any = None, replica_writer: str = "lowest") -> List[ShardableTensor]:
+    """The pieces of ``value`` this client saves under ``key``.
+
+    A :class:`DistributedValue` lists its own; any other value is one whole piece, saved
+    only where ``writes_whole`` (the io client of a collective save; always in one process).
+    """
+    if isinstance(value, DistributedValue):
+        return value.shardable_pieces(key, clients=clients, replica_writer=replica_writer)
+    if not writes_whole:
+        return []
+    return [ShardableTensor.from_value(key, value, device=device, trackable=trackable)]
