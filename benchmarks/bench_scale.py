@@ -1,0 +1,213 @@
+"""Scale, simulated: what a save costs besides the data bytes, for N clients x T tensors, in one process.
+
+The real code runs for every simulated client; only the data bytes and the transport are
+left out (a simulated coordinator hands each "client" its share of what an all-gather
+would give it). Every tensor is sliced across all clients along its first dimension (as
+FSDP shards parameters), so the merged index holds ``T`` full entries and ``N x T`` slice
+entries. Phases, each timed:
+
+* ``plan``: ``make_save_plan`` of one client's ``T`` pieces (every client does the same);
+* ``gather``: the JSON a client contributes to the save's all-gathers (piece descriptions
+  for the agreement check; index entries on object stores), in bytes per entry;
+* ``agree``: the tiling check of all clients' pieces (``saving.agreement.pieces_problem``);
+* ``merge_mem``: the io client's merge of all clients' entries held in memory and the
+  index bytes (the object-store commit: ``merge_entries`` + ``index_bytes``);
+* ``merge_files``: the local commit's merge: ``read_index`` of the ``N`` part indexes,
+  ``plan_merge``, index bytes, index written;
+* ``open_read``: open the merged index (``BundleReader``) and read one whole tensor
+  (its ``N`` slices, from ``N`` sparse data files; checksums verified).
+
+Each (N, T) runs in a fresh process; peak RSS above the process's baseline is reported.
+
+    .venv/bin/python benchmarks/bench_scale.py                       # N = 1..1024, T = 1000, 10000 (<= 2e6 entries)
+    .venv/bin/python benchmarks/bench_scale.py --clients 8 --tensors 100   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+ROWS, COLS = 2, 4  # rows of each tensor per client, columns: 32 bytes per slice
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _hwm_kib() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
+    import numpy as np
+
+    from shardckpt.format import crc
+    from shardckpt.format.bundle_reader import BundleReader
+    from shardckpt.format.bundle_writer import make_header  # noqa: F401 - imported by merge
+    from shardckpt.format.merge import index_bytes, merge_entries, plan_merge, read_index
+    from shardckpt.format.naming import data_filename, index_filename, sharded_filename
+    from shardckpt.format.ordered_code import encode_tensor_name_slice
+    from shardckpt.format.protos import tensor_bundle_pb2 as pb
+    from shardckpt.format.tensor_slice import TensorSlice
+    from shardckpt.saving.agreement import describe_pieces, pieces_problem
+    from shardckpt.saving.commit.index_last import _decode_entries, _encode_entries
+    from shardckpt.saving.plan import make_save_plan
+    from shardckpt.sharding.shardable import ShardableTensor
+    from shardckpt.storage.local import local_fs
+
+    base_rss = _rss_kib()
+    out: Dict[str, Any] = {"clients": n, "tensors": t, "entries": n * t + t}
+    rows = ROWS * n
+    slice_bytes = ROWS * COLS * 4
+    zero_crc = crc.mask(crc.value(bytes(slice_bytes)))
+    keys = [f"model/layer_{i // 16}/w{i % 16}/.ATTRIBUTES/VARIABLE_VALUE" for i in range(t)]
+
+    # plan: one client's pieces (every client plans the same amount, in parallel)
+    piece = np.zeros((ROWS, COLS), np.float32)
+    pieces = [ShardableTensor.from_value(k, piece, slice_spec=f"{rows} {COLS} 0,{ROWS}:-",
+                                         device="/job:worker/replica:0/task:0/device:CPU:0") for k in keys]
+    t0 = time.perf_counter()
+    plan = make_save_plan(pieces)
+    out["plan_s"] = time.perf_counter() - t0
+    described = describe_pieces(plan)
+    out["gather_pieces_bytes_per_entry"] = len(json.dumps(described)) / t
+
+    # each client's entries, as its writer would produce them (shard id = client)
+    def client_entries(r: int) -> Dict[bytes, Any]:
+        entries: Dict[bytes, Any] = {}
+        extents = ((r * ROWS, ROWS), (0, -1))
+        proto = TensorSlice(extents).to_proto()
+        for i, k in enumerate(keys):
+            key = k.encode()
+            full = pb.BundleEntryProto(dtype=pb.DT_FLOAT, shard_id=r)
+            full.shape.dim.add(size=rows)
+            full.shape.dim.add(size=COLS)
+            full.slices.append(proto)
+            entries[key] = full
+            piece_entry = pb.BundleEntryProto(dtype=pb.DT_FLOAT, shard_id=r, offset=i * slice_bytes,
+                                              size=slice_bytes, crc32c=zero_crc)
+            piece_entry.shape.dim.add(size=ROWS)
+            piece_entry.shape.dim.add(size=COLS)
+            entries[encode_tensor_name_slice(key, extents)] = piece_entry
+        return entries
+
+    # agreement: all clients' descriptions (client r's boxes shifted to its rows)
+    all_described = []
+    for r in range(n):
+        all_described.append({k: [d, s, [[[r * ROWS, (r + 1) * ROWS], [0, COLS]]]]
+                              for k, (d, s, _) in described.items()})
+    t0 = time.perf_counter()
+    problem = pieces_problem(all_described)
+    out["agree_s"] = time.perf_counter() - t0
+    assert problem is None, problem
+    del all_described
+
+    # object-store commit: entries gathered as JSON, merged in memory, index bytes
+    sample = _encode_entries(client_entries(0))
+    out["gather_entries_bytes_per_entry"] = len(json.dumps(sample)) / len(sample)
+    gathered = [_encode_entries(client_entries(r)) for r in range(n)]
+    t0 = time.perf_counter()
+    parts = [(f"part{r}", sorted(_decode_entries(g).items())) for r, g in enumerate(gathered)]
+    merged = merge_entries(parts)
+    index = index_bytes(merged, n)
+    out["merge_mem_s"] = time.perf_counter() - t0
+    out["index_bytes"] = len(index)
+    del gathered, parts, merged, index
+
+    # local commit: N part indexes on disk, read back, merged, index written
+    prefix = os.path.join(folder, "model")
+    parts_dir = os.path.join(folder, "parts")
+    os.makedirs(parts_dir, exist_ok=True)
+    part_prefixes = []
+    for r in range(n):
+        part = sharded_filename(os.path.join(parts_dir, "part"), r, n)
+        entries = client_entries(r)
+        for e in entries.values():
+            e.shard_id = 0
+        with open(index_filename(part), "wb") as f:
+            f.write(index_bytes(entries, 1))
+        part_prefixes.append(part)
+    t0 = time.perf_counter()
+    inputs = []
+    for part in part_prefixes:
+        header, items = read_index(part, local_fs)
+        inputs.append((part, header, items))
+    merged_plan = plan_merge(inputs)
+    index = merged_plan.index(n)
+    local_fs.write_atomic(index_filename(prefix), index)
+    out["merge_files_s"] = time.perf_counter() - t0
+    del inputs, merged_plan, index
+    shutil.rmtree(parts_dir)
+    for r in range(n):  # sparse data files of the right size (zeros)
+        with open(data_filename(prefix, r, n), "wb") as f:
+            f.truncate(t * slice_bytes)
+    out["peak_extra_mib"] = (_hwm_kib() - base_rss) / 1024
+
+    t0 = time.perf_counter()
+    with BundleReader(prefix) as reader:
+        out["open_s"] = time.perf_counter() - t0
+        value = reader.read(keys[t // 2])
+    out["open_read_s"] = time.perf_counter() - t0
+    assert value.shape == (rows, COLS) and not value.any()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", default="1,8,64,256,1024")
+    p.add_argument("--tensors", default="1000,10000")
+    p.add_argument("--max-entries", type=float, default=2e6)
+    p.add_argument("--dir", default=tempfile.gettempdir())
+    p.add_argument("--worker", nargs=2, type=int, help=argparse.SUPPRESS)
+    p.add_argument("--json", help="also write the results to this file")
+    args = p.parse_args()
+    if args.worker:
+        folder = tempfile.mkdtemp(dir=args.dir, prefix="scale-")
+        try:
+            print("RESULT " + json.dumps(worker(args.worker[0], args.worker[1], folder)))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return
+    rows: List[Dict[str, Any]] = []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")]))
+    print(f"{'clients':>7} {'tensors':>7} {'entries':>9} {'plan s':>7} {'agree s':>8} {'merge mem s':>11} "
+          f"{'merge files s':>13} {'open s':>7} {'open+read s':>11} {'index MB':>8} {'peak MiB':>8} "
+          f"{'B/entry pieces':>14} {'B/entry entries':>15}")
+    for t in [int(x) for x in args.tensors.split(",")]:
+        for n in [int(x) for x in args.clients.split(",")]:
+            if n * t > args.max_entries:
+                continue
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", str(n), str(t),
+                                   "--dir", args.dir], capture_output=True, text=True, env=env, timeout=3600)
+            if proc.returncode != 0:
+                print(f"{n:>7} {t:>7} FAILED:\n{proc.stderr[-2000:]}")
+                continue
+            r = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+            rows.append(r)
+            print(f"{n:>7} {t:>7} {r['entries']:>9} {r['plan_s']:>7.3f} {r['agree_s']:>8.3f} {r['merge_mem_s']:>11.3f} "
+                  f"{r['merge_files_s']:>13.3f} {r['open_s']:>7.3f} {r['open_read_s']:>11.3f} "
+                  f"{r['index_bytes'] / 1e6:>8.1f} {r['peak_extra_mib']:>8.0f} "
+                  f"{r['gather_pieces_bytes_per_entry']:>14.0f} {r['gather_entries_bytes_per_entry']:>15.0f}",
+                  flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
