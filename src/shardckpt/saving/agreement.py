@@ -73,6 +73,7 @@ def pieces_problem(described: List[Dict[str, List[Any]]]) -> Optional[str]:
                 (rank, int(dtype), tuple(int(d) for d in shape),
                  [tuple((int(a), int(b)) for a, b in box) for box in boxes]))
     problems = []
+    verdicts: Dict[Tuple[Tuple[int, ...], Tuple[Box, ...]], Optional[str]] = {}
     for key in sorted(by_key):
         holders = by_key[key]
         first_rank, dtype, shape, _ = holders[0]
@@ -89,7 +90,10 @@ def pieces_problem(described: List[Dict[str, List[Any]]]) -> Optional[str]:
                             f"{list(shape)}")
             continue
         boxes = [(r, b) for r, _, _, bs in holders for b in bs]
-        problem = boxes_tile([b for _, b in boxes], full_box(shape))
+        signature = (shape, tuple(sorted(b for _, b in boxes)))  # keys sliced alike are checked once
+        if signature not in verdicts:
+            verdicts[signature] = boxes_tile(list(signature[1]), full_box(shape))
+        problem = verdicts[signature]
         if problem is not None:
             holding = sorted({r for r, _ in boxes})
             overlapping = _most_overlapping_ranks(boxes)

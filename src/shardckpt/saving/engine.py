@@ -123,12 +123,15 @@ def run_save(plan: SavePlan, request: SaveRequest, coordinator: Coordinator) -> 
         except BaseException:
             committer.abort()
             raise
-    first_round = coordinator.all_gather({"id": identity, "setup": setup}, timeout=timeout)
-    problem = identity_problem([r["id"] for r in first_round], io)
-    if problem is not None:
-        if is_io:
+    try:
+        first_round = coordinator.all_gather({"id": identity, "setup": setup}, timeout=timeout)
+        problem = identity_problem([r["id"] for r in first_round], io)
+        if problem is not None:
+            raise CoordinationError(f"the save of {prefix}: {problem}")
+    except BaseException:
+        if is_io:  # a client missing or running another save: nothing of ours may stay
             committer.abort()
-        raise CoordinationError(f"the save of {prefix}: {problem}")
+        raise
     setup = first_round[io]["setup"]
     if "error" in setup:
         _fail(coordinator, prepare_error,
