@@ -174,7 +174,7 @@ def test_missing_checkpoint_and_bucket_are_clear_errors(s3_server: Any) -> None:
         shardckpt.load_checkpoint(s3_server.url("nothing-here", "ck"))
     with pytest.raises(NotFoundError, match="bucket does not exist") as info:
         shardckpt.save_tensors("s3://no-such-bucket-shardckpt/ck", {"a": np.arange(3)})
-    assert "s3://no-such-bucket-shardckpt/ck" in str(info.value)
+    assert "s3://no-such-bucket-shardckpt" in str(info.value)
     assert shardckpt.latest_checkpoint(s3_server.url("nothing-here")) is None
 
 
