@@ -817,6 +817,24 @@ class FsspecFileSystem(FileSystem):
             kwargs["KeyMarker"] = resp.get("NextKeyMarker")
             kwargs["UploadIdMarker"] = resp.get("NextUploadIdMarker")
 
+    def upload_activity(self, path: str, upload_id: str) -> float:
+        """When the upload last made progress: its newest part's time (0.0 without parts); POSIX seconds."""
+        bucket, key, _ = self.fs.split_path(path)
+        latest = 0.0
+        kwargs: Dict[str, Any] = {"Bucket": bucket, "Key": key, "UploadId": upload_id}
+        while True:
+            try:
+                resp = self.call("list parts", path, self.fs.call_s3, "list_parts", **kwargs)
+            except NotFoundError:
+                return latest
+            for part in resp.get("Parts") or []:
+                when = part.get("LastModified")
+                if hasattr(when, "timestamp"):
+                    latest = max(latest, when.timestamp())
+            if not resp.get("IsTruncated"):
+                return latest
+            kwargs["PartNumberMarker"] = resp.get("NextPartNumberMarker")
+
     def abort_upload(self, path: str, upload_id: str) -> None:
         """Abort one incomplete multipart upload (gone already is fine)."""
         bucket, key, _ = self.fs.split_path(path)
