@@ -7,17 +7,14 @@ A small HTTP proxy in front of it injects 503 errors for the retry tests.
 
 from __future__ import annotations
 
-import http.client
-import http.server
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,6 +29,8 @@ from shardckpt.storage import configure, get_fs
 from shardckpt.storage.fsspec_fs import FsspecFileSystem
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
+from s3_faults import FaultProxy, configured  # noqa: E402  (tests/helpers)
 
 
 @pytest.fixture
@@ -205,9 +204,9 @@ def test_missing_checkpoint_and_bucket_are_clear_errors(s3_server: Any) -> None:
 def test_bad_credentials_are_a_clear_error(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # moto checks no signatures; an unknown access key is refused only by real S3. Emulate the
     # answer with the fault proxy instead (403 InvalidAccessKeyId): never retried.
-    with _FaultProxy(s3_server.endpoint, status=403, code="InvalidAccessKeyId") as proxy:
+    with FaultProxy(s3_server.endpoint, status=403, code="InvalidAccessKeyId") as proxy:
         proxy.fail_next(10**9)
-        with _configured(proxy.endpoint, retries=5):
+        with configured(proxy.endpoint, retries=5):
             with pytest.raises(StorageError, match="access denied") as info:
                 shardckpt.save_tensors(f"s3://{s3_server.bucket}/creds/ck", {"a": np.arange(3)})
             assert f"s3://{s3_server.bucket}/creds" in str(info.value)
@@ -217,115 +216,11 @@ def test_bad_credentials_are_a_clear_error(s3_server: Any, monkeypatch: pytest.M
 # -- faults ------------------------------------------------------------------------------------
 
 
-class _FaultProxy:
-    """An HTTP proxy in front of the S3 server that answers some requests with an error."""
-
-    def __init__(self, upstream: str, status: int = 503, code: str = "ServiceUnavailable",
-                 match: Optional[Callable[[str, str], bool]] = None) -> None:
-        host, port = upstream.replace("http://", "").split(":")
-        self.upstream = (host, int(port))
-        self.status = status
-        self.code = code
-        self.match = match or (lambda method, path: True)
-        self.remaining = 0
-        self.failed = 0
-        self.passed = 0
-        self.lock = threading.Lock()
-        proxy = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def _any(self) -> None:
-                if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-                    body = b""
-                    while True:
-                        size = int(self.rfile.readline().split(b";")[0].strip(), 16)
-                        if size == 0:
-                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                                pass
-                            break
-                        body += self.rfile.read(size)
-                        self.rfile.readline()
-                else:
-                    length = int(self.headers.get("Content-Length") or 0)
-                    body = self.rfile.read(length) if length else b""
-                with proxy.lock:
-                    fail = proxy.remaining > 0 and proxy.match(self.command, self.path)
-                    if fail:
-                        proxy.remaining -= 1
-                        proxy.failed += 1
-                    else:
-                        proxy.passed += 1
-                if fail:
-                    payload = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{proxy.code}</Code>"
-                               f"<Message>injected by the test proxy</Message></Error>").encode()
-                    self.send_response(proxy.status)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
-                    return
-                conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("connection", "transfer-encoding", "content-length", "expect")}
-                headers["Content-Length"] = str(len(body))
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                self.send_response(resp.status)
-                for k, v in resp.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(k, v)
-                length = resp.getheader("Content-Length") if self.command == "HEAD" else None
-                self.send_header("Content-Length", length or str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-                conn.close()
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def fail_next(self, n: int) -> None:
-        with self.lock:
-            self.remaining = n
-
-    def __enter__(self) -> "_FaultProxy":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-class _configured:
-    """Point ``s3://`` at ``endpoint`` (with shardckpt's own options) for a block."""
-
-    def __init__(self, endpoint: str, **options: Any) -> None:
-        self.endpoint = endpoint
-        self.options = options
-
-    def __enter__(self) -> None:
-        configure("s3", endpoint_url=self.endpoint, **self.options)
-
-    def __exit__(self, *_: Any) -> None:
-        configure("s3")
-
-
 def test_transient_errors_are_retried(s3_server: Any, s3dir: str) -> None:
     arrays = _arrays(3)
     big = np.random.default_rng(0).standard_normal(3 << 20).astype(np.float32)  # 12 MiB: a multipart upload
     arrays["big"] = big
-    with _FaultProxy(s3_server.endpoint) as proxy, _configured(proxy.endpoint, retries=6, backoff=0.01,
+    with FaultProxy(s3_server.endpoint) as proxy, configured(proxy.endpoint, retries=6, backoff=0.01,
                                                                  part_size=5 << 20):
         prefix = f"{s3dir}/ck"
         for n in (1, 3):  # every request kind: listings, HEADs, part uploads, the index PUT
@@ -348,8 +243,8 @@ def test_persistent_errors_fail_clearly_and_commit_nothing(s3_server: Any, s3dir
     old = {"a": np.arange(10.0)}
     shardckpt.save_tensors(prefix, old)
     big = {"a": np.random.default_rng(1).standard_normal(2 << 20)}  # 16 MiB: multipart
-    with _FaultProxy(s3_server.endpoint, match=lambda m, p: m == "PUT" and "partNumber=2" in p) as proxy, \
-            _configured(proxy.endpoint, retries=3, backoff=0.01, part_size=5 << 20):
+    with FaultProxy(s3_server.endpoint, match=lambda m, p: m == "PUT" and "partNumber=2" in p) as proxy, \
+            configured(proxy.endpoint, retries=3, backoff=0.01, part_size=5 << 20):
         proxy.fail_next(10**9)
         started = time.monotonic()
         with pytest.raises(StorageError, match="after 3 attempts") as info:
