@@ -422,7 +422,8 @@ class FsspecFileSystem(FileSystem):
         code, status = _s3_code(exc)
         detail = describe_error(exc)
         if is_precondition_failed(exc):
-            return AbortedError(f"{action}: another writer got there first ({detail})", path=path)
+            return AbortedError(f"{action}: another writer got there first (a concurrent save to this prefix?) "
+                                f"({detail})", path=path)
         if kind == _MISSING:
             what = "bucket does not exist" if code == "NoSuchBucket" else "no such object"
             return NotFoundError(f"{action}: {what} ({detail})", path=path)
