@@ -181,13 +181,12 @@ class _ReadHandle:
     lies inside one waits for it instead of sending a GET of its own.
     """
 
-    __slots__ = ("path", "blocks", "cached", "lock")
+    __slots__ = ("path", "blocks", "cached")
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.blocks: List[Tuple[int, int, "Future[Any]"]] = []
         self.cached = 0
-        self.lock = threading.Lock()
 
 
 class _Upload:
@@ -370,7 +369,7 @@ class FsspecFileSystem(FileSystem):
         #: conditional writes (If-None-Match / If-Match) are available (S3)
         self.conditional_writes = self._is_s3()
         self._buckets_seen: set = set()
-        self._cache_lock = threading.Lock()
+        self._cache_lock = threading.RLock()  # the blocks of every open handle
         self._cached = 0
         self._stats_lock = threading.Lock()
         self.stats: Dict[str, int] = {"bytes_read": 0, "read_requests": 0, "bytes_written": 0, "retries": 0,
@@ -618,17 +617,20 @@ class FsspecFileSystem(FileSystem):
 
         Ranges are sorted; a range joins the current GET when the gap to it costs less
         to download than a request (:meth:`gap_limit`) and the GET stays within
-        ``read_part_size`` (so large reads still split into parallel requests).
+        ``read_part_size`` or four gap limits, whichever is larger (large reads still
+        split into parallel requests, each worth several requests' cost in bytes).
         """
         order = sorted((i for i, r in enumerate(requests) if r[1] > 0), key=lambda i: requests[i][0])
         limit = self.gap_limit()
+        # a GET is split for parallelism only where each part carries well over a request's cost in bytes
+        cap = max(self.read_part_size, 4 * limit)
         groups: List[Tuple[int, int, List[int]]] = []
         for i in order:
             off, n = requests[i]
             if groups:
                 start, end, members = groups[-1]
                 gap = off - end
-                if gap <= limit and max(end, off + n) - start <= self.read_part_size:
+                if gap <= limit and max(end, off + n) - start <= cap:
                     groups[-1] = (start, max(end, off + n), members + [i])
                     continue
             groups.append((off, off + n, [i]))
@@ -637,7 +639,7 @@ class FsspecFileSystem(FileSystem):
     def _cached_block(self, handle: Any, off: int, n: int) -> "Optional[Tuple[int, Future[Any]]]":
         if not isinstance(handle, _ReadHandle):
             return None
-        with handle.lock:
+        with self._cache_lock:
             for start, end, fut in handle.blocks:
                 if start <= off and off + n <= end:
                     return start, fut
@@ -646,7 +648,7 @@ class FsspecFileSystem(FileSystem):
     def _keep_block(self, handle: Any, start: int, end: int, fut: "Future[Any]") -> None:
         if not isinstance(handle, _ReadHandle) or self.read_cache <= 0 or end - start > self.read_cache:
             return
-        with self._cache_lock, handle.lock:
+        with self._cache_lock:
             while handle.blocks and self._cached + end - start > self.read_cache:
                 s0, e0, _ = handle.blocks.pop(0)  # oldest first
                 self._cached -= e0 - s0
@@ -659,7 +661,7 @@ class FsspecFileSystem(FileSystem):
 
         def forget_failed(f: "Future[Any]") -> None:
             if f.cancelled() or f.exception() is not None:
-                with self._cache_lock, handle.lock:
+                with self._cache_lock:
                     if (start, end, f) in handle.blocks:
                         handle.blocks.remove((start, end, f))
                         handle.cached -= end - start
@@ -668,10 +670,18 @@ class FsspecFileSystem(FileSystem):
         fut.add_done_callback(forget_failed)
 
     def _drop_blocks(self, handle: "_ReadHandle") -> None:
-        with self._cache_lock, handle.lock:
+        with self._cache_lock:
             self._cached -= handle.cached
             handle.cached = 0
             handle.blocks = []
+
+    def _counted_get(self, path: str, start: int, end: int) -> Callable[[], Any]:
+        async def get() -> Any:
+            data = await self.fs._cat_file(path, start=start, end=end)
+            self._count("bytes_read", len(data))
+            self._count("read_requests", 1)
+            return data
+        return get
 
     def pread_batch(self, handle: Any, requests: Sequence[Tuple[int, memoryview]], path: str = "") -> None:
         """Fill every ``(offset, buffer)`` of ``requests`` with few GETs, in parallel.
@@ -688,13 +698,23 @@ class FsspecFileSystem(FileSystem):
         views = [(o, b.cast("B") if b.format != "B" or b.ndim != 1 else b) for o, b in requests if len(b)]
         todo: List[Tuple[int, memoryview]] = []
         waits: List[Tuple[int, memoryview, int, "Future[Any]"]] = []
-        for off, b in views:
-            hit = self._cached_block(handle, off, len(b))
-            if hit is None:
-                todo.append((off, b))
-            else:
-                waits.append((off, b, hit[0], hit[1]))
-        groups = self.plan_reads([(o, len(b)) for o, b in todo])
+        parallel = getattr(self.fs, "async_impl", False)
+        futures: List[Tuple[int, int, List[int], "Future[Any]"]] = []
+        with self._cache_lock:  # look up, plan and register at once: a concurrent batch waits for our GETs
+            for off, b in views:
+                hit = self._cached_block(handle, off, len(b))
+                if hit is None:
+                    todo.append((off, b))
+                else:
+                    waits.append((off, b, hit[0], hit[1]))
+            groups = self.plan_reads([(o, len(b)) for o, b in todo])
+            if groups and parallel:
+                for start, end, members in groups:
+                    fut = self.submit("read", path, self._counted_get(path, start, end))
+                    useful = sum(len(todo[i][1]) for i in members)
+                    if useful < end - start:  # gap bytes fetched: worth keeping for a later request
+                        self._keep_block(handle, start, end, fut)
+                    futures.append((start, end, members, fut))
 
         def scatter(start: int, end: int, members: List[int], data: bytes) -> None:
             if len(data) != end - start:
@@ -705,23 +725,7 @@ class FsspecFileSystem(FileSystem):
                 o, b = todo[i]
                 b[:] = mv[o - start:o - start + len(b)]
 
-        def counted(start: int, end: int) -> Callable[[], Any]:
-            async def get() -> Any:
-                data = await self.fs._cat_file(path, start=start, end=end)
-                self._count("bytes_read", len(data))
-                self._count("read_requests", 1)
-                return data
-            return get
-
-        futures: List[Tuple[int, int, List[int], "Future[Any]"]] = []
-        if groups and getattr(self.fs, "async_impl", False):
-            for start, end, members in groups:
-                fut = self.submit("read", path, counted(start, end))
-                useful = sum(len(todo[i][1]) for i in members)
-                if useful < end - start:  # gap bytes fetched: worth keeping for a later request
-                    self._keep_block(handle, start, end, fut)
-                futures.append((start, end, members, fut))
-        else:
+        if not parallel:
             for start, end, members in groups:
                 data = self.call("read", path, self.fs.cat_file, path, start=start, end=end)
                 self._count("bytes_read", len(data))
@@ -772,28 +776,50 @@ class FsspecFileSystem(FileSystem):
         return True
 
     def list_details(self, path: str) -> Dict[str, Dict[str, Any]]:
-        """The objects directly under ``path``: name -> ``{"size", "etag", "mtime"}`` (mtime: POSIX seconds)."""
-        try:
-            entries = self.call("list", path, self._ls_detail, path)
-        except NotFoundError:
-            self._check_bucket(path)
-            return {}
-        if not entries:
-            self._check_bucket(path)
-        out: Dict[str, Dict[str, Any]] = {}
-        for e in entries:
-            if e.get("type") == "directory":
-                continue
-            modified = e.get("LastModified") or e.get("mtime") or e.get("updated")
-            mtime = modified.timestamp() if hasattr(modified, "timestamp") else None
-            out[posixpath.basename(e["name"].rstrip("/"))] = {"size": e.get("size"), "etag": e.get("ETag"),
-                                                              "mtime": mtime}
-        return out
+        """The objects directly under ``path``: name -> ``{"size", "etag", "mtime"}`` (mtime: POSIX seconds).
+
+        On S3 one ``ListObjectsV2`` request per 1,000 objects (s3fs's ``ls`` may add more).
+        """
+        if not self._is_s3():
+            try:
+                entries = self.call("list", path, self._ls_detail, path)
+            except NotFoundError:
+                entries = []
+            if not entries:
+                self._check_bucket(path)
+            out: Dict[str, Dict[str, Any]] = {}
+            for e in entries:
+                if e.get("type") != "directory":
+                    modified = e.get("LastModified") or e.get("mtime") or e.get("updated") or e.get("created")
+                    mtime = modified.timestamp() if hasattr(modified, "timestamp") else None
+                    out[posixpath.basename(e["name"].rstrip("/"))] = {"size": e.get("size"), "etag": e.get("ETag"),
+                                                                      "mtime": mtime}
+            return out
+        bucket, key, _ = self.fs.split_path(path)
+        prefix = key.rstrip("/") + "/" if key else ""
+        found: Dict[str, Dict[str, Any]] = {}
+        kwargs: Dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "Delimiter": "/"}
+        while True:
+            try:
+                resp = self.call("list", path, self.fs.call_s3, "list_objects_v2", **kwargs)
+            except NotFoundError:
+                self._check_bucket(path)
+                raise
+            self._buckets_seen.add(bucket)  # a listing answered: the bucket exists
+            for obj in resp.get("Contents") or []:
+                name = obj["Key"][len(prefix):]
+                if name and "/" not in name:
+                    modified = obj.get("LastModified")
+                    found[name] = {"size": obj.get("Size"), "etag": obj.get("ETag"),
+                                   "mtime": modified.timestamp() if hasattr(modified, "timestamp") else None}
+            if not resp.get("IsTruncated"):
+                return found
+            kwargs["ContinuationToken"] = resp.get("NextContinuationToken")
 
     def _ls_detail(self, path: str) -> List[Dict[str, Any]]:
         try:
             return self.fs.ls(path, detail=True, refresh=True)
-        except TypeError:
+        except TypeError:  # stores without ``refresh``
             return self.fs.ls(path, detail=True)
 
     def list_uploads(self, path: str) -> List[Tuple[str, str, float]]:

@@ -75,7 +75,7 @@ from ...storage.location import Location
 from ...storage.wrappers import FileSystemWrapper
 from ..plan import ShardPlan
 from .base import BundleMaker, Committer, Setup, Written
-from .leftovers import InPlaceScan, committed_num_shards, remove_data_files, scan_in_place
+from .leftovers import InPlaceScan, abort_stale_uploads, committed_num_shards, remove_data_files, scan_in_place
 from .writing import fill_bundle
 
 __all__ = ["IndexLastCommitter", "pick_num_shards"]
@@ -152,6 +152,7 @@ class IndexLastCommitter(Committer):
 
     def prepare(self, extra_bundles: Optional[BundleMaker] = None) -> Setup:
         self._scan = scan_in_place(self.location)
+        self._abort_stale_uploads()  # before any upload of ours exists: never hits this save's own uploads
         if self._scan.removed:
             _log.info("removed what dead saves left at %s: %s", self.location.prefix, self._scan.removed)
         self._previous = dict(self._scan.previous)
@@ -218,6 +219,14 @@ class IndexLastCommitter(Committer):
             raise
         fs.close(handle)
         self._created(path)
+
+    def _abort_stale_uploads(self) -> None:
+        try:
+            aborted = abort_stale_uploads(self.location)
+            if aborted:
+                _log.info("aborted stale uploads at %s: %s", self.location.prefix, aborted)
+        except Exception as exc:  # best effort: the next save tries again
+            _log.warning("could not abort stale uploads at %s: %s", self.location.prefix, exc)
 
     def _upload_extra(self) -> None:
         uploaded = set()

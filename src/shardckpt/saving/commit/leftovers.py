@@ -133,7 +133,7 @@ class InPlaceScan:
     #: whether an index object exists, and its ETag (``None`` where the store has none)
     has_index: bool = False
     index_etag: Optional[str] = None
-    #: what was removed (a dead save's data objects and temp files, stale multipart uploads)
+    #: what was removed (a dead save's data objects and temp files)
     removed: List[str] = field(default_factory=list)
 
 
@@ -184,7 +184,6 @@ def scan_in_place(location: Location, now: Optional[float] = None) -> InPlaceSca
             scan.removed.append(path)
             continue
         scan.avoid.add(count)
-    scan.removed += abort_stale_uploads(location, now)
     return scan
 
 
