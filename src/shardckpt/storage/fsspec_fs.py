@@ -202,8 +202,7 @@ class _Upload:
         self.exclusive = exclusive
         self.bucket, self.key, _ = owner.fs.split_path(path)
         self.part_size = owner.part_size
-        self.buf = bytearray(self.part_size)
-        self.fill = 0
+        self.buf = bytearray()  # grows as data arrives (no zero-filled part-size allocation up front)
         self.upload_id: Optional[str] = None
         self.futures: List[Tuple[int, "Future[Any]"]] = []
         self.error: Optional[BaseException] = None
@@ -216,11 +215,10 @@ class _Upload:
         data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         pos, total = 0, len(data)
         while pos < total:
-            take = min(self.part_size - self.fill, total - pos)
-            self.buf[self.fill:self.fill + take] = data[pos:pos + take]
-            self.fill += take
+            take = min(self.part_size - len(self.buf), total - pos)
+            self.buf += data[pos:pos + take]
             pos += take
-            if self.fill == self.part_size:
+            if len(self.buf) == self.part_size:
                 self._send_part()
 
     def _send_part(self) -> None:
@@ -230,8 +228,6 @@ class _Upload:
                               Bucket=self.bucket, Key=self.key)
             self.upload_id = resp["UploadId"]
         body = self.buf
-        if self.fill < len(body):
-            del body[self.fill:]  # shrink in place: the last part
         number = len(self.futures) + 1
         owner.inflight.acquire()
         fut = owner.submit("upload part", self.path, lambda: owner.fs._call_s3(
@@ -240,8 +236,7 @@ class _Upload:
         fut.add_done_callback(lambda _f: owner.inflight.release())
         owner.count_write(len(body))
         self.futures.append((number, fut))
-        self.buf = bytearray(self.part_size)
-        self.fill = 0
+        self.buf = bytearray()
         # surface a failed part early
         for _, f in self.futures:
             if f.done() and f.exception() is not None:
@@ -258,7 +253,6 @@ class _Upload:
                 raise self.error
             if self.upload_id is None:  # small object: one PUT
                 body = self.buf
-                del body[self.fill:]  # shrinks in place, no copy
                 expected = _md5_etag(body)
                 resp = owner.write_call("write", self.path, lambda: owner.fs.call_s3(
                     "put_object", Bucket=self.bucket, Key=self.key, Body=body, **cond),
@@ -266,7 +260,7 @@ class _Upload:
                 self.etag = resp.get("ETag", expected) if isinstance(resp, dict) else expected
                 owner.count_write(len(body))
             else:
-                if self.fill:
+                if self.buf:
                     self._send_part()
                 parts = []
                 for number, fut in self.futures:
@@ -342,7 +336,16 @@ class _FileWriter:
 
 
 class FsspecFileSystem(FileSystem):
-    """A :class:`FileSystem` over one fsspec filesystem instance; paths are full URLs."""
+    """A :class:`FileSystem` over one fsspec filesystem instance; paths are full URLs.
+
+    Options (``shardckpt.storage.configure("s3", ...)``): ``retries`` (attempts per
+    request, 6), ``backoff``/``max_backoff`` (seconds, 0.2/10), ``part_size`` (upload part,
+    32 MiB), ``read_part_size`` (8 MiB), ``max_concurrency`` (parts in flight, 16),
+    ``read_latency``/``read_bandwidth`` (the read cost model, 0.02 s / 100 MB/s),
+    ``read_cache`` (bytes of merged reads kept on open handles, 256 MiB; 0: none),
+    ``stale_after`` (seconds after which uncommitted objects and idle multipart uploads
+    count as a dead save's, 3600).
+    """
 
     supports_rename = False
 
