@@ -212,6 +212,6 @@ def abort_stale_uploads(location: Location, now: Optional[float] = None) -> List
         activity = getattr(fs, "upload_activity", None)
         if activity is not None and now - activity(path, upload_id) < grace:
             continue  # started long ago but a part landed recently: a live writer
-        fs.abort_upload(path, upload_id)
+        fs.abort_upload(path, upload_id)  # type: ignore[attr-defined]
         aborted.append(f"{path} (upload {upload_id})")
     return aborted
