@@ -426,3 +426,17 @@ def test_memory_filesystem_roundtrip() -> None:
 
 def test_shardckpt_error_family() -> None:
     assert issubclass(StorageError, ShardckptError)
+
+
+def test_read_planner_merges_gaps_cheaper_than_a_request() -> None:
+    import fsspec
+
+    fs = FsspecFileSystem(fsspec.filesystem("memory"), "memory", read_latency=0.01, read_bandwidth=1e6,
+                          read_part_size=1 << 20)
+    assert fs.gap_limit() == 10_000  # 10 ms at 1 MB/s: a gap under 10 kB is cheaper to download
+    rows = [(i * 20_000, 8_000) for i in range(10)]  # 12 kB gaps: dearer than a request
+    assert [g[2] for g in fs.plan_reads(rows)] == [[i] for i in range(10)]
+    rows = [(i * 16_000, 8_000) for i in range(10)][::-1]  # 8 kB gaps, unsorted: one GET
+    assert fs.plan_reads(rows) == [(0, 152_000, list(range(9, -1, -1)))]
+    big = [(i * 1_000_000, 1_000_000) for i in range(5)]  # contiguous 5 MB: split at max(1 MiB, 4 gap limits)
+    assert [(s, e) for s, e, _ in fs.plan_reads(big)] == [(i * 1_000_000, (i + 1) * 1_000_000) for i in range(5)]

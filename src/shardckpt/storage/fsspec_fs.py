@@ -944,6 +944,10 @@ class FsspecFileSystem(FileSystem):
             self.call("check bucket", path, self.fs.call_s3, "head_bucket", Bucket=bucket)
         except NotFoundError:
             raise NotFoundError(f"bucket does not exist: {bucket!r}", path=path) from None
+        except StorageError as exc:
+            if _s3_code(exc.__cause__ or exc)[1] != 403:
+                raise  # unreachable, throttled past the retries, ...
+            # 403: credentials that may read objects but not the bucket itself; the bucket exists
         self._buckets_seen.add(bucket)
 
     def exists(self, path: str) -> bool:
