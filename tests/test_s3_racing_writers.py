@@ -34,7 +34,7 @@ def _judge(results: List[Dict[str, Any]], read: Any, before: Any) -> int:
     for r in results:
         assert r["ok"] or r["error"] == "AbortedError", r
     winners = [r["fill"] for r in results if r["ok"]]
-    assert isinstance(read, int), f"the prefix does not hold one whole checkpoint: {read}"
+    assert read is None or isinstance(read, int), f"the prefix does not hold one whole checkpoint: {read} ({results})"
     if winners:
         assert read in winners, (read, results)
     else:
@@ -68,14 +68,12 @@ def test_threads_racing_on_one_prefix_leave_one_whole_checkpoint(s3_server: Any,
             t.start()
         for t in threads:
             t.join(120)
-        read = rw.read_fill(prefix) if r or any(x["ok"] for x in results) else None
-        if read is None:  # nobody won the first round on a fresh prefix: nothing committed
-            assert get_fs(prefix).listdir(prefix.rsplit("/", 1)[0]) == []
-            assert all(x["error"] == "AbortedError" for x in results), results
-            losses += 2
-            continue
+        read = rw.read_fill(prefix)
         losses += _judge(results, read, before)
-        _only_committed_objects(prefix)
+        if read is None:  # nobody has won yet: nothing committed, and the losers left nothing
+            assert get_fs(prefix).listdir(prefix.rsplit("/", 1)[0]) == []
+        else:
+            _only_committed_objects(prefix)
         before = read
     assert losses >= 1  # the writers did overlap (each round starts both at once)
 
@@ -102,10 +100,6 @@ def test_processes_racing_on_one_prefix_leave_one_whole_checkpoint(s3_server: An
         reads = {results[0]["read"], results[1]["read"]}
         assert len(reads) == 1 and all(x["seconds"] < rw.ROUND_SECONDS * 0.8 for x in results), results
         read = reads.pop()
-        if r == 0 and not any(x["ok"] for x in results):
-            assert all(x["error"] == "AbortedError" for x in results), results
-            losses += 2
-            continue
         losses += _judge(results, read, before)
         before = read
     names = get_fs(prefix).listdir(prefix.rsplit("/", 1)[0])

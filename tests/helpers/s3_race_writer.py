@@ -37,9 +37,13 @@ def save(prefix: str, fill: int, shard_bytes: int) -> Dict[str, Any]:
 
 
 def read_fill(prefix: str) -> Optional[Any]:
-    """The single fill value of every tensor at the prefix; ``"mixed"``/the error text when it is not whole."""
+    """The single fill value of every tensor at the prefix; ``None`` when nothing was ever committed there;
+    ``"mixed: ..."`` or ``"unreadable: ..."`` when it is not one whole checkpoint."""
     import shardckpt
+    from shardckpt.storage import get_fs
 
+    if not get_fs(prefix).exists(prefix + ".index"):
+        return None
     try:
         with shardckpt.load_checkpoint(prefix) as reader:
             fills = {float(v) for k in KEYS for v in np.unique(reader.get_tensor(k))}
