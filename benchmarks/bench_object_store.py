@@ -163,20 +163,26 @@ def main() -> None:
             s3.cat_file(data_objects[0])
             bw.append(data_size / (time.perf_counter() - t0))
         bandwidth = statistics.median(bw)
-        t0 = time.perf_counter()
-        for path in data_objects:  # a full sequential download of the same objects
-            s3.cat_file(path)
-        full_s = time.perf_counter() - t0
+        full_runs = []
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            for path in data_objects:  # a full sequential download of the same objects
+                s3.cat_file(path)
+            full_runs.append(time.perf_counter() - t0)
+        full_s = statistics.median(full_runs)
         reshard = {}
         measured = FsspecFileSystem(s3, "s3", read_latency=latency, read_bandwidth=bandwidth)
         for model, fs_used in (("defaults", store), ("measured", measured)):
             for case, reqs, needed in (("both halves", requests, full.nbytes),
                                        ("one half", requests[:1], full[:, :half].nbytes)):
+                runs = []
                 with mounted(fs_used, "s3"):
-                    fs_used.reset_stats()
-                    t0 = time.perf_counter()
-                    parts = shardckpt.restore_tensors(prefix, reqs)
-                    seconds = time.perf_counter() - t0
+                    for _ in range(args.repeat):
+                        fs_used.reset_stats()
+                        t0 = time.perf_counter()
+                        parts = shardckpt.restore_tensors(prefix, reqs)
+                        runs.append(time.perf_counter() - t0)
+                seconds = statistics.median(runs)
                 expect = full if len(reqs) == 2 else full[:, :half]
                 assert np.array_equal(np.concatenate(parts, axis=1), expect)
                 fetched = fs_used.stats["bytes_read"] - index_size
@@ -209,8 +215,8 @@ def main() -> None:
         print(f"{'download (MB/s)':28}{mb_s(result['download_s']['shardckpt']):12.1f}"
               f"{mb_s(result['download_s']['s3fs_cat']):12.1f}{result['download_ratio']:8.2f}{'>= 0.9':>9}"
               f"  ({full_restore_gets} GETs incl. the index; merging across tensors is the restore planner's)")
-        print(f"resharded restore of a {side}x{side} float32 tensor (4 row blocks -> 2 column blocks); "
-              f"full sequential download of its data objects: {full_s:.3f} s")
+        print(f"resharded restore of a {side}x{side} float32 tensor (4 row blocks -> 2 column blocks), medians of "
+              f"{args.repeat}; full sequential download of its data objects: {full_s:.3f} s")
         for case, r in reshard.items():
             print(f"  {case:33} {r['seconds']:7.3f} s ({r['vs_full_download']:.2f}x the download, target <= 2)  "
                   f"{r['requests']} GETs, {r['cache_hits']} served from merged GETs, fetched "
