@@ -60,6 +60,7 @@ import base64
 import logging
 import shutil
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -151,8 +152,15 @@ class IndexLastCommitter(Committer):
         self._committed = False
 
     def prepare(self, extra_bundles: Optional[BundleMaker] = None) -> Setup:
-        self._scan = scan_in_place(self.location)
-        self._abort_stale_uploads()  # before any upload of ours exists: never hits this save's own uploads
+        # stale uploads are listed and aborted beside the listing, and done before any upload of ours exists
+        cleanup = threading.Thread(target=self._abort_stale_uploads, name="shardckpt-stale-uploads", daemon=True)
+        if self._conditional:
+            cleanup.start()
+        try:
+            self._scan = scan_in_place(self.location)
+        finally:
+            if cleanup.is_alive():
+                cleanup.join()
         if self._scan.removed:
             _log.info("removed what dead saves left at %s: %s", self.location.prefix, self._scan.removed)
         self._previous = dict(self._scan.previous)
