@@ -221,7 +221,7 @@ def test_transient_errors_are_retried(s3_server: Any, s3dir: str) -> None:
     big = np.random.default_rng(0).standard_normal(3 << 20).astype(np.float32)  # 12 MiB: a multipart upload
     arrays["big"] = big
     with FaultProxy(s3_server.endpoint) as proxy, configured(proxy.endpoint, retries=6, backoff=0.01,
-                                                                 part_size=5 << 20):
+                                                                 part_size=5 << 20, multipart_threshold=5 << 20):
         prefix = f"{s3dir}/ck"
         for n in (1, 3):  # every request kind: listings, HEADs, part uploads, the index PUT
             proxy.fail_next(n)
@@ -244,7 +244,7 @@ def test_persistent_errors_fail_clearly_and_commit_nothing(s3_server: Any, s3dir
     shardckpt.save_tensors(prefix, old)
     big = {"a": np.random.default_rng(1).standard_normal(2 << 20)}  # 16 MiB: multipart
     with FaultProxy(s3_server.endpoint, match=lambda m, p: m == "PUT" and "partNumber=2" in p) as proxy, \
-            configured(proxy.endpoint, retries=3, backoff=0.01, part_size=5 << 20):
+            configured(proxy.endpoint, retries=3, backoff=0.01, part_size=5 << 20, multipart_threshold=5 << 20):
         proxy.fail_next(10**9)
         started = time.monotonic()
         with pytest.raises(StorageError, match="after 3 attempts") as info:
@@ -262,7 +262,7 @@ def test_persistent_errors_fail_clearly_and_commit_nothing(s3_server: Any, s3dir
 _KILLED_SAVE = textwrap.dedent("""
     import sys, numpy as np, shardckpt
     from shardckpt.storage import configure
-    configure("s3", part_size=5 << 20, max_concurrency=2)
+    configure("s3", part_size=5 << 20, multipart_threshold=5 << 20, max_concurrency=2)
     prefix = sys.argv[1]
     rng = np.random.default_rng(7)
     values = {f"w{i}": rng.standard_normal(4 << 20).astype(np.float32) for i in range(6)}  # 6 x 16 MiB
@@ -445,3 +445,19 @@ def test_read_planner_merges_gaps_cheaper_than_a_request() -> None:
     assert fs.plan_reads(rows) == [(0, 152_000, list(range(9, -1, -1)))]
     big = [(i * 1_000_000, 1_000_000) for i in range(5)]  # contiguous 5 MB: split at max(1 MiB, 4 gap limits)
     assert [(s, e) for s, e, _ in fs.plan_reads(big)] == [(i * 1_000_000, (i + 1) * 1_000_000) for i in range(5)]
+
+
+def test_objects_up_to_the_multipart_threshold_are_one_put(s3_server: Any, s3dir: str) -> None:
+    rng = np.random.default_rng(9)
+    small = {"a": rng.standard_normal(10 << 20 >> 3)}  # 10 MiB data object
+    large = {"a": rng.standard_normal(23 << 20 >> 3)}  # 23 MiB: past the threshold, parts of 5 MiB
+    with FaultProxy(s3_server.endpoint) as proxy, configured(proxy.endpoint, part_size=5 << 20,
+                                                              multipart_threshold=12 << 20):
+        for name, values, parts in (("small", small, 0), ("large", large, 5)):
+            proxy.requests.clear()
+            shardckpt.save_tensors(f"{s3dir}/{name}", values)
+            data = [r for r in proxy.requests if ".data-" in r]
+            assert len([r for r in data if "partNumber=" in r]) == parts, data
+            assert len([r for r in data if r.startswith("PUT") and "partNumber=" not in r]) == (parts == 0), data
+            with shardckpt.load_checkpoint(f"{s3dir}/{name}") as reader:
+                np.testing.assert_array_equal(reader.get_tensor("a"), values["a"])

@@ -88,7 +88,7 @@ def test_data_object_whose_reply_is_lost_is_recognised_as_ours(s3dir: str) -> No
 def test_completed_upload_whose_reply_is_lost_is_recognised_as_ours(s3dir: str) -> None:
     prefix = f"{s3dir}/big"
     big = np.random.default_rng(0).standard_normal(3 << 20).astype(np.float32)  # 12 MiB: multipart
-    with configured(os.environ["AWS_ENDPOINT_URL"], part_size=5 << 20):
+    with configured(os.environ["AWS_ENDPOINT_URL"], part_size=5 << 20, multipart_threshold=5 << 20):
         with LostReplies("CompleteMultipartUpload", times=1) as lost:
             shardckpt.save_tensors(prefix, {"big": big})
         assert lost.lost == 1

@@ -5,11 +5,13 @@ Needs the optional extra ``shardckpt[s3]`` (fsspec, s3fs). What differs from a d
 * No rename. ``supports_rename`` is False: the engine writes each data object in
   place under its final name and commits by writing the ``.index`` object last
   (one PUT, atomic). ``rename`` exists (copy + delete) for the raw ``merge`` op only.
-* Writes stream: on S3 a data object is a multipart upload whose parts
-  (``part_size`` bytes, filled straight from the tensors) are uploaded while the
-  next part fills, up to ``max_concurrency`` parts in flight per store; nothing
-  buffers a whole object. The object appears only when the upload completes
-  (``close``); ``discard`` aborts it. Other fsspec stores use their own file objects.
+* Writes stream: on S3 a data object larger than ``multipart_threshold`` (64 MiB)
+  is a multipart upload whose parts (``part_size`` bytes, filled straight from the
+  tensors) are uploaded while the next part fills, up to ``max_concurrency`` parts in
+  flight per store; a smaller one is buffered and sent with one PUT (fewer requests;
+  shards upload in parallel anyway). No more than the threshold is ever buffered.
+  The object appears only when the upload completes (``close``); ``discard`` aborts it.
+  Other fsspec stores use their own file objects.
 * Conditional writes (S3): :meth:`FsspecFileSystem.create_exclusive` opens an object
   that is created only if no object has that name (``If-None-Match: *`` on the PUT or
   on CompleteMultipartUpload); :meth:`FsspecFileSystem.put` takes ``if_match`` (an
@@ -202,6 +204,8 @@ class _Upload:
         self.exclusive = exclusive
         self.bucket, self.key, _ = owner.fs.split_path(path)
         self.part_size = owner.part_size
+        #: up to this many bytes the object is one PUT; past it, a multipart upload of ``part_size`` parts
+        self.threshold = max(owner.multipart_threshold, self.part_size)
         self.buf = bytearray()  # grows as data arrives (no zero-filled part-size allocation up front)
         self.upload_id: Optional[str] = None
         self.futures: List[Tuple[int, "Future[Any]"]] = []
@@ -215,11 +219,36 @@ class _Upload:
         data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         pos, total = 0, len(data)
         while pos < total:
+            if self.upload_id is None:  # still one PUT's worth
+                room = self.threshold - len(self.buf)
+                if room == 0:  # more bytes past the threshold: a multipart upload from here on
+                    self._start_multipart()
+                    continue
+                take = min(room, total - pos)
+                self.buf += data[pos:pos + take]
+                pos += take
+                continue
             take = min(self.part_size - len(self.buf), total - pos)
             self.buf += data[pos:pos + take]
             pos += take
             if len(self.buf) == self.part_size:
                 self._send_part()
+
+    def _start_multipart(self) -> None:
+        """Cut the buffered bytes into parts and send them (the upload is created with the first)."""
+        buffered, self.buf = self.buf, bytearray()
+        if len(buffered) == self.part_size:
+            self.buf = buffered
+            self._send_part()
+            return
+        view = memoryview(buffered)
+        try:
+            for start in range(0, len(buffered), self.part_size):
+                self.buf = bytearray(view[start:start + self.part_size])
+                if len(self.buf) == self.part_size:
+                    self._send_part()
+        finally:
+            view.release()
 
     def _send_part(self) -> None:
         owner = self.owner
@@ -340,7 +369,9 @@ class FsspecFileSystem(FileSystem):
 
     Options (``shardckpt.storage.configure("s3", ...)``): ``retries`` (attempts per
     request, 6), ``backoff``/``max_backoff`` (seconds, 0.2/10), ``part_size`` (upload part,
-    32 MiB), ``read_part_size`` (8 MiB), ``max_concurrency`` (parts in flight, 16),
+    32 MiB), ``multipart_threshold`` (objects up to this size are one PUT, 64 MiB; as s3fs
+    and boto3 do, a multipart upload only pays off for large objects), ``read_part_size``
+    (8 MiB), ``max_concurrency`` (parts in flight, 16),
     ``read_latency``/``read_bandwidth`` (the read cost model, 0.02 s / 100 MB/s),
     ``read_cache`` (bytes of merged reads kept on open handles, 256 MiB; 0: none),
     ``stale_after`` (seconds after which uncommitted objects and idle multipart uploads
@@ -352,7 +383,8 @@ class FsspecFileSystem(FileSystem):
     def __init__(self, fs: Any, protocol: str, *, retries: int = 6, backoff: float = 0.2,
                  max_backoff: float = 10.0, part_size: int = 32 << 20, read_part_size: int = 8 << 20,
                  max_concurrency: int = 16, read_latency: float = 0.02, read_bandwidth: float = 100e6,
-                 read_cache: int = 256 << 20, stale_after: float = 3600.0) -> None:
+                 read_cache: int = 256 << 20, stale_after: float = 3600.0,
+                 multipart_threshold: int = 64 << 20) -> None:
         self.fs = fs
         self.protocol = protocol
         self.retries = max(1, int(retries))
@@ -360,6 +392,7 @@ class FsspecFileSystem(FileSystem):
         self.max_backoff = float(max_backoff)
         self.part_size = max(5 << 20, int(part_size)) if self._is_s3() else int(part_size)
         self.read_part_size = int(read_part_size)
+        self.multipart_threshold = int(multipart_threshold)
         self.read_step = max(self.read_part_size * max_concurrency, 64 << 20)
         self.max_concurrency = max(1, int(max_concurrency))
         self.inflight = threading.BoundedSemaphore(self.max_concurrency)
@@ -387,7 +420,7 @@ class FsspecFileSystem(FileSystem):
             raise StorageError(f"{scheme}:// paths need fsspec: pip install 'shardckpt[s3]'") from None
         own = {k: options.pop(k) for k in ("retries", "backoff", "max_backoff", "part_size", "read_part_size",
                                            "max_concurrency", "read_latency", "read_bandwidth", "read_cache",
-                                           "stale_after") if k in options}
+                                           "stale_after", "multipart_threshold") if k in options}
         if scheme in ("s3", "s3a"):
             endpoint = options.pop("endpoint_url", None)
             if endpoint is not None:
