@@ -7,17 +7,14 @@ A small HTTP proxy in front of it injects 503 errors for the retry tests.
 
 from __future__ import annotations
 
-import http.client
-import http.server
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,6 +29,8 @@ from shardckpt.storage import configure, get_fs
 from shardckpt.storage.fsspec_fs import FsspecFileSystem
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
+from s3_faults import FaultProxy, configured  # noqa: E402  (tests/helpers)
 
 
 @pytest.fixture
@@ -139,17 +138,41 @@ def test_checkpoint_manager_retention(s3dir: str) -> None:
     np.testing.assert_array_equal(restored.numpy(), np.full(10, 3, np.float32))
 
 
-def test_partial_region_reads_fetch_only_the_region(s3dir: str) -> None:
+def test_partial_region_reads_follow_the_cost_model(s3dir: str) -> None:
     a = np.arange(512 * 512, dtype=np.float32).reshape(512, 512)
+    prefix = f"{s3dir}/ck"
+    shardckpt.save_tensors(prefix, {"a": a})
+    fs = _fs()
+    region = ((100, 300), (64, 192))  # 200 rows of 512 bytes, 1,536-byte gaps
+    with BundleReader(prefix) as reader:
+        fs.reset_stats()
+        got = reader.read_region("a", region)
+        np.testing.assert_array_equal(got, a[100:300, 64:192])
+        # gaps cost far less than a request: one GET of the rows' span instead of 200
+        assert fs.stats["read_requests"] == 1 and fs.stats["bytes_read"] == 199 * 2048 + 512, fs.stats
+    try:
+        configure("s3", read_latency=0.0)  # requests free: fetch exactly the region, one GET per row
+        fs = _fs()
+        with BundleReader(prefix) as reader:
+            fs.reset_stats()
+            np.testing.assert_array_equal(reader.read_region("a", region), a[100:300, 64:192])
+            assert fs.stats["bytes_read"] == got.nbytes and fs.stats["read_requests"] == 200, fs.stats
+    finally:
+        configure("s3")
+
+
+def test_gap_bytes_of_a_merged_read_serve_the_next_region(s3dir: str) -> None:
+    a = np.arange(256 * 256, dtype=np.float32).reshape(256, 256)
     prefix = f"{s3dir}/ck"
     shardckpt.save_tensors(prefix, {"a": a})
     fs = _fs()
     with BundleReader(prefix) as reader:
         fs.reset_stats()
-        got = reader.read_region("a", ((100, 300), (64, 192)))
-        np.testing.assert_array_equal(got, a[100:300, 64:192])
-        needed = got.nbytes
-        assert needed <= fs.stats["bytes_read"] <= 1.1 * needed
+        left = reader.read_region("a", ((0, 256), (0, 128)))
+        right = reader.read_region("a", ((0, 256), (128, 256)))  # inside the first GET's span, bar the last row
+        np.testing.assert_array_equal(np.concatenate([left, right], axis=1), a)
+        assert fs.stats["bytes_read"] <= a.nbytes + 512 and fs.stats["read_requests"] <= 2, fs.stats
+        assert fs.stats["cache_hits"] >= 255
 
 
 def test_resharded_dtensor_restore(s3dir: str) -> None:
@@ -174,135 +197,31 @@ def test_missing_checkpoint_and_bucket_are_clear_errors(s3_server: Any) -> None:
         shardckpt.load_checkpoint(s3_server.url("nothing-here", "ck"))
     with pytest.raises(NotFoundError, match="bucket does not exist") as info:
         shardckpt.save_tensors("s3://no-such-bucket-shardckpt/ck", {"a": np.arange(3)})
-    assert "s3://no-such-bucket-shardckpt/ck" in str(info.value)
+    assert "s3://no-such-bucket-shardckpt" in str(info.value)
     assert shardckpt.latest_checkpoint(s3_server.url("nothing-here")) is None
 
 
 def test_bad_credentials_are_a_clear_error(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # moto checks no signatures; an unknown access key is refused only by real S3. Emulate the
     # answer with the fault proxy instead (403 InvalidAccessKeyId): never retried.
-    with _FaultProxy(s3_server.endpoint, status=403, code="InvalidAccessKeyId") as proxy:
+    with FaultProxy(s3_server.endpoint, status=403, code="InvalidAccessKeyId") as proxy:
         proxy.fail_next(10**9)
-        with _configured(proxy.endpoint, retries=5):
+        with configured(proxy.endpoint, retries=5):
             with pytest.raises(StorageError, match="access denied") as info:
                 shardckpt.save_tensors(f"s3://{s3_server.bucket}/creds/ck", {"a": np.arange(3)})
             assert f"s3://{s3_server.bucket}/creds" in str(info.value)
-        assert proxy.failed == 1  # permanent: not retried
+        assert proxy.failed >= 1 and len(proxy.requests) == len(set(proxy.requests)), proxy.requests  # no retry
 
 
 # -- faults ------------------------------------------------------------------------------------
-
-
-class _FaultProxy:
-    """An HTTP proxy in front of the S3 server that answers some requests with an error."""
-
-    def __init__(self, upstream: str, status: int = 503, code: str = "ServiceUnavailable",
-                 match: Optional[Callable[[str, str], bool]] = None) -> None:
-        host, port = upstream.replace("http://", "").split(":")
-        self.upstream = (host, int(port))
-        self.status = status
-        self.code = code
-        self.match = match or (lambda method, path: True)
-        self.remaining = 0
-        self.failed = 0
-        self.passed = 0
-        self.lock = threading.Lock()
-        proxy = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def _any(self) -> None:
-                if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-                    body = b""
-                    while True:
-                        size = int(self.rfile.readline().split(b";")[0].strip(), 16)
-                        if size == 0:
-                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                                pass
-                            break
-                        body += self.rfile.read(size)
-                        self.rfile.readline()
-                else:
-                    length = int(self.headers.get("Content-Length") or 0)
-                    body = self.rfile.read(length) if length else b""
-                with proxy.lock:
-                    fail = proxy.remaining > 0 and proxy.match(self.command, self.path)
-                    if fail:
-                        proxy.remaining -= 1
-                        proxy.failed += 1
-                    else:
-                        proxy.passed += 1
-                if fail:
-                    payload = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{proxy.code}</Code>"
-                               f"<Message>injected by the test proxy</Message></Error>").encode()
-                    self.send_response(proxy.status)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
-                    return
-                conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("connection", "transfer-encoding", "content-length", "expect")}
-                headers["Content-Length"] = str(len(body))
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                self.send_response(resp.status)
-                for k, v in resp.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(k, v)
-                length = resp.getheader("Content-Length") if self.command == "HEAD" else None
-                self.send_header("Content-Length", length or str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-                conn.close()
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def fail_next(self, n: int) -> None:
-        with self.lock:
-            self.remaining = n
-
-    def __enter__(self) -> "_FaultProxy":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-class _configured:
-    """Point ``s3://`` at ``endpoint`` (with shardckpt's own options) for a block."""
-
-    def __init__(self, endpoint: str, **options: Any) -> None:
-        self.endpoint = endpoint
-        self.options = options
-
-    def __enter__(self) -> None:
-        configure("s3", endpoint_url=self.endpoint, **self.options)
-
-    def __exit__(self, *_: Any) -> None:
-        configure("s3")
 
 
 def test_transient_errors_are_retried(s3_server: Any, s3dir: str) -> None:
     arrays = _arrays(3)
     big = np.random.default_rng(0).standard_normal(3 << 20).astype(np.float32)  # 12 MiB: a multipart upload
     arrays["big"] = big
-    with _FaultProxy(s3_server.endpoint) as proxy, _configured(proxy.endpoint, retries=6, backoff=0.01,
-                                                                 part_size=5 << 20):
+    with FaultProxy(s3_server.endpoint) as proxy, configured(proxy.endpoint, retries=6, backoff=0.01,
+                                                                 part_size=5 << 20, multipart_threshold=5 << 20):
         prefix = f"{s3dir}/ck"
         for n in (1, 3):  # every request kind: listings, HEADs, part uploads, the index PUT
             proxy.fail_next(n)
@@ -324,8 +243,8 @@ def test_persistent_errors_fail_clearly_and_commit_nothing(s3_server: Any, s3dir
     old = {"a": np.arange(10.0)}
     shardckpt.save_tensors(prefix, old)
     big = {"a": np.random.default_rng(1).standard_normal(2 << 20)}  # 16 MiB: multipart
-    with _FaultProxy(s3_server.endpoint, match=lambda m, p: m == "PUT" and "partNumber=2" in p) as proxy, \
-            _configured(proxy.endpoint, retries=3, backoff=0.01, part_size=5 << 20):
+    with FaultProxy(s3_server.endpoint, match=lambda m, p: m == "PUT" and "partNumber=2" in p) as proxy, \
+            configured(proxy.endpoint, retries=3, backoff=0.01, part_size=5 << 20, multipart_threshold=5 << 20):
         proxy.fail_next(10**9)
         started = time.monotonic()
         with pytest.raises(StorageError, match="after 3 attempts") as info:
@@ -343,7 +262,7 @@ def test_persistent_errors_fail_clearly_and_commit_nothing(s3_server: Any, s3dir
 _KILLED_SAVE = textwrap.dedent("""
     import sys, numpy as np, shardckpt
     from shardckpt.storage import configure
-    configure("s3", part_size=5 << 20, max_concurrency=2)
+    configure("s3", part_size=5 << 20, multipart_threshold=5 << 20, max_concurrency=2)
     prefix = sys.argv[1]
     rng = np.random.default_rng(7)
     values = {f"w{i}": rng.standard_normal(4 << 20).astype(np.float32) for i in range(6)}  # 6 x 16 MiB
@@ -354,7 +273,8 @@ _KILLED_SAVE = textwrap.dedent("""
 """)
 
 
-def test_save_killed_mid_upload_leaves_previous_checkpoint(s3_server: Any, s3dir: str, tmp_path: Any) -> None:
+def test_save_killed_mid_upload_leaves_previous_checkpoint_and_next_save_aborts_stale_uploads(
+        s3_server: Any, s3dir: str, tmp_path: Any) -> None:
     v = shardckpt.Variable(np.arange(1000, dtype=np.float32))
     ckpt = shardckpt.Checkpoint(v=v)
     first = ckpt.save(f"{s3dir}/ckpt")
@@ -369,8 +289,9 @@ def test_save_killed_mid_upload_leaves_previous_checkpoint(s3_server: Any, s3dir
         # kill once some data objects are complete and another upload is under way
         while time.monotonic() < deadline:
             done = [n for n in _names(s3dir) if n.startswith("ckpt-1.data-") and not n.endswith("-of-00001")]
-            uploading = [u for u in fs.fs.list_multipart_uploads(s3_server.bucket) if u["Key"].startswith(key)]
-            if done and uploading:
+            uploading = [u for u in fs.fs.list_multipart_uploads(s3_server.bucket) if u["Key"].startswith(key)
+                         and fs.upload_activity(f"s3://{s3_server.bucket}/{u['Key']}", u["UploadId"]) > 0]
+            if done and uploading:  # (moto reports a fixed start time: wait for a part to date the upload)
                 break
             assert proc.poll() is None, "the save finished before it could be interrupted"
             time.sleep(0.02)
@@ -384,10 +305,31 @@ def test_save_killed_mid_upload_leaves_previous_checkpoint(s3_server: Any, s3dir
     shardckpt.Checkpoint(v=restored).restore(shardckpt.latest_checkpoint(s3dir)).assert_consumed()
     np.testing.assert_array_equal(restored.numpy(), np.arange(1000, dtype=np.float32))
     leftovers = [n for n in _names(s3dir) if n.startswith("ckpt-1.data-") and not n.endswith("-of-00001")]
-    assert leftovers  # the dead save's complete objects ...
-    ckpt.write(first)  # ... are removed by the next save to the prefix
-    assert _names(s3dir) == ["checkpoint", "ckpt-1.data-00000-of-00002", "ckpt-1.data-00001-of-00002",
-                             "ckpt-1.index"]
+    assert leftovers  # the dead save's complete objects and its incomplete upload(s) ...
+
+    def uploads() -> list:
+        return [u for u in _fs().fs.list_multipart_uploads(s3_server.bucket) if u["Key"].startswith(key)]
+
+    # a live writer's upload beside them (a part sent just now): never touched
+    live_key = f"{key.rsplit('/', 1)[0]}/ckpt-1.data-00000-of-00009"
+    live = fs.fs.call_s3("create_multipart_upload", Bucket=s3_server.bucket, Key=live_key)["UploadId"]
+    fs.fs.call_s3("upload_part", Bucket=s3_server.bucket, Key=live_key, UploadId=live, PartNumber=1,
+                  Body=b"x" * (5 << 20))
+    ckpt.write(first)  # ... are young: they could be a live writer's, so the next save keeps (and avoids) them
+    names = _names(s3dir)
+    assert set(leftovers) <= set(names)
+    assert live in [u["UploadId"] for u in uploads()]
+    try:
+        configure("s3", stale_after=0)  # older than the grace period: a dead save's, removed and aborted
+        ckpt.write(first)
+        assert uploads() == []
+        names = _names(s3dir)
+        counts = {x.split("-of-")[1] for x in names if ".data-" in x}
+        assert len(counts) == 1 and [x for x in names if ".data-" not in x] == ["checkpoint", "ckpt-1.index"]
+    finally:
+        configure("s3")
+    restored = shardckpt.Variable(np.zeros(1000, np.float32))
+    shardckpt.Checkpoint(v=restored).restore(first).assert_consumed()
 
 
 # -- multi-client ------------------------------------------------------------------------------
@@ -489,3 +431,33 @@ def test_memory_filesystem_roundtrip() -> None:
 
 def test_shardckpt_error_family() -> None:
     assert issubclass(StorageError, ShardckptError)
+
+
+def test_read_planner_merges_gaps_cheaper_than_a_request() -> None:
+    import fsspec
+
+    fs = FsspecFileSystem(fsspec.filesystem("memory"), "memory", read_latency=0.01, read_bandwidth=1e6,
+                          read_part_size=1 << 20)
+    assert fs.gap_limit() == 10_000  # 10 ms at 1 MB/s: a gap under 10 kB is cheaper to download
+    rows = [(i * 20_000, 8_000) for i in range(10)]  # 12 kB gaps: dearer than a request
+    assert [g[2] for g in fs.plan_reads(rows)] == [[i] for i in range(10)]
+    rows = [(i * 16_000, 8_000) for i in range(10)][::-1]  # 8 kB gaps, unsorted: one GET
+    assert fs.plan_reads(rows) == [(0, 152_000, list(range(9, -1, -1)))]
+    big = [(i * 1_000_000, 1_000_000) for i in range(5)]  # contiguous 5 MB: split at max(1 MiB, 4 gap limits)
+    assert [(s, e) for s, e, _ in fs.plan_reads(big)] == [(i * 1_000_000, (i + 1) * 1_000_000) for i in range(5)]
+
+
+def test_objects_up_to_the_multipart_threshold_are_one_put(s3_server: Any, s3dir: str) -> None:
+    rng = np.random.default_rng(9)
+    small = {"a": rng.standard_normal(10 << 20 >> 3)}  # 10 MiB data object
+    large = {"a": rng.standard_normal(23 << 20 >> 3)}  # 23 MiB: past the threshold, parts of 5 MiB
+    with FaultProxy(s3_server.endpoint) as proxy, configured(proxy.endpoint, part_size=5 << 20,
+                                                              multipart_threshold=12 << 20):
+        for name, values, parts in (("small", small, 0), ("large", large, 5)):
+            proxy.requests.clear()
+            shardckpt.save_tensors(f"{s3dir}/{name}", values)
+            data = [r for r in proxy.requests if ".data-" in r]
+            assert len([r for r in data if "partNumber=" in r]) == parts, data
+            assert len([r for r in data if r.startswith("PUT") and "partNumber=" not in r]) == (parts == 0), data
+            with shardckpt.load_checkpoint(f"{s3dir}/{name}") as reader:
+                np.testing.assert_array_equal(reader.get_tensor("a"), values["a"])

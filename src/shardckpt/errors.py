@@ -28,6 +28,7 @@ __all__ = [
     "ShardingValidationError",
     "StorageError",
     "AsyncSaveError",
+    "AbortedError",
     "describe",
 ]
 
@@ -101,3 +102,11 @@ class StorageError(ShardckptError, OSError):
 
 class AsyncSaveError(ShardckptError, RuntimeError):
     """A background (``enable_async``) save failed; ``__cause__`` is the original error."""
+
+
+class AbortedError(StorageError):
+    """A concurrent writer won: another save created the same object or committed the same prefix first.
+
+    TensorFlow reports concurrency conflicts as ``Aborted``. Nothing of this save was
+    committed; what is at the prefix is the other save's checkpoint (or the previous one).
+    """

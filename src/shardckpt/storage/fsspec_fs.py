@@ -5,25 +5,49 @@ Needs the optional extra ``shardckpt[s3]`` (fsspec, s3fs). What differs from a d
 * No rename. ``supports_rename`` is False: the engine writes each data object in
   place under its final name and commits by writing the ``.index`` object last
   (one PUT, atomic). ``rename`` exists (copy + delete) for the raw ``merge`` op only.
-* Writes stream: on S3 a data object is a multipart upload whose parts
-  (``part_size`` bytes, filled straight from the tensors) are uploaded while the
-  next part fills, up to ``max_concurrency`` parts in flight per store; nothing
-  buffers a whole object. The object appears only when the upload completes
-  (``close``); ``discard`` aborts it. Other fsspec stores use their own file objects.
-* Reads are ranged GETs of just the requested bytes, large ones split in parallel
-  ranges; :meth:`pread_batch` coalesces nearby small ranges.
-* Every request is retried on transient errors (5xx, throttling, timeouts, lost
-  connections) with exponential backoff and jitter, ``retries`` attempts in all;
-  permanent errors (credentials, missing bucket or object) raise at once as
-  :class:`~shardckpt.errors.StorageError` / :class:`~shardckpt.errors.NotFoundError`
-  naming the object. The store's client does no retrying of its own (that would
-  multiply the attempts) unless its options say otherwise.
+* Writes stream: on S3 a data object larger than ``multipart_threshold`` (64 MiB)
+  is a multipart upload whose parts (``part_size`` bytes, filled straight from the
+  tensors) are uploaded while the next part fills, up to ``max_concurrency`` parts in
+  flight per store; a smaller one is buffered and sent with one PUT (fewer requests;
+  shards upload in parallel anyway). No more than the threshold is ever buffered.
+  The object appears only when the upload completes (``close``); ``discard`` aborts it.
+  Other fsspec stores use their own file objects.
+* Conditional writes (S3): :meth:`FsspecFileSystem.create_exclusive` opens an object
+  that is created only if no object has that name (``If-None-Match: *`` on the PUT or
+  on CompleteMultipartUpload); :meth:`FsspecFileSystem.put` takes ``if_match`` (an
+  ETag) / ``if_none_match``. A lost race is an :class:`~shardckpt.errors.AbortedError`.
+  The index-last committer builds its winner rule on these.
+* Ambiguous failures are resolved, never guessed: when a write's request may have
+  landed although its reply was lost (a timeout, a reset connection, a 5xx, or a
+  retry refused with 412 / NoSuchUpload because the first attempt did land), the
+  object is read back (ETag first, then the bytes) and the write is reported done
+  exactly when the store holds our bytes (``write_atomic`` / ``put``, completed uploads).
+* Reads are ranged GETs planned with a cost model (:meth:`FsspecFileSystem.pread_batch`):
+  neighbouring ranges are merged when the gap costs less to download than a request
+  (``read_latency`` seconds vs ``read_bandwidth`` bytes/s), the requests run in
+  parallel, and the gap bytes of a merged request are kept on the open handle (a
+  bounded budget, ``read_cache``) so a later request for them is served without a GET.
+* Retries: one layer only. Every request is retried here on transient errors (5xx,
+  throttling, timeouts, lost connections) with exponential backoff and jitter,
+  ``retries`` attempts in all; botocore's retries are off and aiohttp's silent
+  resend of a request on a reset keep-alive connection is disabled, so "after 4
+  attempts" means 4 requests. Permanent errors (credentials, missing bucket or
+  object) raise at once as :class:`~shardckpt.errors.StorageError` /
+  :class:`~shardckpt.errors.NotFoundError` naming the object, the HTTP status and the
+  S3 error code.
+* A missing bucket is never "no such file": a negative ``exists``/``isfile``/``isdir``/
+  ``listdir`` answer is checked against the bucket (once per bucket), so a mistyped
+  bucket or an unreachable store raises instead of looking like "no checkpoint yet".
+* Stale multipart uploads (of a killed save) are listed and aborted by the next save
+  (:meth:`FsspecFileSystem.list_uploads`, ``abort_upload``) once older than
+  ``stale_after`` seconds (default one hour), so a live writer's upload is never hit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import logging
 import posixpath
 import random
@@ -33,7 +57,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from ..errors import DataLossError, NotFoundError, StorageError, UnsupportedError
+from ..errors import AbortedError, DataLossError, NotFoundError, StorageError, UnsupportedError
 from .base import FileSystem, posix_dirname, split_scheme
 
 __all__ = ["FsspecFileSystem"]
@@ -77,6 +101,55 @@ def _s3_code(exc: BaseException) -> Tuple[Optional[str], Optional[int]]:
     return None, None
 
 
+def describe_error(exc: BaseException) -> str:
+    """``HTTP 503 SlowDown: OSError: ...``: the status and S3 code first (when known), then the error."""
+    code, status = _s3_code(exc)
+    head = " ".join(x for x in ((f"HTTP {status}" if status else ""), code or "") if x)
+    text = f"{type(exc).__name__}: {exc}"
+    return f"{head}: {text}" if head else text
+
+
+def is_precondition_failed(exc: BaseException) -> bool:
+    """Whether a conditional request was refused (HTTP 412 / ``PreconditionFailed``)."""
+    code, status = _s3_code(exc)
+    return status == 412 or code in ("PreconditionFailed", "412", "ConditionalRequestConflict")
+
+
+def _no_such_upload(exc: BaseException) -> bool:
+    return _s3_code(exc)[0] == "NoSuchUpload"
+
+
+def _md5_etag(data: Any) -> str:
+    return '"' + hashlib.md5(data).hexdigest() + '"'
+
+
+def _multipart_etag(part_etags: Sequence[str]) -> str:
+    digest = hashlib.md5(b"".join(bytes.fromhex(e.strip('"')) for e in part_etags)).hexdigest()
+    return f'"{digest}-{len(part_etags)}"'
+
+
+def _same_etag(a: Optional[str], b: Optional[str]) -> bool:
+    return a is not None and b is not None and a.strip('"') == b.strip('"')
+
+
+def _no_resend_session_cls() -> Any:
+    """aiobotocore's HTTP session with aiohttp's resend-on-reset switched off (one retry layer: ours)."""
+    try:
+        from aiobotocore.httpsession import AIOHTTPSession  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    if not hasattr(AIOHTTPSession, "_get_session"):
+        return None
+
+    class NoResendSession(AIOHTTPSession):  # type: ignore[misc]
+        async def _get_session(self, proxy_url: Any) -> Any:
+            session = await super()._get_session(proxy_url)
+            session._retry_connection = False  # aiohttp would resend once on a reset keep-alive connection
+            return session
+
+    return NoResendSession
+
+
 def classify(exc: BaseException) -> str:
     """``"transient"`` (retry), ``"missing"`` (no such object or bucket) or ``"permanent"``."""
     code, status = _s3_code(exc)
@@ -104,26 +177,41 @@ def classify(exc: BaseException) -> str:
 
 
 class _ReadHandle:
-    __slots__ = ("path",)
+    """An open object: its path and the blocks of merged reads kept for later requests.
+
+    ``blocks``: ``(start, end, future of the bytes)``, in flight or done; a request that
+    lies inside one waits for it instead of sending a GET of its own.
+    """
+
+    __slots__ = ("path", "blocks", "cached")
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.blocks: List[Tuple[int, int, "Future[Any]"]] = []
+        self.cached = 0
 
 
 class _Upload:
-    """One S3 object written as a streamed multipart upload (a single PUT when small)."""
+    """One S3 object written as a streamed multipart upload (a single PUT when small).
 
-    def __init__(self, owner: "FsspecFileSystem", path: str) -> None:
+    ``exclusive``: the object is created only if no object has its name (``If-None-Match: *``);
+    a lost race raises :class:`~shardckpt.errors.AbortedError`. ``etag`` is set once complete.
+    """
+
+    def __init__(self, owner: "FsspecFileSystem", path: str, exclusive: bool = False) -> None:
         self.owner = owner
         self.path = path
+        self.exclusive = exclusive
         self.bucket, self.key, _ = owner.fs.split_path(path)
         self.part_size = owner.part_size
-        self.buf = bytearray(self.part_size)
-        self.fill = 0
+        #: up to this many bytes the object is one PUT; past it, a multipart upload of ``part_size`` parts
+        self.threshold = max(owner.multipart_threshold, self.part_size)
+        self.buf = bytearray()  # grows as data arrives (no zero-filled part-size allocation up front)
         self.upload_id: Optional[str] = None
         self.futures: List[Tuple[int, "Future[Any]"]] = []
         self.error: Optional[BaseException] = None
         self.done = False
+        self.etag: Optional[str] = None
 
     def write(self, data: memoryview) -> None:
         if self.error is not None:
@@ -131,12 +219,36 @@ class _Upload:
         data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         pos, total = 0, len(data)
         while pos < total:
-            take = min(self.part_size - self.fill, total - pos)
-            self.buf[self.fill:self.fill + take] = data[pos:pos + take]
-            self.fill += take
+            if self.upload_id is None:  # still one PUT's worth
+                room = self.threshold - len(self.buf)
+                if room == 0:  # more bytes past the threshold: a multipart upload from here on
+                    self._start_multipart()
+                    continue
+                take = min(room, total - pos)
+                self.buf += data[pos:pos + take]
+                pos += take
+                continue
+            take = min(self.part_size - len(self.buf), total - pos)
+            self.buf += data[pos:pos + take]
             pos += take
-            if self.fill == self.part_size:
+            if len(self.buf) == self.part_size:
                 self._send_part()
+
+    def _start_multipart(self) -> None:
+        """Cut the buffered bytes into parts and send them (the upload is created with the first)."""
+        buffered, self.buf = self.buf, bytearray()
+        if len(buffered) == self.part_size:
+            self.buf = buffered
+            self._send_part()
+            return
+        view = memoryview(buffered)
+        try:
+            for start in range(0, len(buffered), self.part_size):
+                self.buf = bytearray(view[start:start + self.part_size])
+                if len(self.buf) == self.part_size:
+                    self._send_part()
+        finally:
+            view.release()
 
     def _send_part(self) -> None:
         owner = self.owner
@@ -145,8 +257,6 @@ class _Upload:
                               Bucket=self.bucket, Key=self.key)
             self.upload_id = resp["UploadId"]
         body = self.buf
-        if self.fill < len(body):
-            del body[self.fill:]  # shrink in place: the last part
         number = len(self.futures) + 1
         owner.inflight.acquire()
         fut = owner.submit("upload part", self.path, lambda: owner.fs._call_s3(
@@ -155,8 +265,7 @@ class _Upload:
         fut.add_done_callback(lambda _f: owner.inflight.release())
         owner.count_write(len(body))
         self.futures.append((number, fut))
-        self.buf = bytearray(self.part_size)
-        self.fill = 0
+        self.buf = bytearray()
         # surface a failed part early
         for _, f in self.futures:
             if f.done() and f.exception() is not None:
@@ -167,24 +276,31 @@ class _Upload:
         if self.done:
             return
         owner = self.owner
+        cond = {"IfNoneMatch": "*"} if self.exclusive else {}
         try:
             if self.error is not None:
                 raise self.error
             if self.upload_id is None:  # small object: one PUT
                 body = self.buf
-                del body[self.fill:]  # shrinks in place, no copy
-                owner.call("write", self.path, owner.fs.call_s3, "put_object", Bucket=self.bucket,
-                           Key=self.key, Body=body)
+                resp = owner.write_call("write", self.path, lambda: owner.fs.call_s3(
+                    "put_object", Bucket=self.bucket, Key=self.key, Body=body, **cond),
+                    lambda: owner.holds_etag(self.path, _md5_etag(body)))  # MD5 only when in doubt
+                etag = resp.get("ETag") if isinstance(resp, dict) else None
+                self.etag = str(etag) if etag else _md5_etag(body)
                 owner.count_write(len(body))
             else:
-                if self.fill:
+                if self.buf:
                     self._send_part()
                 parts = []
                 for number, fut in self.futures:
                     parts.append({"PartNumber": number, "ETag": fut.result()["ETag"]})
-                owner.call("complete upload", self.path, owner.fs.call_s3, "complete_multipart_upload",
-                           Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
-                           MultipartUpload={"Parts": parts})
+                expected = _multipart_etag([p["ETag"] for p in parts])
+                resp = owner.write_call("complete upload", self.path, lambda: owner.fs.call_s3(
+                    "complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
+                    MultipartUpload={"Parts": parts}, **cond),
+                    lambda: owner.holds_etag(self.path, expected))
+                self.etag = resp.get("ETag", expected) if isinstance(resp, dict) else expected
+                self.upload_id = None  # completed: nothing to abort
             self.done = True
         except BaseException as exc:
             self.error = exc
@@ -204,9 +320,9 @@ class _Upload:
                 pass
         if self.upload_id is not None:
             try:
-                self.owner.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key,
-                                      UploadId=self.upload_id)
-            except Exception as exc:  # best effort: a lifecycle rule cleans what remains
+                self.owner.call("abort upload", self.path, self.owner.fs.call_s3, "abort_multipart_upload",
+                                Bucket=self.bucket, Key=self.key, UploadId=self.upload_id)
+            except Exception as exc:  # best effort: the next save aborts what remains (stale uploads)
                 _log.warning("could not abort the upload of %s: %s", self.path, exc)
         self.buf = bytearray()
 
@@ -249,13 +365,26 @@ class _FileWriter:
 
 
 class FsspecFileSystem(FileSystem):
-    """A :class:`FileSystem` over one fsspec filesystem instance; paths are full URLs."""
+    """A :class:`FileSystem` over one fsspec filesystem instance; paths are full URLs.
+
+    Options (``shardckpt.storage.configure("s3", ...)``): ``retries`` (attempts per
+    request, 6), ``backoff``/``max_backoff`` (seconds, 0.2/10), ``part_size`` (upload part,
+    32 MiB), ``multipart_threshold`` (objects up to this size are one PUT, 64 MiB; as s3fs
+    and boto3 do, a multipart upload only pays off for large objects), ``read_part_size``
+    (8 MiB), ``max_concurrency`` (parts in flight, 16),
+    ``read_latency``/``read_bandwidth`` (the read cost model, 0.02 s / 100 MB/s),
+    ``read_cache`` (bytes of merged reads kept on open handles, 256 MiB; 0: none),
+    ``stale_after`` (seconds after which uncommitted objects and idle multipart uploads
+    count as a dead save's, 3600).
+    """
 
     supports_rename = False
 
     def __init__(self, fs: Any, protocol: str, *, retries: int = 6, backoff: float = 0.2,
                  max_backoff: float = 10.0, part_size: int = 32 << 20, read_part_size: int = 8 << 20,
-                 max_concurrency: int = 16) -> None:
+                 max_concurrency: int = 16, read_latency: float = 0.02, read_bandwidth: float = 100e6,
+                 read_cache: int = 256 << 20, stale_after: float = 3600.0,
+                 multipart_threshold: int = 64 << 20) -> None:
         self.fs = fs
         self.protocol = protocol
         self.retries = max(1, int(retries))
@@ -263,11 +392,24 @@ class FsspecFileSystem(FileSystem):
         self.max_backoff = float(max_backoff)
         self.part_size = max(5 << 20, int(part_size)) if self._is_s3() else int(part_size)
         self.read_part_size = int(read_part_size)
+        self.multipart_threshold = int(multipart_threshold)
         self.read_step = max(self.read_part_size * max_concurrency, 64 << 20)
         self.max_concurrency = max(1, int(max_concurrency))
         self.inflight = threading.BoundedSemaphore(self.max_concurrency)
+        #: cost model of a ranged read: a request costs ``read_latency`` s, a byte ``1 / read_bandwidth`` s
+        self.read_latency = float(read_latency)
+        self.read_bandwidth = float(read_bandwidth)
+        self.read_cache = int(read_cache)
+        #: multipart uploads and uncommitted data objects younger than this are a live writer's (seconds)
+        self.stale_after = float(stale_after)
+        #: conditional writes (If-None-Match / If-Match) are available (S3)
+        self.conditional_writes = self._is_s3()
+        self._buckets_seen: set = set()
+        self._cache_lock = threading.RLock()  # the blocks of every open handle
+        self._cached = 0
         self._stats_lock = threading.Lock()
-        self.stats: Dict[str, int] = {"bytes_read": 0, "read_requests": 0, "bytes_written": 0, "retries": 0}
+        self.stats: Dict[str, int] = {"bytes_read": 0, "read_requests": 0, "bytes_written": 0, "retries": 0,
+                                      "cache_hits": 0}
 
     # -- construction ------------------------------------------------------
     @classmethod
@@ -277,7 +419,8 @@ class FsspecFileSystem(FileSystem):
         except ImportError:
             raise StorageError(f"{scheme}:// paths need fsspec: pip install 'shardckpt[s3]'") from None
         own = {k: options.pop(k) for k in ("retries", "backoff", "max_backoff", "part_size", "read_part_size",
-                                           "max_concurrency") if k in options}
+                                           "max_concurrency", "read_latency", "read_bandwidth", "read_cache",
+                                           "stale_after", "multipart_threshold") if k in options}
         if scheme in ("s3", "s3a"):
             endpoint = options.pop("endpoint_url", None)
             if endpoint is not None:
@@ -285,6 +428,10 @@ class FsspecFileSystem(FileSystem):
             options.setdefault("use_listings_cache", False)
             config = dict(options.get("config_kwargs") or {})
             config.setdefault("retries", {"total_max_attempts": 1})  # retrying is ours (see above)
+            config.setdefault("max_pool_connections", 64)  # many ranged GETs in flight
+            session_cls = _no_resend_session_cls()
+            if session_cls is not None:
+                config.setdefault("http_session_cls", session_cls)
             options["config_kwargs"] = config
             options.setdefault("skip_instance_cache", True)
         try:
@@ -308,7 +455,10 @@ class FsspecFileSystem(FileSystem):
     def error(self, exc: BaseException, path: str, action: str, attempts: int = 1) -> Exception:
         kind = classify(exc)
         code, status = _s3_code(exc)
-        detail = f"{type(exc).__name__}: {exc}"
+        detail = describe_error(exc)
+        if is_precondition_failed(exc):
+            return AbortedError(f"{action}: another writer got there first (a concurrent save to this prefix?) "
+                                f"({detail})", path=path)
         if kind == _MISSING:
             what = "bucket does not exist" if code == "NoSuchBucket" else "no such object"
             return NotFoundError(f"{action}: {what} ({detail})", path=path)
@@ -351,6 +501,98 @@ class FsspecFileSystem(FileSystem):
     def submit(self, action: str, path: str, make: Callable[[], Any]) -> "Future[Any]":
         """Run the coroutine ``make()`` (with retries) on the store's event loop; a future."""
         return asyncio.run_coroutine_threadsafe(self._acall(action, path, make), self.fs.loop)
+
+    def write_call(self, action: str, path: str, fn: Callable[[], Any],
+                   landed: Callable[[], Optional[str]]) -> Any:
+        """A write request with retries whose outcome is told truthfully.
+
+        After an attempt that may have reached the store (a transient error: the
+        reply may be what was lost), a refusal that our own earlier attempt would
+        explain (412 on a conditional write, ``NoSuchUpload`` on completing an upload),
+        or the last failed attempt, ``landed()`` checks the store: it returns the
+        object's ETag when the store holds our bytes (the write is reported done:
+        ``{"ETag": etag}``), else ``None`` and the error is raised. A conditional write
+        refused on its first attempt is an :class:`~shardckpt.errors.AbortedError`.
+        """
+        attempt = 0
+        maybe_landed = False
+        while True:
+            try:
+                return fn()
+            except Exception as exc:
+                refused = is_precondition_failed(exc) or _no_such_upload(exc)
+                transient = classify(exc) == _TRANSIENT and not refused
+                if transient and attempt + 1 < self.retries:
+                    maybe_landed = True
+                    self._count("retries", 1)
+                    _log.info("%s %s: transient error (%s), retrying", action, path, describe_error(exc))
+                    time.sleep(self._delay(attempt))
+                    attempt += 1
+                    continue
+                if maybe_landed or transient:
+                    try:
+                        etag = landed()
+                    except Exception as check:  # cannot tell: report the original failure, with this
+                        _log.warning("%s %s: could not check whether the write landed: %s", action, path, check)
+                        etag = None
+                    if etag is not None:
+                        _log.info("%s %s: the reply was lost but the object holds our bytes", action, path)
+                        return {"ETag": etag}
+                raise self.error(exc, path, action, attempt + 1) from exc
+
+    def head_etag(self, path: str) -> Optional[str]:
+        """The object's ETag, ``None`` when there is no such object (S3)."""
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            resp = self.call("stat", path, self.fs.call_s3, "head_object", Bucket=bucket, Key=key)
+        except NotFoundError:
+            return None
+        return str(resp.get("ETag"))
+
+    def holds_etag(self, path: str, expected: str) -> Optional[str]:
+        """``expected`` when the object at ``path`` has that ETag, else ``None``."""
+        etag = self.head_etag(path)
+        return etag if _same_etag(etag, expected) else None
+
+    def holds_bytes(self, path: str, data: bytes) -> Optional[str]:
+        """The object's ETag (``""`` where stores have none) when it holds exactly ``data``, else ``None``."""
+        if self._is_s3():
+            etag = self.holds_etag(path, _md5_etag(data))
+            if etag is not None:
+                return etag
+        try:
+            stored = self.call("read", path, self.fs.cat_file, path)
+        except NotFoundError:
+            return None
+        if bytes(stored) != bytes(data):
+            return None
+        return (self.head_etag(path) or "") if self._is_s3() else ""
+
+    def put(self, path: str, data: bytes, *, if_match: Optional[str] = None, if_none_match: bool = False) -> str:
+        """Write a whole object with one PUT; its ETag (``""`` on stores without ETags).
+
+        ``if_none_match``: only if no object has this name. ``if_match``: only if the
+        object's ETag is this one. Either refused: :class:`~shardckpt.errors.AbortedError`
+        (unless the object holds our bytes because an earlier attempt landed).
+        Ambiguous failures are resolved by reading the object back (see :meth:`write_call`).
+        """
+        data = bytes(data)
+        if self._is_s3():
+            bucket, key, _ = self.fs.split_path(path)
+            cond: Dict[str, str] = {}
+            if if_none_match:
+                cond["IfNoneMatch"] = "*"
+            if if_match is not None:
+                cond["IfMatch"] = if_match
+            resp = self.write_call("write", path, lambda: self.fs.call_s3(
+                "put_object", Bucket=bucket, Key=key, Body=data, **cond), lambda: self.holds_bytes(path, data))
+            self.count_write(len(data))
+            return str(resp.get("ETag") or _md5_etag(data))
+        if if_match is not None or if_none_match:
+            raise self.unsupported("conditional writes", path)
+        self.write_call("write", path, lambda: self.fs.pipe_file(path, data), lambda: self.holds_bytes(path, data))
+        self.count_write(len(data))
+        return ""
 
     def _count(self, name: str, n: int) -> None:
         with self._stats_lock:
@@ -402,61 +644,143 @@ class FsspecFileSystem(FileSystem):
             return
         self.pread_batch(handle, [(offset + a, buf[a:a + step]) for a in range(0, n, step)], path)
 
-    def pread_batch(self, handle: Any, requests: Sequence[Tuple[int, memoryview]], path: str = "",
-                    max_gap: int = 256 << 10) -> None:
-        """Fill every ``(offset, buffer)`` of ``requests``: nearby ranges share one GET, GETs run in parallel.
+    def gap_limit(self) -> int:
+        """Bytes of gap worth downloading rather than sending another request (the cost model)."""
+        return int(self.read_latency * self.read_bandwidth)
 
-        Two ranges are fetched together when the gap between them is at most
-        ``max_gap`` and at most a tenth of the useful bytes so far, so the bytes
-        fetched stay within 1.1x of those asked for.
+    def plan_reads(self, requests: Sequence[Tuple[int, int]]) -> List[Tuple[int, int, List[int]]]:
+        """Group ranges ``(offset, length)`` into GETs: ``(start, end, indices of the ranges served)``.
+
+        Ranges are sorted; a range joins the current GET when the gap to it costs less
+        to download than a request (:meth:`gap_limit`) and the GET stays within
+        ``read_part_size`` or four gap limits, whichever is larger (large reads still
+        split into parallel requests, each worth several requests' cost in bytes).
         """
-        path = path or handle.path
-        reqs = sorted(((o, b.cast("B") if b.format != "B" or b.ndim != 1 else b) for o, b in requests
-                       if len(b)), key=lambda r: r[0])
-        groups: List[List[Tuple[int, memoryview]]] = []
-        useful = 0
-        for off, b in reqs:
+        order = sorted((i for i, r in enumerate(requests) if r[1] > 0), key=lambda i: requests[i][0])
+        limit = self.gap_limit()
+        # a GET is split for parallelism only where each part carries well over a request's cost in bytes
+        cap = max(self.read_part_size, 4 * limit)
+        groups: List[Tuple[int, int, List[int]]] = []
+        for i in order:
+            off, n = requests[i]
             if groups:
-                last = groups[-1]
-                end = last[-1][0] + len(last[-1][1])
-                start0 = last[0][0]
+                start, end, members = groups[-1]
                 gap = off - end
-                if 0 <= gap <= max_gap and gap * 10 <= useful and off + len(b) - start0 <= self.read_part_size:
-                    last.append((off, b))
-                    useful += len(b)
+                if gap <= limit and max(end, off + n) - start <= cap:
+                    groups[-1] = (start, max(end, off + n), members + [i])
                     continue
-            groups.append([(off, b)])
-            useful = len(b)
+            groups.append((off, off + n, [i]))
+        return groups
 
-        def scatter(group: List[Tuple[int, memoryview]], data: bytes) -> None:
-            base = group[0][0]
-            end = group[-1][0] + len(group[-1][1])
+    def _cached_block(self, handle: Any, off: int, n: int) -> "Optional[Tuple[int, Future[Any]]]":
+        if not isinstance(handle, _ReadHandle):
+            return None
+        with self._cache_lock:
+            for start, end, fut in handle.blocks:
+                if start <= off and off + n <= end:
+                    return start, fut
+        return None
+
+    def _keep_block(self, handle: Any, start: int, end: int, fut: "Future[Any]") -> None:
+        if not isinstance(handle, _ReadHandle) or self.read_cache <= 0 or end - start > self.read_cache:
+            return
+        with self._cache_lock:
+            while handle.blocks and self._cached + end - start > self.read_cache:
+                s0, e0, _ = handle.blocks.pop(0)  # oldest first
+                self._cached -= e0 - s0
+                handle.cached -= e0 - s0
+            if self._cached + end - start > self.read_cache:
+                return  # other handles hold the budget
+            handle.blocks.append((start, end, fut))
+            handle.cached += end - start
+            self._cached += end - start
+
+        def forget_failed(f: "Future[Any]") -> None:
+            if f.cancelled() or f.exception() is not None:
+                with self._cache_lock:
+                    if (start, end, f) in handle.blocks:
+                        handle.blocks.remove((start, end, f))
+                        handle.cached -= end - start
+                        self._cached -= end - start
+
+        fut.add_done_callback(forget_failed)
+
+    def _drop_blocks(self, handle: "_ReadHandle") -> None:
+        with self._cache_lock:
+            self._cached -= handle.cached
+            handle.cached = 0
+            handle.blocks = []
+
+    def _counted_get(self, path: str, start: int, end: int) -> Callable[[], Any]:
+        async def get() -> Any:
+            data = await self.fs._cat_file(path, start=start, end=end)
             self._count("bytes_read", len(data))
             self._count("read_requests", 1)
-            if len(data) != end - base:
-                raise DataLossError(f"unexpected end of object at offset {base + len(data)}", path=path)
+            return data
+        return get
+
+    def pread_batch(self, handle: Any, requests: Sequence[Tuple[int, memoryview]], path: str = "") -> None:
+        """Fill every ``(offset, buffer)`` of ``requests`` with few GETs, in parallel.
+
+        Plan (:meth:`plan_reads`): neighbouring ranges share one GET when the gap
+        between them costs less to download than a request (``read_latency`` x
+        ``read_bandwidth`` bytes); every GET is sent at once (the connection pool
+        bounds how many run). A GET that fetched gap bytes is kept on the handle
+        (within the ``read_cache`` budget, dropped on close): a later request inside
+        it — e.g. the other column block of the same rows — is served from it, and one
+        still in flight is waited for rather than sent twice.
+        """
+        path = path or handle.path
+        views = [(o, b.cast("B") if b.format != "B" or b.ndim != 1 else b) for o, b in requests if len(b)]
+        todo: List[Tuple[int, memoryview]] = []
+        waits: List[Tuple[int, memoryview, int, "Future[Any]"]] = []
+        parallel = getattr(self.fs, "async_impl", False)
+        futures: List[Tuple[int, int, List[int], "Future[Any]"]] = []
+        with self._cache_lock:  # look up, plan and register at once: a concurrent batch waits for our GETs
+            for off, b in views:
+                hit = self._cached_block(handle, off, len(b))
+                if hit is None:
+                    todo.append((off, b))
+                else:
+                    waits.append((off, b, hit[0], hit[1]))
+            groups = self.plan_reads([(o, len(b)) for o, b in todo])
+            if groups and parallel:
+                for start, end, members in groups:
+                    fut = self.submit("read", path, self._counted_get(path, start, end))
+                    useful = sum(len(todo[i][1]) for i in members)
+                    if useful < end - start:  # gap bytes fetched: worth keeping for a later request
+                        self._keep_block(handle, start, end, fut)
+                    futures.append((start, end, members, fut))
+
+        def scatter(start: int, end: int, members: List[int], data: bytes) -> None:
+            if len(data) != end - start:
+                raise DataLossError(f"unexpected end of object at offset {start + len(data)} "
+                                    f"(wanted {end - start - len(data)} more bytes)", path=path)
             mv = memoryview(data)
-            for o, b in group:
-                b[:] = mv[o - base:o - base + len(b)]
+            for i in members:
+                o, b = todo[i]
+                b[:] = mv[o - start:o - start + len(b)]
 
-        if len(groups) == 1 or not getattr(self.fs, "async_impl", False):
-            for g in groups:
-                end = g[-1][0] + len(g[-1][1])
-                scatter(g, self.call("read", path, self.fs.cat_file, path, start=g[0][0], end=end))
-            return
-        def getter(start: int, end: int) -> Callable[[], Any]:
-            return lambda: self.fs._cat_file(path, start=start, end=end)
-
-        futures = []
-        for g in groups:
-            end = g[-1][0] + len(g[-1][1])
-            futures.append((g, self.submit("read", path, getter(g[0][0], end))))
+        if not parallel:
+            for start, end, members in groups:
+                data = self.call("read", path, self.fs.cat_file, path, start=start, end=end)
+                self._count("bytes_read", len(data))
+                self._count("read_requests", 1)
+                scatter(start, end, members, data)
         error: Optional[BaseException] = None
-        for g, fut in futures:
+        for start, end, members, fut in futures:
             try:
                 data = fut.result()
                 if error is None:
-                    scatter(g, data)
+                    scatter(start, end, members, data)
+            except BaseException as exc:
+                error = error or exc
+        for off, b, start, fut in waits:
+            try:
+                data = fut.result()
+                if error is None:
+                    self._count("cache_hits", 1)
+                    b[:] = memoryview(data)[off - start:off - start + len(b)]
             except BaseException as exc:
                 error = error or exc
         if error is not None:
@@ -468,6 +792,121 @@ class FsspecFileSystem(FileSystem):
             return _Upload(self, path)
         return _FileWriter(self, path)
 
+    def create_exclusive(self, path: str) -> Any:
+        """Like :meth:`open_write`, but the object is created only if none has this name.
+
+        Closing the handle raises :class:`~shardckpt.errors.AbortedError` when another
+        writer created the name first; ``handle.etag`` is the object's ETag once closed.
+        """
+        if not self._is_s3():
+            raise self.unsupported("conditional writes", path)
+        return _Upload(self, path, exclusive=True)
+
+    def remove_if(self, path: str, etag: str) -> bool:
+        """Delete the object only if its ETag is ``etag`` (what we wrote); whether it was deleted."""
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            self.call("delete", path, self.fs.call_s3, "delete_object", Bucket=bucket, Key=key, IfMatch=etag)
+        except (NotFoundError, AbortedError):
+            return False
+        return True
+
+    def list_details(self, path: str) -> Dict[str, Dict[str, Any]]:
+        """The objects directly under ``path``: name -> ``{"size", "etag", "mtime"}`` (mtime: POSIX seconds).
+
+        On S3 one ``ListObjectsV2`` request per 1,000 objects (s3fs's ``ls`` may add more).
+        """
+        if not self._is_s3():
+            try:
+                entries = self.call("list", path, self._ls_detail, path)
+            except NotFoundError:
+                entries = []
+            if not entries:
+                self._check_bucket(path)
+            out: Dict[str, Dict[str, Any]] = {}
+            for e in entries:
+                if e.get("type") != "directory":
+                    modified = e.get("LastModified") or e.get("mtime") or e.get("updated") or e.get("created")
+                    mtime = modified.timestamp() if hasattr(modified, "timestamp") else None
+                    out[posixpath.basename(e["name"].rstrip("/"))] = {"size": e.get("size"), "etag": e.get("ETag"),
+                                                                      "mtime": mtime}
+            return out
+        bucket, key, _ = self.fs.split_path(path)
+        prefix = key.rstrip("/") + "/" if key else ""
+        found: Dict[str, Dict[str, Any]] = {}
+        kwargs: Dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "Delimiter": "/"}
+        while True:
+            try:
+                resp = self.call("list", path, self.fs.call_s3, "list_objects_v2", **kwargs)
+            except NotFoundError:
+                self._check_bucket(path)
+                raise
+            self._buckets_seen.add(bucket)  # a listing answered: the bucket exists
+            for obj in resp.get("Contents") or []:
+                name = obj["Key"][len(prefix):]
+                if name and "/" not in name:
+                    modified = obj.get("LastModified")
+                    found[name] = {"size": obj.get("Size"), "etag": obj.get("ETag"),
+                                   "mtime": modified.timestamp() if hasattr(modified, "timestamp") else None}
+            if not resp.get("IsTruncated"):
+                return found
+            kwargs["ContinuationToken"] = resp.get("NextContinuationToken")
+
+    def _ls_detail(self, path: str) -> List[Dict[str, Any]]:
+        try:
+            return self.fs.ls(path, detail=True, refresh=True)
+        except TypeError:  # stores without ``refresh``
+            return self.fs.ls(path, detail=True)
+
+    def list_uploads(self, path: str) -> List[Tuple[str, str, float]]:
+        """Incomplete multipart uploads of objects directly under ``path``: ``(object path, upload id, started)``."""
+        if not self._is_s3():
+            return []
+        bucket, key, _ = self.fs.split_path(path)
+        prefix = key.rstrip("/") + "/" if key else ""
+        found: List[Tuple[str, str, float]] = []
+        kwargs: Dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+        while True:
+            resp = self.call("list uploads", path, self.fs.call_s3, "list_multipart_uploads", **kwargs)
+            for u in resp.get("Uploads") or []:
+                name = u["Key"][len(prefix):]
+                if "/" in name:
+                    continue
+                started = u.get("Initiated")
+                found.append((f"{self.protocol}://{bucket}/{u['Key']}", u["UploadId"],
+                              started.timestamp() if hasattr(started, "timestamp") else 0.0))
+            if not resp.get("IsTruncated"):
+                return found
+            kwargs["KeyMarker"] = resp.get("NextKeyMarker")
+            kwargs["UploadIdMarker"] = resp.get("NextUploadIdMarker")
+
+    def upload_activity(self, path: str, upload_id: str) -> float:
+        """When the upload last made progress: its newest part's time (0.0 without parts); POSIX seconds."""
+        bucket, key, _ = self.fs.split_path(path)
+        latest = 0.0
+        kwargs: Dict[str, Any] = {"Bucket": bucket, "Key": key, "UploadId": upload_id}
+        while True:
+            try:
+                resp = self.call("list parts", path, self.fs.call_s3, "list_parts", **kwargs)
+            except NotFoundError:
+                return latest
+            for part in resp.get("Parts") or []:
+                when = part.get("LastModified")
+                if hasattr(when, "timestamp"):
+                    latest = max(latest, when.timestamp())
+            if not resp.get("IsTruncated"):
+                return latest
+            kwargs["PartNumberMarker"] = resp.get("NextPartNumberMarker")
+
+    def abort_upload(self, path: str, upload_id: str) -> None:
+        """Abort one incomplete multipart upload (gone already is fine)."""
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            self.call("abort upload", path, self.fs.call_s3, "abort_multipart_upload", Bucket=bucket, Key=key,
+                      UploadId=upload_id)
+        except NotFoundError:
+            pass
+
     def write_all(self, handle: Any, buf: memoryview, path: str = "") -> None:
         handle.write(buf)
 
@@ -477,6 +916,7 @@ class FsspecFileSystem(FileSystem):
     def close(self, handle: Any) -> None:
         """Complete the upload; the object appears now (raises if it cannot)."""
         if isinstance(handle, _ReadHandle):
+            self._drop_blocks(handle)
             return
         handle.close()
 
@@ -492,9 +932,12 @@ class FsspecFileSystem(FileSystem):
         return f"{path}.tempstate{random.getrandbits(63)}"
 
     def write_atomic(self, path: str, data: bytes, *, fsync: bool = False) -> None:
-        """One PUT: the object appears whole or not at all."""
-        self.call("write", path, self.fs.pipe_file, path, bytes(data))
-        self.count_write(len(data))
+        """One PUT: the object appears whole or not at all.
+
+        When a reply is lost, the object is read back: the write counts as done
+        exactly when the store holds ``data`` (see :meth:`write_call`).
+        """
+        self.put(path, data)
 
     # -- names -------------------------------------------------------------------
     def rename(self, src: str, dst: str) -> None:
@@ -518,17 +961,49 @@ class FsspecFileSystem(FileSystem):
     def rmdir_if_empty(self, path: str) -> bool:
         return not self.listdir(path) if self.isdir(path) else True
 
+    def _check_bucket(self, path: str) -> None:
+        """Raise :class:`~shardckpt.errors.NotFoundError` when the bucket of ``path`` does not exist.
+
+        A negative answer ("no such object", an empty listing) is only trusted once the
+        bucket is known to exist (checked once per bucket; an unreachable store raises
+        :class:`~shardckpt.errors.StorageError` after the retries).
+        """
+        if not self._is_s3():
+            return
+        bucket = self.fs.split_path(path)[0]
+        if not bucket or bucket in self._buckets_seen:
+            return
+        try:
+            self.call("check bucket", path, self.fs.call_s3, "head_bucket", Bucket=bucket)
+        except NotFoundError:
+            raise NotFoundError(f"bucket does not exist: {bucket!r}", path=path) from None
+        except StorageError as exc:
+            if _s3_code(exc.__cause__ or exc)[1] != 403:
+                raise  # unreachable, throttled past the retries, ...
+            # 403: credentials that may read objects but not the bucket itself; the bucket exists
+        self._buckets_seen.add(bucket)
+
     def exists(self, path: str) -> bool:
-        return bool(self.call("stat", path, self.fs.exists, path))
+        found = bool(self.call("stat", path, self.fs.exists, path))
+        if not found:
+            self._check_bucket(path)
+        return found
 
     def isdir(self, path: str) -> bool:
         _, rest = split_scheme(path)
         if "/" not in rest.strip("/"):
-            return bool(self.call("stat", path, self.fs.exists, path))  # a bucket
-        return bool(self.call("stat", path, self.fs.isdir, path))
+            self._check_bucket(path)
+            return True  # a bucket that exists
+        found = bool(self.call("stat", path, self.fs.isdir, path))
+        if not found:
+            self._check_bucket(path)
+        return found
 
     def isfile(self, path: str) -> bool:
-        return bool(self.call("stat", path, self.fs.isfile, path))
+        found = bool(self.call("stat", path, self.fs.isfile, path))
+        if not found:
+            self._check_bucket(path)
+        return found
 
     def makedirs(self, path: str) -> None:
         """Object stores have no folders: nothing to create."""
@@ -537,7 +1012,9 @@ class FsspecFileSystem(FileSystem):
         try:
             names = self.call("list", path, self._ls, path)
         except NotFoundError:
-            return []
+            names = []
+        if not names:
+            self._check_bucket(path)
         return sorted({posixpath.basename(n.rstrip("/")) for n in names})
 
     def _ls(self, path: str) -> List[str]:

@@ -4,25 +4,54 @@ TensorFlow's ``s3://`` flow writes ``<prefix>.part-*`` bundles and merges them b
 renaming, which on an object store copies every byte. Here nothing is renamed.
 What is in the store at each moment of a save to ``<prefix>``:
 
-1. ``prepare`` [io client]: one listing of the prefix's folder. Data objects of a
-   count no index uses (a dead save's) and ``.tempstate`` objects are removed; the
-   index is read only when the listing shows something to judge. The counts left
-   (the committed checkpoint's) are to be avoided. Registered savers write their
-   bundles into a local temporary folder; their data files take shard ids ``0..k-1``.
+1. ``prepare`` [io client]: one listing of the prefix's folder (sizes, ETags, times).
+   Data objects of a count no index uses and older than the store's ``stale_after``
+   (a dead save's) and ``.tempstate`` objects are removed, and so are stale multipart
+   uploads of checkpoint names in the folder; younger ones may be a live writer's and
+   are kept. The index is read only when the listing shows something to judge. The
+   counts left (the committed checkpoint's, live writers') are to be avoided. The
+   ETag of the index seen now (or its absence) is remembered for the commit.
+   Registered savers write their bundles into a local temporary folder; their data
+   files take shard ids ``0..k-1``.
 2. ``plan`` [every client]: the shard count ``N`` is fixed before any byte is written:
    all clients' shards plus ``k``, raised past the counts to avoid (empty padding).
 3. ``write_shard`` [every client]: each shard is uploaded straight to its final name
    ``<prefix>.data-<id>-of-N`` (a multipart upload streamed from the values). An
    object appears only when its upload completes; a failed writer aborts its upload.
-   The shard's index entries travel to the io client as JSON.
+   Where the store has conditional writes (S3), the object is *created exclusively*
+   (``If-None-Match: *``): it never replaces another writer's object. The shard's
+   index entries and the object's ETag travel to the io client as JSON.
 4. ``commit`` [io client]: the registered savers' data files are uploaded, empty
-   padding objects are added for ids past the shards, and the merged ``.index``
-   object is written with one PUT: **the commit**. Before it a reader sees the
-   previous checkpoint (whose data objects have another count, never touched) or none.
+   padding objects are added for ids past the shards (all created exclusively), every
+   data object the new index names is checked to carry the ETag this save wrote, and
+   the merged ``.index`` object is written with one conditional PUT: **the commit** —
+   ``If-None-Match: *`` when prepare saw no index, ``If-Match: <the ETag seen>`` when
+   it replaces one. Before it a reader sees the previous checkpoint (whose data
+   objects have another count, never touched) or none.
 5. ``finish`` [io client]: the previous checkpoint's data objects are removed.
 
-``abort`` (failure before the commit): this save's count-``N`` objects are removed
-unless the index turns out to name them.
+Concurrent writers to one prefix (the winner rule, object stores with conditional
+writes): **at most one save commits, and it commits whole**; every other save fails
+with :class:`~shardckpt.errors.AbortedError` and commits nothing.
+
+* Two saves that picked the same ``N`` race for the same object names; each name is
+  created by one of them only, so at least one of them fails before its commit (both
+  may: then neither commits and the previous checkpoint stays latest).
+* Two saves with different ``N`` both reach the commit; the index PUT is conditional
+  on the index each saw at prepare, so only the first one lands. The other fails, and
+  removes only objects that carry its own ETags (conditional deletes).
+* A save never deletes what a live writer uses: leftovers count as a dead save's only
+  when older than ``stale_after`` (default one hour; a save that runs longer must
+  raise it), and the check before the commit refuses to publish an index over a data
+  object that is missing or not ours.
+
+A lost reply of the commit request is resolved by reading the index back (see
+:meth:`shardckpt.storage.fsspec_fs.FsspecFileSystem.write_call`): the save reports
+committed exactly when the store holds our index.
+
+``abort`` (failure before the commit): the objects this save created are removed
+(only if they still carry our ETags); on stores without conditional writes, this
+save's count-``N`` objects are removed unless the index turns out to name them.
 """
 
 from __future__ import annotations
@@ -31,18 +60,23 @@ import base64
 import logging
 import shutil
 import tempfile
-from typing import Dict, List, Optional, Tuple
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Tuple
 
+from ...errors import AbortedError, NotFoundError
 from ...format.bundle_writer import BundleWriter
 from ...format.crc import shared_executor
 from ...format.merge import index_bytes, merge_entries, read_index
 from ...format.naming import data_filename, index_filename
 from ...format.protos import tensor_bundle_pb2 as pb
+from ...storage.base import FileSystem, WriteHandle
 from ...storage.local import local_fs
 from ...storage.location import Location
+from ...storage.wrappers import FileSystemWrapper
 from ..plan import ShardPlan
 from .base import BundleMaker, Committer, Setup, Written
-from .leftovers import committed_num_shards, remove_data_files, scan_in_place
+from .leftovers import InPlaceScan, abort_stale_uploads, committed_num_shards, remove_data_files, scan_in_place
 from .writing import fill_bundle
 
 __all__ = ["IndexLastCommitter", "pick_num_shards"]
@@ -68,18 +102,69 @@ def _decode_entries(items: List[List[str]]) -> Entries:
     return {base64.b64decode(k): pb.BundleEntryProto.FromString(base64.b64decode(e)) for k, e in items}
 
 
+class _ExclusiveCreates(FileSystemWrapper):
+    """Writes go through ``create_exclusive`` (never replace an object); remembers each object's ETag.
+
+    ``remove`` deletes only objects created here, and only while they carry our ETag
+    (a writer that lost a name must not delete the winner's object).
+    """
+
+    def __init__(self, inner: FileSystem) -> None:
+        super().__init__(inner)
+        self.etags: Dict[str, str] = {}
+        self._paths: Dict[int, str] = {}
+
+    def open_write(self, path: str) -> WriteHandle:
+        handle = self.inner.create_exclusive(path)  # type: ignore[attr-defined]
+        self._paths[id(handle)] = path
+        return handle
+
+    def close(self, handle: Any) -> None:
+        self.inner.close(handle)
+        path = self._paths.pop(id(handle), None)
+        etag = getattr(handle, "etag", None)
+        if path is not None and etag:
+            self.etags[path] = str(etag)
+
+    def discard(self, handle: Any) -> None:
+        self._paths.pop(id(handle), None)
+        self.inner.discard(handle)
+
+    def remove(self, path: str) -> None:
+        etag = self.etags.pop(path, None)
+        if etag is not None:
+            self.inner.remove_if(path, etag)  # type: ignore[attr-defined]
+
+
 class IndexLastCommitter(Committer):
     """Data objects under their final names, the index written last."""
 
     def __init__(self, location: Location, *, fsync: bool = True) -> None:
         super().__init__(location, fsync=fsync)
-        self._present: Dict[str, int] = {}
+        self._previous: Dict[str, int] = {}
+        self._scan = InPlaceScan()
+        fs = location.fs
+        self._conditional = bool(getattr(fs, "conditional_writes", False))
+        self._writer_fs: FileSystem = _ExclusiveCreates(fs) if self._conditional else fs
+        self._mine: Dict[str, str] = {}  # objects this save created (io client: all it knows of) -> ETag
         self._scratch: Optional[str] = None
         self._extra: List[Tuple[str, Entries, Dict[str, int]]] = []  # (bundle, entries, data file -> new id)
         self._committed = False
 
     def prepare(self, extra_bundles: Optional[BundleMaker] = None) -> Setup:
-        avoid, self._present = scan_in_place(self.location)
+        # stale uploads are listed and aborted beside the listing, and done before any upload of ours exists
+        cleanup = threading.Thread(target=self._abort_stale_uploads, name="shardckpt-stale-uploads", daemon=True)
+        if self._conditional:
+            cleanup.start()
+        try:
+            self._scan = scan_in_place(self.location)
+        finally:
+            if cleanup.is_alive():
+                cleanup.join()
+        if self._scan.removed:
+            _log.info("removed what dead saves left at %s: %s", self.location.prefix, self._scan.removed)
+        self._previous = dict(self._scan.previous)
+        avoid = self._scan.avoid
         first = 0
         if extra_bundles is not None:
             self._scratch = tempfile.mkdtemp(prefix="shardckpt-registered-")
@@ -94,7 +179,8 @@ class IndexLastCommitter(Committer):
                     entries[key] = entry
                 self._extra.append((bundle, entries, ids))
             first = len(ids)
-        self.setup = {"avoid": sorted(avoid), "first_shard_id": first}
+        self.setup = {"avoid": sorted(avoid), "first_shard_id": first, "has_index": self._scan.has_index,
+                      "index_etag": self._scan.index_etag}
         return self.setup
 
     def plan(self, total: int) -> int:
@@ -102,8 +188,9 @@ class IndexLastCommitter(Committer):
         return self.num_shards
 
     def write_shard(self, shard: ShardPlan, shard_id: int) -> Written:
-        writer = BundleWriter(self.location.prefix, fs=self.location.fs, checksum_executor=shared_executor(),
-                              data_path=data_filename(self.location.prefix, shard_id, self.num_shards))
+        path = data_filename(self.location.prefix, shard_id, self.num_shards)
+        writer = BundleWriter(self.location.prefix, fs=self._writer_fs, checksum_executor=shared_executor(),
+                              data_path=path)
         try:
             fill_bundle(writer, shard)
         except BaseException:
@@ -113,50 +200,119 @@ class IndexLastCommitter(Committer):
         entries = writer.finish_entries()
         for entry in entries.values():
             entry.shard_id = shard_id
-        return {"entries": _encode_entries(entries), "bytes": written}
+        etag = self._created(path)
+        return {"entries": _encode_entries(entries), "bytes": written, "etag": etag}
+
+    def _created(self, path: str) -> Optional[str]:
+        etags = getattr(self._writer_fs, "etags", None)
+        etag = etags.get(path) if etags is not None else None
+        if etag is not None:
+            self._mine[path] = etag
+        return etag
+
+    def _create(self, path: str, source: Optional[str] = None) -> None:
+        """Upload ``source`` (a local file; ``None``: an empty object) to ``path``."""
+        fs = self._writer_fs
+        handle = fs.open_write(path)
+        try:
+            if source is not None:
+                with open(source, "rb") as f:
+                    while True:
+                        chunk = f.read(16 << 20)
+                        if not chunk:
+                            break
+                        fs.write_all(handle, memoryview(chunk))
+        except BaseException:
+            fs.discard(handle)
+            raise
+        fs.close(handle)
+        self._created(path)
+
+    def _abort_stale_uploads(self) -> None:
+        try:
+            aborted = abort_stale_uploads(self.location)
+            if aborted:
+                _log.info("aborted stale uploads at %s: %s", self.location.prefix, aborted)
+        except Exception as exc:  # best effort: the next save tries again
+            _log.warning("could not abort stale uploads at %s: %s", self.location.prefix, exc)
 
     def _upload_extra(self) -> None:
-        fs = self.location.fs
         uploaded = set()
         for _, _, ids in self._extra:
             for source, new_id in ids.items():
                 if source in uploaded:
                     continue
                 uploaded.add(source)
-                handle = fs.open_write(data_filename(self.location.prefix, new_id, self.num_shards))
-                try:
-                    with open(source, "rb") as f:
-                        while True:
-                            chunk = f.read(16 << 20)
-                            if not chunk:
-                                break
-                            fs.write_all(handle, memoryview(chunk))
-                except BaseException:
-                    fs.discard(handle)
-                    raise
-                fs.close(handle)
+                self._create(data_filename(self.location.prefix, new_id, self.num_shards), source)
+
+    def _check_ours(self, named: List[str]) -> None:
+        """Every data object the index will name is there and carries the ETag this save wrote."""
+        fs: Any = self.location.fs
+
+        def check(path: str) -> Optional[str]:
+            expected = self._mine.get(path)
+            if expected is None:
+                return f"{path}: no ETag recorded for it"
+            etag = fs.head_etag(path)
+            if etag is None:
+                return f"{path} is gone"
+            if etag.strip('"') != expected.strip('"'):
+                return f"{path} was replaced (ETag {etag}, this save wrote {expected})"
+            return None
+
+        with ThreadPoolExecutor(max_workers=min(16, max(1, len(named))), thread_name_prefix="shardckpt-check") as pool:
+            problems = [p for p in pool.map(check, named) if p is not None]
+        if problems:
+            raise AbortedError("not committed: another writer changed this save's data objects: "
+                               + "; ".join(problems[:3]) + (" ..." if len(problems) > 3 else ""),
+                               path=self.location.prefix)
 
     def commit(self, written: List[Written]) -> None:
-        fs = self.location.fs
+        fs: Any = self.location.fs
+        prefix = self.location.prefix
+        for i, w in enumerate(written):
+            if w.get("etag"):
+                self._mine[data_filename(prefix, self.first_shard_id + i, self.num_shards)] = str(w["etag"])
         self._upload_extra()
         parts = [(bundle, sorted(entries.items())) for bundle, entries, _ in self._extra]
-        parts += [(data_filename(self.location.prefix, self.first_shard_id + i, self.num_shards),
+        parts += [(data_filename(prefix, self.first_shard_id + i, self.num_shards),
                    sorted(_decode_entries(w["entries"]).items())) for i, w in enumerate(written)]
         merged = merge_entries(parts)
         for pad in range(self.first_shard_id + len(written), self.num_shards):
-            fs.close(fs.open_write(data_filename(self.location.prefix, pad, self.num_shards)))
-        fs.write_atomic(index_filename(self.location.prefix), index_bytes(merged, self.num_shards))
+            self._create(data_filename(prefix, pad, self.num_shards))
+        data = index_bytes(merged, self.num_shards)
+        index = index_filename(prefix)
+        if not self._conditional:
+            fs.write_atomic(index, data)
+            self._committed = True
+            return
+        self._check_ours([data_filename(prefix, i, self.num_shards) for i in range(self.num_shards)])
+        seen = self.setup.get("index_etag")
+        try:
+            if self.setup.get("has_index") and seen:
+                fs.put(index, data, if_match=seen)
+            else:
+                fs.put(index, data, if_none_match=True)
+        except (AbortedError, NotFoundError) as exc:
+            raise AbortedError("not committed: another save committed this prefix while this one ran "
+                               f"(the index changed since it was listed; {exc.message})", path=index) from exc
         self._committed = True
 
     def finish(self) -> None:
-        for path, count in self._present.items():
+        for path, count in self._previous.items():
             if count != self.num_shards:
                 self.location.fs.remove(path)
         self._drop_scratch()
 
     def abort(self) -> None:
+        if self._committed:
+            self._drop_scratch()
+            return
         try:
-            if self.num_shards > 0 and committed_num_shards(self.location) != self.num_shards:
+            if self._conditional:
+                for path, etag in self._mine.items():
+                    self.location.fs.remove_if(path, etag)  # type: ignore[attr-defined]
+            elif self.num_shards > 0 and committed_num_shards(self.location) != self.num_shards:
                 remove_data_files(self.location, self.num_shards)
         except Exception as exc:  # the next save cleans up; keep the original error
             _log.warning("could not remove the data objects of the failed save of %s: %s", self.location.prefix,

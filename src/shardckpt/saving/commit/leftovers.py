@@ -16,8 +16,10 @@ never removed: nothing is deleted that cannot be judged.
 from __future__ import annotations
 
 import re
+import time
 import uuid
-from typing import Dict, List, Optional, Set, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set
 
 from ...format.merge import read_index_header
 from ...format.naming import DATA_SUFFIX_PATTERN, data_filename, index_filename, parse_data_filename
@@ -25,7 +27,8 @@ from ...storage.base import FileSystem
 from ...storage.location import Location
 
 __all__ = ["TEMP_SUFFIX", "new_temp_dir", "clean_leftovers", "clean_directory", "data_files", "existing_shard_counts",
-           "committed_num_shards", "remove_data_files", "remove_stale_data_files", "NO_INDEX", "UNREADABLE_INDEX"]
+           "committed_num_shards", "remove_data_files", "remove_stale_data_files", "NO_INDEX", "UNREADABLE_INDEX",
+           "scan_in_place", "InPlaceScan", "abort_stale_uploads"]
 
 TEMP_SUFFIX = "_temp_"
 NO_INDEX = -1
@@ -122,31 +125,99 @@ def clean_leftovers(location: Location) -> List[str]:
     return removed
 
 
-def scan_in_place(location: Location) -> Tuple[Set[int], Dict[str, int]]:
-    """Object stores, before a save: one listing; remove a dead save's data objects and temp files.
+@dataclass
+class InPlaceScan:
+    """What :func:`scan_in_place` found at a prefix on an object store."""
 
-    Returns the shard counts of the data objects that remain (the committed
-    checkpoint's: the new save must avoid them) and those objects' paths with their
-    counts. The index is read only when the listing shows something to judge (data
-    objects without an index, or of more than one count).
+    #: shard counts of the data objects that remain (the committed checkpoint's and live writers'): to avoid
+    avoid: Set[int] = field(default_factory=set)
+    #: the committed checkpoint's data objects (path -> count): removed once a new index is committed
+    previous: Dict[str, int] = field(default_factory=dict)
+    #: whether an index object exists, and its ETag (``None`` where the store has none)
+    has_index: bool = False
+    index_etag: Optional[str] = None
+    #: what was removed (a dead save's data objects and temp files)
+    removed: List[str] = field(default_factory=list)
+
+
+def _stale(info: Dict[str, object], grace: float, now: float) -> bool:
+    mtime = info.get("mtime")
+    return not isinstance(mtime, (int, float)) or now - float(mtime) >= grace
+
+
+def scan_in_place(location: Location, now: Optional[float] = None) -> InPlaceScan:
+    """Object stores, before a save: one listing; remove what dead saves left, never a live writer's objects.
+
+    Data objects of a count that no index uses are a dead save's only once they are
+    older than the store's ``stale_after`` seconds (a concurrent save may be uploading
+    them now); younger ones are kept and their counts avoided. The index is read only
+    when the listing shows something to judge (data objects without an index, or of
+    more than one count); the data objects of an index that cannot be read are never
+    removed here.
     """
     fs = location.fs
-    names = fs.listdir(location.directory)
+    now = time.time() if now is None else now
+    grace = float(getattr(fs, "stale_after", 0.0))
+    lister = getattr(fs, "list_details", None)
+    details: Dict[str, Dict[str, object]] = (lister(location.directory) if lister is not None
+                                             else {n: {} for n in fs.listdir(location.directory)})
+    scan = InPlaceScan()
+    names = sorted(details)
     for name in names:
-        if _suffix_matches(_TEMPSTATE_SUFFIX, name, location.basename):
+        if _suffix_matches(_TEMPSTATE_SUFFIX, name, location.basename) and _stale(details[name], grace, now):
             fs.remove(location.sibling(name))
+            scan.removed.append(location.sibling(name))
     present = data_files(location, names)
-    has_index = location.basename + ".index" in names
+    index_name = location.basename + ".index"
+    scan.has_index = index_name in details
+    if scan.has_index:
+        etag = details[index_name].get("etag")
+        scan.index_etag = str(etag) if etag is not None else None
     counts = set(present.values())
-    if counts and (not has_index or len(counts) > 1):
+    committed = NO_INDEX
+    if scan.has_index and len(counts) == 1:
+        committed = next(iter(counts))
+    elif counts and (not scan.has_index or len(counts) > 1):
         committed = committed_num_shards(location)
-        if committed != UNREADABLE_INDEX:
-            for path, count in list(present.items()):
-                if count != committed:
-                    fs.remove(path)
-                    del present[path]
-            counts = set(present.values())
-    return counts, present
+    for path, count in present.items():
+        if count == committed:
+            scan.previous[path] = count
+        elif committed != UNREADABLE_INDEX and _stale(details[fs.basename(path)], grace, now):
+            fs.remove(path)
+            scan.removed.append(path)
+            continue
+        scan.avoid.add(count)
+    return scan
+
+
+_OWN_OBJECT = re.compile(r".+(\.index|" + DATA_SUFFIX_PATTERN + r")|checkpoint")
+
+
+def abort_stale_uploads(location: Location, now: Optional[float] = None) -> List[str]:
+    """Abort incomplete multipart uploads of checkpoint objects in the prefix's folder idle for ``stale_after``.
+
+    Idle: started, and last given a part, more than ``stale_after`` seconds ago (the
+    start time alone is not enough: a long upload that is still sending parts is live).
+
+    Only names shardckpt writes there (``*.index``, ``*.data-I-of-N``, ``checkpoint``)
+    are touched. Stores without multipart uploads: nothing to do.
+    """
+    fs = location.fs
+    lister = getattr(fs, "list_uploads", None)
+    if lister is None:
+        return []
+    now = time.time() if now is None else now
+    grace = float(getattr(fs, "stale_after", 0.0))
+    aborted = []
+    for path, upload_id, started in lister(location.directory):
+        if not _OWN_OBJECT.fullmatch(fs.basename(path)) or now - started < grace:
+            continue
+        activity = getattr(fs, "upload_activity", None)
+        if activity is not None and now - activity(path, upload_id) < grace:
+            continue  # started long ago but a part landed recently: a live writer
+        fs.abort_upload(path, upload_id)  # type: ignore[attr-defined]
+        aborted.append(f"{path} (upload {upload_id})")
+    return aborted
 
 
 def clean_directory(fs: FileSystem, directory: str, base: str, tracked: List[str], *,
@@ -177,7 +248,10 @@ def clean_directory(fs: FileSystem, directory: str, base: str, tracked: List[str
     removed: List[str] = []
     for n in sorted(numbers):
         location = Location(fs, fs.join(directory, f"{base}-{n}"))
-        removed += clean_leftovers(location)
+        if fs.supports_rename:
+            removed += clean_leftovers(location)
+        else:  # object stores: a live writer's objects are never removed (the age rule of scan_in_place)
+            removed += scan_in_place(location).removed
         if remove_untracked and n < newest and n not in tracked_numbers \
                 and fs.exists(index_filename(location.prefix)):
             count = committed_num_shards(location)

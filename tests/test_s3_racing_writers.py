@@ -1,0 +1,108 @@
+"""Object stores: two writers saving to one prefix at once (issue 16, defect 5).
+
+Threads and processes race on the test S3 server, with equal and with different shard
+counts, on a fresh prefix and over an existing checkpoint. The rule under test (the
+docstring of shardckpt.saving.commit.index_last): the prefix always holds one whole
+checkpoint (never a mix, never unreadable); a save that reports success is what the prefix
+held when it returned, unless a later save won; every losing save fails with AbortedError.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import Any, Dict, List
+
+import pytest
+
+from shardckpt.storage import get_fs
+
+HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
+sys.path.insert(0, HELPERS)
+import s3_race_writer as rw  # noqa: E402  (tests/helpers)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _judge(results: List[Dict[str, Any]], read: Any, before: Any) -> int:
+    """Check one round; return how many saves lost."""
+    for r in results:
+        assert r["ok"] or r["error"] == "AbortedError", r
+    winners = [r["fill"] for r in results if r["ok"]]
+    assert read is None or isinstance(read, int), f"the prefix does not hold one whole checkpoint: {read} ({results})"
+    if winners:
+        assert read in winners, (read, results)
+    else:
+        assert read == before, (read, before, results)
+    return sum(not r["ok"] for r in results)
+
+
+def _only_committed_objects(prefix: str) -> None:
+    fs = get_fs(prefix)
+    directory, base = prefix.rsplit("/", 1)
+    names = fs.listdir(directory)
+    counts = {n.split("-of-")[1] for n in names if n.startswith(base + ".data-")}
+    assert len(counts) == 1 and base + ".index" in names, names  # the losers removed their own objects
+
+
+@pytest.mark.parametrize("shards", [(65536, 65536), (65536, 131072)], ids=["same-count", "different-counts"])
+def test_threads_racing_on_one_prefix_leave_one_whole_checkpoint(s3_server: Any, shards: tuple) -> None:
+    prefix = s3_server.url(f"race-{uuid.uuid4().hex[:8]}", "ck")
+    before: Any = None
+    losses = 0
+    for r in range(6):
+        barrier = threading.Barrier(2)
+        results: List[Dict[str, Any]] = [{}, {}]
+
+        def run(w: int, r: int, barrier: threading.Barrier, results: List[Dict[str, Any]]) -> None:
+            barrier.wait()
+            results[w] = rw.save(prefix, (r + 1) * 10 + w, shards[w])
+
+        threads = [threading.Thread(target=run, args=(w, r, barrier, results)) for w in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        read = rw.read_fill(prefix)
+        losses += _judge(results, read, before)
+        if read is None:  # nobody has won yet: nothing committed, and the losers left nothing
+            assert get_fs(prefix).listdir(prefix.rsplit("/", 1)[0]) == []
+        else:
+            _only_committed_objects(prefix)
+        before = read
+    assert losses >= 1  # the writers did overlap (each round starts both at once)
+
+
+def test_processes_racing_on_one_prefix_leave_one_whole_checkpoint(s3_server: Any, tmp_path: Any) -> None:
+    prefix = s3_server.url(f"race-p-{uuid.uuid4().hex[:8]}", "ck")
+    rounds = 5
+    start = time.time() + 8.0  # both interpreters are up and warmed by then
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")])}
+    procs = []
+    for w, shard_bytes in enumerate((65536, 65536)):  # equal shard counts: the same object names
+        out = tmp_path / f"writer-{w}.jsonl"
+        procs.append((subprocess.Popen([sys.executable, os.path.join(HELPERS, "s3_race_writer.py"), prefix, str(w),
+                                        str(rounds), str(start), str(shard_bytes), str(out)], env=env,
+                                       stderr=subprocess.PIPE, text=True), out))
+    for p, _ in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+    lines = [[json.loads(x) for x in out.read_text().splitlines()] for _, out in procs]
+    before: Any = None
+    losses = 0
+    for r in range(rounds):
+        results = [lines[0][r], lines[1][r]]
+        reads = {results[0]["read"], results[1]["read"]}
+        assert len(reads) == 1 and all(x["seconds"] < rw.ROUND_SECONDS * 0.8 for x in results), results
+        read = reads.pop()
+        losses += _judge(results, read, before)
+        before = read
+    names = get_fs(prefix).listdir(prefix.rsplit("/", 1)[0])
+    counts = {n.split("-of-")[1] for n in names if n.startswith("ck.data-")}
+    assert len(counts) == 1 and "ck.index" in names, names  # the losers removed their own objects
+    assert losses >= 1
