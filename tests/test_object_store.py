@@ -122,11 +122,20 @@ def test_checkpoint_manager_retention(s3dir: str) -> None:
         manager.save()
     assert _names(s3dir) == ["checkpoint", "ckpt-3.data-00000-of-00001", "ckpt-3.index",
                              "ckpt-4.data-00000-of-00001", "ckpt-4.index"]
-    # a dead save's data objects (no index) are removed by the manager's next save
+    # data objects without an index: young ones may be a live writer's and stay; once older than
+    # the store's grace period (stale_after) they are a dead save's, removed by the manager's next save
     fs = _fs()
     fs.write_atomic(f"{s3dir}/ckpt-9.data-00000-of-00001", b"partial")
     v.assign(np.full(10, 3, dtype=np.float32))
     manager.save(checkpoint_number=4)
+    assert "ckpt-9.data-00000-of-00001" in _names(s3dir)
+    from shardckpt.storage import configure
+
+    try:
+        configure("s3", stale_after=0)
+        manager.save(checkpoint_number=4)
+    finally:
+        configure("s3")
     assert "ckpt-9.data-00000-of-00001" not in _names(s3dir)
     state = shardckpt.get_checkpoint_state(s3dir)
     assert list(state.all_model_checkpoint_paths) == [f"{s3dir}/ckpt-3", f"{s3dir}/ckpt-4"]
