@@ -19,7 +19,7 @@ from __future__ import annotations
 import posixpath
 import re
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["FileSystem", "get_fs", "configure", "split_scheme", "is_local_path", "normalize", "reset"]
 
@@ -44,6 +44,15 @@ class FileSystem:
     def open_read(self, path: str) -> Any: raise NotImplementedError
     def pread_into(self, handle: Any, buf: memoryview, offset: int, path: str = "") -> None:
         raise NotImplementedError
+    def pread_batch(self, handle: Any, requests: Sequence[Tuple[int, memoryview]], path: str = "") -> None:
+        """Fill every ``(offset, buffer)`` of ``requests`` from ``handle``.
+
+        The default serves them one by one with :meth:`pread_into`; stores override it
+        to coalesce nearby ranges or keep several requests in flight.
+        """
+        for offset, buf in requests:
+            self.pread_into(handle, buf, offset, path)
+
     def size(self, path: str) -> int: raise NotImplementedError
     def read_bytes(self, path: str) -> bytes: raise NotImplementedError
 

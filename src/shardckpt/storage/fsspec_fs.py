@@ -371,6 +371,23 @@ class FsspecFileSystem(FileSystem):
     def size(self, path: str) -> int:
         return int(self.call("stat", path, self.fs.size, path))
 
+    def identity(self, path: str, handle: Any = None) -> Tuple[Any, ...]:
+        """What identifies the object's current contents: size and ETag (or version / generation / mtime).
+
+        One metadata request (HEAD); a missing object is a :class:`NotFoundError`.
+        """
+        try:
+            self.fs.invalidate_cache(path)
+        except Exception:
+            pass
+        info = self.call("stat", path, self.fs.info, path)
+        tag = None
+        for field in ("ETag", "etag", "VersionId", "generation", "md5Hash", "LastModified", "mtime", "created"):
+            if info.get(field) is not None:
+                tag = (field, str(info[field]))
+                break
+        return (int(info.get("size") or 0), tag)
+
     def read_bytes(self, path: str) -> bytes:
         data = self.call("read", path, self.fs.cat_file, path)
         self._count("bytes_read", len(data))
