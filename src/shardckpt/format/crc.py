@@ -12,9 +12,9 @@ process's one, created on first use under a lock.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, Optional, Union
 
 import crc32c as _crc32c

@@ -18,7 +18,7 @@ from .base import FileSystem
 __all__ = ["LocalFileSystem", "local_fs", "StorageError", "get_fs"]
 
 _MAX_IO = 1 << 30  # one syscall moves at most 1 GiB (Linux caps near 2 GiB)
-_COALESCE_GAP = 4096  # pread_batch reads a gap up to a page instead of issuing another call
+_COALESCE_GAP = 4096  # pread_batch reads runs below a page, and gaps up to a page, in one covering call
 _COALESCE_SPAN = 16 << 20  # ... as long as one covering read stays below this
 
 
@@ -98,7 +98,7 @@ class LocalFileSystem(FileSystem):
             done += n
 
     def pread_batch(self, fd: int, requests: Sequence[Tuple[int, memoryview]], path: str = "") -> None:
-        """Fill every ``(offset, buffer)``; ranges less than a page apart share one covering read."""
+        """Fill every ``(offset, buffer)``; runs shorter than a page less than a page apart share one read."""
         reqs = sorted(((o, b.cast("B") if b.format != "B" or b.ndim != 1 else b) for o, b in requests if len(b)),
                       key=lambda r: r[0])
         i = 0
@@ -106,7 +106,8 @@ class LocalFileSystem(FileSystem):
             start, first = reqs[i]
             end = start + len(first)
             j = i + 1
-            while j < len(reqs) and 0 <= reqs[j][0] - end <= _COALESCE_GAP \
+            while j < len(reqs) and len(reqs[j - 1][1]) < _COALESCE_GAP and len(reqs[j][1]) < _COALESCE_GAP \
+                    and 0 <= reqs[j][0] - end <= _COALESCE_GAP \
                     and reqs[j][0] + len(reqs[j][1]) - start <= _COALESCE_SPAN:
                 end = max(end, reqs[j][0] + len(reqs[j][1]))
                 j += 1
