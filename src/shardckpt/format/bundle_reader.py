@@ -635,6 +635,7 @@ class _EntryJob:
             total = crc.combine(total, value, b - a)
         expected = crc.unmask(self.piece.entry.crc32c)
         if total != expected:
+            self.reader._check_unchanged(self.piece.entry.shard_id)  # a replaced file says so
             raise DataLossError(f"checksum does not match: stored 0x{expected:08x}, computed 0x{total:08x}",
                                 path=self.path, **self.piece.where())
 
