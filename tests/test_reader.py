@@ -14,8 +14,8 @@ import pytest
 
 import shardckpt
 from shardckpt.errors import CheckpointReplacedError, DataLossError
-from shardckpt.format import crc
 from shardckpt.format import bundle_reader as br
+from shardckpt.format import crc
 from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.storage.base import FileSystem
 from shardckpt.storage.local import LocalFileSystem

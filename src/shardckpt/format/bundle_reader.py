@@ -70,7 +70,12 @@ KeyLike = Union[str, bytes]
 
 
 def _key_bytes(key: KeyLike) -> bytes:
-    return key if isinstance(key, bytes) else key.encode("utf-8")
+    if isinstance(key, bytes):
+        return key
+    try:
+        return key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(f"key {key!r} is not valid Unicode text ({exc.reason}); keys are UTF-8") from None
 
 
 def _key_str(key: bytes) -> str:

@@ -17,7 +17,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import DataLossError
+from ..errors import DataLossError, InvalidArgumentError
 from . import crc, varint
 
 __all__ = ["encode_strings", "decode_strings", "decode_variants", "as_bytes_elements"]
@@ -32,7 +32,11 @@ def as_bytes_elements(array: np.ndarray) -> List[bytes]:
         if isinstance(item, bytes):
             out.append(item)
         elif isinstance(item, str):
-            out.append(item.encode("utf-8"))
+            try:
+                out.append(item.encode("utf-8"))
+            except UnicodeEncodeError as exc:
+                raise InvalidArgumentError(f"string tensor element {item[:64]!r} is not valid Unicode text "
+                                           f"({exc.reason}); strings are stored as UTF-8") from None
         elif isinstance(item, (bytearray, memoryview, np.bytes_)):
             out.append(bytes(item))
         else:
