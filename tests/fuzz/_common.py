@@ -13,7 +13,7 @@ import os
 import struct
 import sys
 import tempfile
-from typing import Callable, Tuple
+from typing import Any, Callable, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CORPUS = os.path.join(HERE, "corpus")
@@ -63,14 +63,17 @@ def unpack_files(data: bytes, count: int) -> Tuple[bytes, ...]:
     return tuple(out)
 
 
-def allowed(fn: Callable[[], object]) -> None:
-    """Run ``fn``: reading or a :class:`~shardckpt.errors.ShardckptError` is fine; anything else propagates."""
+def allowed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)``: its result, or ``None`` after a :class:`~shardckpt.errors.ShardckptError`.
+
+    Any other exception propagates (to libFuzzer, which reports it as a finding).
+    """
     from shardckpt.errors import ShardckptError
 
     try:
-        fn()
+        return fn(*args, **kwargs)
     except ShardckptError:
-        pass
+        return None
 
 
 def main(test_one_input: Callable[[bytes], None]) -> None:

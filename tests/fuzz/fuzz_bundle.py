@@ -31,14 +31,15 @@ def _exercise(prefix: str) -> None:
     with BundleReader(prefix) as reader:
         keys = reader.keys()[:_MAX_KEYS]
         for key in keys:
-            _common.allowed(lambda: reader.read(key))
-            shapes: list = []
-            _common.allowed(lambda: shapes.append(reader.shape(key)))
-            for region in _regions(shapes[0]) if shapes else []:
-                _common.allowed(lambda: reader.read_region(key, region))
-            _common.allowed(lambda: [reader.raw_bytes(p) for p in reader.pieces(key)])
-            _common.allowed(lambda: reader.verify(key))
-        _common.allowed(lambda: restore_tensors(prefix, [k.decode("utf-8", "replace") for k in keys], reader=reader))
+            _common.allowed(reader.read, key)
+            shape = _common.allowed(reader.shape, key)
+            for region in _regions(shape) if shape is not None else []:
+                _common.allowed(reader.read_region, key, region)
+            pieces = _common.allowed(reader.pieces, key) or []
+            for piece in pieces:
+                _common.allowed(reader.raw_bytes, piece)
+            _common.allowed(reader.verify, key)
+        _common.allowed(restore_tensors, prefix, [k.decode("utf-8", "replace") for k in keys], reader=reader)
 
 
 def test_one_input(data: bytes) -> None:
@@ -46,7 +47,7 @@ def test_one_input(data: bytes) -> None:
     prefix = os.path.join(_common.scratch(), "ck")
     _common.write(prefix + ".index", index)
     _common.write(prefix + ".data-00000-of-00001", shard)
-    _common.allowed(lambda: _exercise(prefix))
+    _common.allowed(_exercise, prefix)
 
 
 if __name__ == "__main__":

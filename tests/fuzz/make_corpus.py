@@ -49,9 +49,8 @@ def _bundles(tmp: str) -> list:
 
 
 def main() -> None:
-    from shardckpt.checkpoint.state import update_checkpoint_state
-
     import shardckpt
+    from shardckpt.checkpoint.state import update_checkpoint_state
 
     for name in ("sstable", "bundle", "object_graph", "state_file"):
         shutil.rmtree(os.path.join(_common.CORPUS, name), ignore_errors=True)
