@@ -6,7 +6,7 @@
 # Corpora grow in $FUZZ_WORK/<harness>/corpus (default /tmp/shardckpt-fuzz), seeded from
 # tests/fuzz/corpus/<harness>; findings land in $FUZZ_WORK/<harness>/ as crash-*/timeout-*/oom-*.
 # Every input must read or raise from shardckpt.errors; memory is capped with -rss_limit_mb
-# (FUZZ_RSS_MB, default 1024) and each input with -timeout (FUZZ_TIMEOUT, default 10 s).
+# (FUZZ_RSS_MB, default 512) and each input with -timeout (FUZZ_TIMEOUT, default 10 s).
 # Exit status: 0 when no harness found anything.
 set -u
 here="$(cd "$(dirname "$0")/.." && pwd)"
@@ -26,7 +26,7 @@ for name in "${names[@]}"; do
   mkdir -p "$work/$name/corpus"
   echo "== $name: ${seconds}s (corpus $work/$name/corpus)"
   "$python" "$here/tests/fuzz/$script" -max_total_time="$seconds" -timeout="${FUZZ_TIMEOUT:-10}" \
-    -rss_limit_mb="${FUZZ_RSS_MB:-1024}" -print_final_stats=1 -artifact_prefix="$work/$name/" \
+    -rss_limit_mb="${FUZZ_RSS_MB:-512}" -print_final_stats=1 -artifact_prefix="$work/$name/" \
     "$work/$name/corpus" "$here/tests/fuzz/corpus/$name" 2>&1 | grep -E "^(Done|stat::|==|ERROR|SUMMARY)|Uncaught|Error" 
   rc=${PIPESTATUS[0]}
   if [ "$rc" -ne 0 ]; then echo "!! $name: finding (rc $rc), see $work/$name/"; status=1; fi

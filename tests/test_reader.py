@@ -177,6 +177,23 @@ def test_region_reads_through_pread_batch(tmp_path: Path, fs: FileSystem) -> Non
         for region in [((3, 40), (10, 12)), ((0, 64), (100, 2000)), ((5, 6), (0, 3000)), ((0, 64), (2999, 3000))]:
             got = reader.read_region("a", region)
             np.testing.assert_array_equal(got, a[tuple(slice(*r) for r in region)])
+    c = np.arange(6 * 50 * 70, dtype=np.int16).reshape(6, 50, 70)  # tiny runs, unevenly spaced
+    shardckpt.save_tensors(prefix + "3", {"c": c})
+    with BundleReader(prefix + "3", fs=fs) as reader:
+        for region in [((1, 5), (2, 40), (3, 9)), ((0, 6), (0, 50), (69, 70)), ((2, 3), (0, 50), (0, 35))]:
+            got = reader.read_region("c", region)
+            np.testing.assert_array_equal(got, c[tuple(slice(*r) for r in region)])
+            out = np.zeros((8,) + got.shape, np.int16)[3]  # into a non-contiguous-parent view
+            reader.read_region("c", region, out=np.ascontiguousarray(out))
+
+
+def test_run_batch_is_a_sequence_of_requests() -> None:
+    from shardckpt.storage.base import RunBatch
+
+    dest = memoryview(bytearray(12))
+    batch = RunBatch(np.array([5, 20, 40], np.int64), 4, dest)
+    assert len(batch) == 3 and batch[1][0] == 20 and len(batch[2][1]) == 4 and batch[-1][0] == 40
+    assert [o for o, _ in batch] == [5, 20, 40]
 
 
 # -- a reader sees the checkpoint it opened -------------------------------------------------------

@@ -29,7 +29,6 @@ allocated, so a hostile index cannot make the reader allocate unbounded memory.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
@@ -44,7 +43,7 @@ from ..errors import (
     NotFoundError,
     UnsupportedError,
 )
-from ..storage.base import FileSystem, get_fs, normalize
+from ..storage.base import FileSystem, RunBatch, get_fs, normalize
 from . import crc
 from .bundle_writer import byte_view
 from .dtypes import DType, from_enum
@@ -498,22 +497,16 @@ class BundleReader:
             self._pread_to(fd, path, start, dest)
             return
         runs_dim = j - 1
-        outer = [range(a, b) for a, b in local[:runs_dim]]
-        base = local[runs_dim][0] * strides[runs_dim]
-        requests = []
-        copies = []
-        for index in itertools.product(*outer):
-            elem = base + sum(i * s for i, s in zip(index, strides))
-            target = dest[tuple(i - a for i, (a, _) in zip(index, local))]
-            if target.flags.c_contiguous:
-                requests.append((offset + elem * itemsize, byte_view(target)))
-            else:
-                tmp = np.empty(target.shape, dtype=target.dtype)
-                requests.append((offset + elem * itemsize, byte_view(tmp)))
-                copies.append((target, tmp))
-        self._fs.pread_batch(fd, requests, path)
-        for target, tmp in copies:
-            target[...] = tmp
+        run_bytes = (local[runs_dim][1] - local[runs_dim][0]) * strides[runs_dim] * itemsize
+        # Element offset of every run, row-major over the outer dims (computed in bulk).
+        elem = np.full((), local[runs_dim][0] * strides[runs_dim], dtype=np.int64)
+        for d in range(runs_dim):
+            elem = np.add.outer(elem, np.arange(local[d][0], local[d][1], dtype=np.int64) * strides[d])
+        offsets = offset + elem.reshape(-1) * itemsize
+        target = dest if dest.flags.c_contiguous else np.empty(dest.shape, dtype=dest.dtype)
+        self._fs.pread_batch(fd, RunBatch(offsets, run_bytes, byte_view(target)), path)
+        if target is not dest:
+            dest[...] = target
 
     def _pread_to(self, fd: Any, path: str, start: int, target: np.ndarray) -> None:
         if target.flags.c_contiguous:

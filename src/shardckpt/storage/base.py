@@ -21,7 +21,7 @@ import re
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["FileSystem", "get_fs", "configure", "split_scheme", "is_local_path", "normalize", "reset"]
+__all__ = ["FileSystem", "RunBatch", "get_fs", "configure", "split_scheme", "is_local_path", "normalize", "reset"]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 
@@ -48,7 +48,8 @@ class FileSystem:
         """Fill every ``(offset, buffer)`` of ``requests`` from ``handle``.
 
         The default serves them one by one with :meth:`pread_into`; stores override it
-        to coalesce nearby ranges or keep several requests in flight.
+        to coalesce nearby ranges or keep several requests in flight. ``requests`` may
+        be a :class:`RunBatch` (many equal runs), which a store may serve in bulk.
         """
         for offset, buf in requests:
             self.pread_into(handle, buf, offset, path)
@@ -87,6 +88,31 @@ class FileSystem:
     def basename(self, path: str) -> str: raise NotImplementedError
     def isabs(self, path: str) -> bool: raise NotImplementedError
     def normpath(self, path: str) -> str: raise NotImplementedError
+
+
+class RunBatch(Sequence[Tuple[int, memoryview]]):
+    """Requests of :meth:`FileSystem.pread_batch` in bulk: ``len(offsets)`` runs of ``run_bytes`` each.
+
+    Run ``i`` is read from file offset ``offsets[i]`` (an int64 array, ascending) into
+    ``dest[i * run_bytes:(i + 1) * run_bytes]``. As a sequence it yields the usual
+    ``(offset, buffer)`` pairs, so any store can serve it one by one.
+    """
+
+    def __init__(self, offsets: Any, run_bytes: int, dest: memoryview) -> None:
+        self.offsets = offsets
+        self.run_bytes = int(run_bytes)
+        self.dest = dest
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        rb = self.run_bytes
+        return int(self.offsets[i]), self.dest[i * rb:(i + 1) * rb]
 
 
 def split_scheme(path: str) -> Tuple[str, str]:

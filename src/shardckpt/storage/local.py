@@ -13,7 +13,7 @@ import shutil
 from typing import Any, List, Optional, Sequence, Tuple
 
 from ..errors import NotFoundError, ShardckptError, StorageError
-from .base import FileSystem
+from .base import FileSystem, RunBatch
 
 __all__ = ["LocalFileSystem", "local_fs", "StorageError", "get_fs"]
 
@@ -99,26 +99,64 @@ class LocalFileSystem(FileSystem):
 
     def pread_batch(self, fd: int, requests: Sequence[Tuple[int, memoryview]], path: str = "") -> None:
         """Fill every ``(offset, buffer)``; runs shorter than a page less than a page apart share one read."""
-        reqs = sorted(((o, b.cast("B") if b.format != "B" or b.ndim != 1 else b) for o, b in requests if len(b)),
-                      key=lambda r: r[0])
+        if isinstance(requests, RunBatch) and 1 < len(requests) and requests.run_bytes < _COALESCE_GAP:
+            self._pread_small_runs(fd, requests, path)
+            return
+        reqs = [(o, b if b.format == "B" and b.ndim == 1 else b.cast("B")) for o, b in requests if len(b)]
+        if any(reqs[i][0] > reqs[i + 1][0] for i in range(len(reqs) - 1)):
+            reqs.sort(key=lambda r: r[0])
         i = 0
-        while i < len(reqs):
+        n = len(reqs)
+        while i < n:
             start, first = reqs[i]
             end = start + len(first)
             j = i + 1
-            while j < len(reqs) and len(reqs[j - 1][1]) < _COALESCE_GAP and len(reqs[j][1]) < _COALESCE_GAP \
-                    and 0 <= reqs[j][0] - end <= _COALESCE_GAP \
-                    and reqs[j][0] + len(reqs[j][1]) - start <= _COALESCE_SPAN:
-                end = max(end, reqs[j][0] + len(reqs[j][1]))
-                j += 1
+            if len(first) < _COALESCE_GAP:
+                while j < n:
+                    off, buf = reqs[j]
+                    size = len(buf)
+                    if size >= _COALESCE_GAP or not 0 <= off - end <= _COALESCE_GAP \
+                            or off + size - start > _COALESCE_SPAN:
+                        break
+                    end = max(end, off + size)
+                    j += 1
             if j == i + 1:
                 self.pread_into(fd, first, start, path)
             else:
-                cover = bytearray(end - start)
-                view = memoryview(cover)
-                self.pread_into(fd, view, start, path)
+                cover = memoryview(bytearray(end - start))
+                self.pread_into(fd, cover, start, path)
                 for off, buf in reqs[i:j]:
-                    buf[:] = view[off - start:off - start + len(buf)]
+                    buf[:] = cover[off - start:off - start + len(buf)]
+            i = j
+
+    def _pread_small_runs(self, fd: int, batch: RunBatch, path: str) -> None:
+        """Many runs below a page: covering reads of up to ``_COALESCE_SPAN``, runs copied out in bulk."""
+        import numpy as np
+
+        offsets = np.asarray(batch.offsets, dtype=np.int64)
+        rb = batch.run_bytes
+        n = len(offsets)
+        if n and (np.diff(offsets) < rb).any():  # not ascending and disjoint: one by one
+            FileSystem.pread_batch(self, fd, batch, path)
+            return
+        dest = np.frombuffer(batch.dest, dtype=np.uint8)[:n * rb].reshape(n, rb)
+        gaps = offsets[1:] - offsets[:-1] - rb
+        breaks = np.flatnonzero(gaps > _COALESCE_GAP) + 1  # a run starting a new covering read
+        i = 0
+        while i < n:
+            k = int(np.searchsorted(breaks, i, side="right"))
+            stop = int(breaks[k]) if k < len(breaks) else n
+            j = min(stop, int(np.searchsorted(offsets, offsets[i] + _COALESCE_SPAN - rb, side="right")))
+            j = max(j, i + 1)
+            start = int(offsets[i])
+            cover = np.empty(int(offsets[j - 1]) + rb - start, dtype=np.uint8)
+            self.pread_into(fd, memoryview(cover), start, path)
+            rel = offsets[i:j] - start
+            steps = np.diff(rel)
+            if len(steps) and (steps == steps[0]).all():  # evenly spaced: one strided copy
+                dest[i:j] = np.lib.stride_tricks.as_strided(cover, shape=(j - i, rb), strides=(int(steps[0]), 1))
+            else:
+                dest[i:j] = cover[rel[:, None] + np.arange(rb)]
             i = j
 
     # -- writing ---------------------------------------------------------
