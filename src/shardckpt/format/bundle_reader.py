@@ -58,6 +58,8 @@ __all__ = ["BundleReader", "ReadSession", "StoredPiece", "MAX_SUPPORTED_VERSION"
 
 MAX_SUPPORTED_VERSION = 1  # the bundle format's producer/consumer version
 _UNIT = 2 << 20  # whole entries are read and checksummed in units of this size, on several threads
+_MIN_UNIT = 512 << 10  # entries are split across threads only into units at least this large
+_ALIGN = 64 << 10  # unit boundaries (relative to the entry) are multiples of this
 _SUB = 512 << 10  # within a unit, read this much and checksum it while it is still in the CPU cache
 _MAX_SHARDS = 1 << 24
 _MAX_RANK = 64  # NumPy's limit (TensorFlow allows 254; such tensors cannot be arrays here)
@@ -122,7 +124,8 @@ class BundleReader:
         self._context = context if context is not None else crc.default_context()
         self._identity_of = getattr(fs, "identity", None)
         self._willneed = getattr(fs, "willneed", None)
-        self._unit = fs.read_step or _UNIT
+        self._unit = fs.read_step or _UNIT  # a store's preferred request size, when it has one
+        self._min_unit = fs.read_step or _MIN_UNIT
         self._sub = fs.read_step or _SUB
         self._fds: Dict[int, Any] = {}
         self._file_sizes: Dict[int, int] = {}
@@ -534,6 +537,20 @@ class BundleReader:
         return values
 
 
+def _unit_bounds(size: int, unit: int, min_unit: int, workers: int) -> List[Tuple[int, int]]:
+    """Split ``size`` bytes into nearly equal units of at most ``unit`` bytes (64 KiB aligned).
+
+    An entry of at least two ``min_unit`` is split into one unit per worker at least,
+    so a single large-ish read uses every core.
+    """
+    if size <= 0:
+        return [(0, 0)]
+    count = max(-(-size // unit), min(workers, size // min_unit))
+    step = -(-size // count)
+    step = -(-step // _ALIGN) * _ALIGN
+    return [(a, min(size, a + step)) for a in range(0, size, step)]
+
+
 class _EntryJob:
     """One whole-entry read: its units are read, and checksummed as they land, by whichever threads take them.
 
@@ -551,8 +568,7 @@ class _EntryJob:
         self.flat = flat
         self.verify = verify
         size = int(piece.entry.size)
-        unit = reader._unit
-        self.bounds = [(a, min(size, a + unit)) for a in range(0, size, unit)] or [(0, 0)]
+        self.bounds = _unit_bounds(size, reader._unit, reader._min_unit, reader._context.workers)
         self.crcs = [0] * len(self.bounds)
         self.error: Optional[BaseException] = None
         self._next = 0
