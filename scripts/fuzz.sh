@@ -27,7 +27,7 @@ for name in "${names[@]}"; do
   echo "== $name: ${seconds}s (corpus $work/$name/corpus)"
   "$python" "$here/tests/fuzz/$script" -max_total_time="$seconds" -timeout="${FUZZ_TIMEOUT:-10}" \
     -rss_limit_mb="${FUZZ_RSS_MB:-512}" -print_final_stats=1 -artifact_prefix="$work/$name/" \
-    "$work/$name/corpus" "$here/tests/fuzz/corpus/$name" 2>&1 | grep -E "^(Done|stat::|==|ERROR|SUMMARY)|Uncaught|Error" 
+    "$work/$name/corpus" "$here/tests/fuzz/corpus/$name" 2>&1 | grep -a -E "^(Done|stat::|==|ERROR|SUMMARY)|Uncaught|Error"
   rc=${PIPESTATUS[0]}
   if [ "$rc" -ne 0 ]; then echo "!! $name: finding (rc $rc), see $work/$name/"; status=1; fi
 done

@@ -78,7 +78,10 @@ def allowed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 def main(test_one_input: Callable[[bytes], None]) -> None:
     """Run ``test_one_input`` under atheris with the command line's libFuzzer flags and corpus dirs."""
+    import logging
+
     import atheris
 
+    logging.disable(logging.CRITICAL)  # warnings about hostile inputs are expected; findings are exceptions
     atheris.Setup(sys.argv, test_one_input)
     atheris.Fuzz()
