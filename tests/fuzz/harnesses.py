@@ -8,6 +8,7 @@ and ``scripts/fuzz.sh`` run it. Readers of other formats go here when they land:
 HARNESSES = {
     "sstable": "fuzz_sstable.py",  # the .index SSTable reader
     "bundle": "fuzz_bundle.py",  # BundleReader: whole, region and raw reads, verify, restore_tensors
+    "bundle_entries": "fuzz_bundle_entries.py",  # the same reads on valid indexes with fuzzed entries
     "object_graph": "fuzz_object_graph.py",  # _CHECKPOINTABLE_OBJECT_GRAPH parsing and matching
     "state_file": "fuzz_state_file.py",  # the text-format `checkpoint` state file
     # "safetensors": "fuzz_safetensors.py",  # with the converters (not yet)
