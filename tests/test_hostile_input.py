@@ -1660,3 +1660,16 @@ def test_verify_accepts_slices_that_tile_and_reports_a_slice_of_another_dtype(
         assert "disagrees with the tensor's dtype or shape" in (tiling_problem(reader, "t") or "")
     rc, out, _ = _cli(capsys, "verify", bundle.prefix)
     assert rc == 1 and "'t'" in out, out
+
+
+@pytest.mark.parametrize("dtype", [21, 7], ids=["variant", "string"])
+def test_element_length_beyond_64_bits_is_data_loss(bundle: Bundle, dtype: int) -> None:
+    """Found by fuzzing: a 10-byte varint length (> 2**64) made the checksum's struct.pack raise struct.error."""
+    blob = varint(2 ** 69 + 5) + b"\x00" * 8
+    offset = bundle.append_data(blob)
+    entry = pb.BundleEntryProto(dtype=dtype, offset=offset, size=len(blob), crc32c=mask(crc32c(blob)))
+    entry.shape.dim.add().size = 1
+    bundle.put_entry(b"v", entry)
+    expect(DataLossError, lambda: bundle.read("v"), names=[bundle.data_path, key_text("v")])
+    with BundleReader(bundle.prefix) as reader:
+        expect(DataLossError, lambda: reader.verify("v"), names=[bundle.data_path, key_text("v")])

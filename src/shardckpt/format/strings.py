@@ -80,8 +80,12 @@ def decode_strings(data: bytes, count: int, stored_crc: int, *, big_endian: bool
     try:
         for _ in range(count):
             n, pos = varint.decode(data, pos, len(data))
+            if n > len(data):
+                raise DataLossError(f"string element of {n} bytes in an entry of {len(data)} bytes")
             lengths.append(n)
             running = crc.extend(running, _length_word(n, big_endian))
+    except DataLossError:
+        raise
     except Exception:
         raise DataLossError("truncated string lengths") from None
     if pos + 4 > len(data):
@@ -115,6 +119,8 @@ def decode_variants(data: bytes, count: int, stored_crc: int) -> List[bytes]:
             n, new_pos = varint.decode(data, pos, len(data))
         except Exception:
             raise DataLossError("truncated variant length") from None
+        if n > len(data):  # also keeps n within the 64 bits the checksum covers
+            raise DataLossError(f"variant element of {n} bytes in an entry of {len(data)} bytes")
         running = crc.extend(running, struct.pack("<Q", n))
         pos = new_pos
         if pos + n + 4 > len(data):
