@@ -476,11 +476,10 @@ class BundleReader:
         if self._willneed is not None and entry.size >= 2 * self._sub:
             self._willneed(fd, entry.offset, entry.size)
         job = _EntryJob(self, piece, fd, path, byte_view(dest), verify)
-        if session is not None:
-            job.start(self._context.executor)
+        job.run(self._context.executor)  # this thread reads units too, until none is left to take
+        if session is not None:  # units still in flight on helpers are waited for by the session
             session._add(job)
             return
-        job.run(self._context.executor)
         job.finish()
 
     def _read_box(self, offset: int, shape: Tuple[int, ...], local: Box, dt: DType, fd: Any,
@@ -625,11 +624,6 @@ class _EntryJob:
                 return n
         return count
 
-    def start(self, executor: ThreadPoolExecutor) -> None:
-        """Hand every unit to the helpers and return at once (a deferring session)."""
-        if self._helpers(executor, min(len(self.bounds), self.reader._context.workers)) == 0:
-            self.work()
-
     def run(self, executor: ThreadPoolExecutor) -> None:
         """Read the units on this thread, helped by the pool for entries of several units."""
         if len(self.bounds) > 1:
@@ -657,8 +651,9 @@ class _EntryJob:
 class ReadSession:
     """Reads through one :class:`BundleReader` whose completion and checks may wait for the session's end.
 
-    With ``defer`` (the default) a whole-entry read returns as soon as its units are
-    handed to the helper threads; :meth:`finish` (or leaving the ``with`` block)
+    With ``defer`` (the default) a whole-entry read returns as soon as no unit of it is
+    left to start (the calling thread reads units too; helpers may still be reading
+    the last ones); :meth:`finish` (or leaving the ``with`` block)
     waits for all of them and raises the first failure — a read error, a checksum
     mismatch (:class:`DataLossError`), a replaced file. Values read through the
     session must not be trusted before that. The session is safe to use from
