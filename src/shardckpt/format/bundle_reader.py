@@ -162,11 +162,17 @@ class BundleReader:
             return False
         self._identities = {}
         if self.num_shards <= _EAGER_IDENTITY:
-            for shard in range(self.num_shards):
-                try:
-                    self._identities[shard] = self._identity(self.data_path(shard))
-                except NotFoundError:
-                    self._identities[shard] = None
+            paths = [self.data_path(shard) for shard in range(self.num_shards)]
+            batch = getattr(self._fs, "identities", None)
+            if batch is not None:  # e.g. one listing on an object store
+                found = batch(paths)
+                self._identities = {shard: found.get(path) for shard, path in enumerate(paths)}
+            else:
+                for shard, path in enumerate(paths):
+                    try:
+                        self._identities[shard] = self._identity(path)
+                    except NotFoundError:
+                        self._identities[shard] = None
         return self._identity(self.index_path) == before
 
     # -- index -------------------------------------------------------------

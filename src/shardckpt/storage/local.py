@@ -159,6 +159,16 @@ class LocalFileSystem(FileSystem):
                 dest[i:j] = cover[rel[:, None] + np.arange(rb)]
             i = j
 
+    def identities(self, paths: Sequence[str]) -> "dict[str, Optional[Tuple[Any, ...]]]":
+        """:meth:`identity` of many files (``None``: missing)."""
+        out: "dict[str, Optional[Tuple[Any, ...]]]" = {}
+        for p in paths:
+            try:
+                out[p] = self.identity(p)
+            except NotFoundError:
+                out[p] = None
+        return out
+
     # -- writing ---------------------------------------------------------
     def open_write(self, path: str) -> int:
         """Create (or truncate) ``path`` for writing."""
