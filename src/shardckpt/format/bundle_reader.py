@@ -123,7 +123,6 @@ class BundleReader:
         self._fs = fs
         self._context = context if context is not None else crc.default_context()
         self._identity_of = getattr(fs, "identity", None)
-        self._willneed = getattr(fs, "willneed", None)
         self._unit = fs.read_step or _UNIT  # a store's preferred request size, when it has one
         self._min_unit = fs.read_step or _MIN_UNIT
         self._sub = fs.read_step or _SUB
@@ -478,9 +477,6 @@ class BundleReader:
     def _read_whole(self, piece: StoredPiece, fd: Any, path: str, dest: np.ndarray, verify: bool,
                     session: Optional["ReadSession"]) -> None:
         """Read one entry whole into ``dest``: in units on several threads, each unit checksummed as it lands."""
-        entry = piece.entry
-        if self._willneed is not None and entry.size >= 2 * self._sub:
-            self._willneed(fd, entry.offset, entry.size)
         job = _EntryJob(self, piece, fd, path, byte_view(dest), verify)
         job.run(self._context.executor)  # this thread reads units too, until none is left to take
         if session is not None:  # units still in flight on helpers are waited for by the session

@@ -49,15 +49,6 @@ class LocalFileSystem(FileSystem):
                 pass
         return fd
 
-    def willneed(self, fd: int, offset: int, length: int) -> None:
-        """Ask the kernel to start reading ``[offset, offset + length)`` ahead (a hint; never fails)."""
-        advise = getattr(os, "posix_fadvise", None)
-        if advise is not None and length > 0:
-            try:
-                advise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass
-
     def identity(self, path: str, handle: Optional[int] = None) -> Tuple[Any, ...]:
         """What identifies the file's current contents: size, device, inode, mtime (of ``handle`` when given).
 
