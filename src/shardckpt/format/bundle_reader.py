@@ -112,7 +112,13 @@ class StoredPiece:
 
 
 class BundleReader:
-    """Random access to the tensors of the bundle at ``prefix``."""
+    """Random access to the tensors of the bundle at ``prefix``.
+
+    ``fs`` is the store (default: chosen from the path); ``context`` owns the helper
+    threads that read and checksum units of large entries (default:
+    :func:`~shardckpt.format.crc.default_context`). Safe to share between threads;
+    each thread's :class:`ReadSession` keeps its own pending checks.
+    """
 
     def __init__(self, prefix: str, *, fs: Optional[FileSystem] = None,
                  context: Optional[crc.ChecksumContext] = None) -> None:
