@@ -62,6 +62,7 @@ _MIN_UNIT = 512 << 10  # entries are split across threads only into units at lea
 _ALIGN = 64 << 10  # unit boundaries (relative to the entry) are multiples of this
 _SUB = 512 << 10  # within a unit, read this much and checksum it while it is still in the CPU cache
 _MAX_SHARDS = 1 << 24
+_PAGE = 4096
 _MAX_RANK = 64  # NumPy's limit (TensorFlow allows 254; such tensors cannot be arrays here)
 _MAX_ELEMENTS = (1 << 63) - 1
 _EAGER_IDENTITY = 1024  # data files whose identity is recorded when the index is opened
@@ -514,7 +515,11 @@ class BundleReader:
             elem = np.add.outer(elem, np.arange(local[d][0], local[d][1], dtype=np.int64) * strides[d])
         offsets = offset + elem.reshape(-1) * itemsize
         target = dest if dest.flags.c_contiguous else np.empty(dest.shape, dtype=dest.dtype)
-        self._fs.pread_batch(fd, RunBatch(offsets, run_bytes, byte_view(target)), path)
+        cover = None
+        if run_bytes < _PAGE:  # tiny runs: the rows that hold them, for stores where bytes are cheaper than calls
+            row_bytes = strides[0] * itemsize
+            cover = (offset + local[0][0] * row_bytes, (local[0][1] - local[0][0]) * row_bytes)
+        self._fs.pread_batch(fd, RunBatch(offsets, run_bytes, byte_view(target), cover), path)
         if target is not dest:
             dest[...] = target
 

@@ -95,13 +95,17 @@ class RunBatch(Sequence[Tuple[int, memoryview]]):
 
     Run ``i`` is read from file offset ``offsets[i]`` (an int64 array, ascending) into
     ``dest[i * run_bytes:(i + 1) * run_bytes]``. As a sequence it yields the usual
-    ``(offset, buffer)`` pairs, so any store can serve it one by one.
+    ``(offset, buffer)`` pairs, so any store can serve it one by one. ``cover``, when
+    given, is a ``(start, length)`` range holding every run (e.g. whole rows) that a
+    store for which requests cost more than bytes may read whole instead.
     """
 
-    def __init__(self, offsets: Any, run_bytes: int, dest: memoryview) -> None:
+    def __init__(self, offsets: Any, run_bytes: int, dest: memoryview,
+                 cover: Optional[Tuple[int, int]] = None) -> None:
         self.offsets = offsets
         self.run_bytes = int(run_bytes)
         self.dest = dest
+        self.cover = cover
 
     def __len__(self) -> int:
         return len(self.offsets)

@@ -90,7 +90,7 @@ class LocalFileSystem(FileSystem):
 
     def pread_batch(self, fd: int, requests: Sequence[Tuple[int, memoryview]], path: str = "") -> None:
         """Fill every ``(offset, buffer)``; runs shorter than a page less than a page apart share one read."""
-        if isinstance(requests, RunBatch) and 1 < len(requests) and requests.run_bytes < _COALESCE_GAP:
+        if isinstance(requests, RunBatch) and len(requests) and requests.run_bytes < _COALESCE_GAP:
             self._pread_small_runs(fd, requests, path)
             return
         reqs = [(o, b if b.format == "B" and b.ndim == 1 else b.cast("B")) for o, b in requests if len(b)]
@@ -121,33 +121,45 @@ class LocalFileSystem(FileSystem):
             i = j
 
     def _pread_small_runs(self, fd: int, batch: RunBatch, path: str) -> None:
-        """Many runs below a page: covering reads of up to ``_COALESCE_SPAN``, runs copied out in bulk."""
+        """Many runs below a page: covering reads of up to ``_COALESCE_SPAN``, runs copied out in bulk.
+
+        With ``batch.cover`` the whole cover is read (split at run boundaries), otherwise
+        gaps of more than a page between runs start a new read.
+        """
         import numpy as np
 
         offsets = np.asarray(batch.offsets, dtype=np.int64)
         rb = batch.run_bytes
         n = len(offsets)
-        if n and (np.diff(offsets) < rb).any():  # not ascending and disjoint: one by one
-            FileSystem.pread_batch(self, fd, batch, path)
+        cover = batch.cover
+        if (np.diff(offsets) < rb).any() or (cover is not None and (
+                offsets[0] < cover[0] or offsets[-1] + rb > cover[0] + cover[1])):
+            FileSystem.pread_batch(self, fd, list(batch), path)  # not ascending and disjoint: one by one
             return
         dest = np.frombuffer(batch.dest, dtype=np.uint8)[:n * rb].reshape(n, rb)
         gaps = offsets[1:] - offsets[:-1] - rb
-        breaks = np.flatnonzero(gaps > _COALESCE_GAP) + 1  # a run starting a new covering read
+        breaks = np.flatnonzero(gaps > _COALESCE_GAP) + 1 if cover is None else np.zeros(0, np.int64)
         i = 0
+        read_from = int(cover[0]) if cover is not None else int(offsets[0])
         while i < n:
             k = int(np.searchsorted(breaks, i, side="right"))
             stop = int(breaks[k]) if k < len(breaks) else n
-            j = min(stop, int(np.searchsorted(offsets, offsets[i] + _COALESCE_SPAN - rb, side="right")))
+            start = read_from if cover is not None else int(offsets[i])
+            j = min(stop, int(np.searchsorted(offsets, start + _COALESCE_SPAN - rb, side="right")))
             j = max(j, i + 1)
-            start = int(offsets[i])
-            cover = np.empty(int(offsets[j - 1]) + rb - start, dtype=np.uint8)
-            self.pread_into(fd, memoryview(cover), start, path)
+            end = int(offsets[j - 1]) + rb
+            if cover is not None:
+                end = int(cover[0] + cover[1]) if j == n else int(offsets[j])  # read up to the next run
+            buf = np.empty(end - start, dtype=np.uint8)
+            self.pread_into(fd, memoryview(buf), start, path)
             rel = offsets[i:j] - start
             steps = np.diff(rel)
             if len(steps) and (steps == steps[0]).all():  # evenly spaced: one strided copy
-                dest[i:j] = np.lib.stride_tricks.as_strided(cover, shape=(j - i, rb), strides=(int(steps[0]), 1))
+                first = buf[int(rel[0]):]
+                dest[i:j] = np.lib.stride_tricks.as_strided(first, shape=(j - i, rb), strides=(int(steps[0]), 1))
             else:
-                dest[i:j] = cover[rel[:, None] + np.arange(rb)]
+                dest[i:j] = buf[rel[:, None] + np.arange(rb)]
+            read_from = end
             i = j
 
     def identities(self, paths: Sequence[str]) -> "dict[str, Optional[Tuple[Any, ...]]]":
