@@ -151,7 +151,7 @@ class LocalFileSystem(FileSystem):
             if cover is not None:
                 end = int(cover[0] + cover[1]) if j == n else int(offsets[j])  # read up to the next run
             buf = np.empty(end - start, dtype=np.uint8)
-            self.pread_into(fd, memoryview(buf), start, path)
+            self.pread_into(fd, memoryview(buf), start, path)  # type: ignore[arg-type]
             rel = offsets[i:j] - start
             steps = np.diff(rel)
             if len(steps) and (steps == steps[0]).all():  # evenly spaced: one strided copy
