@@ -1545,3 +1545,131 @@ def test_hostile_prefix_stays_inside(tmp_path: Path, ckdir: Path) -> None:
     save_v2(prefix, ["a"], [""], [np.arange(2)])
     assert sorted(os.listdir(ckdir)) == ["sub", "up.data-00000-of-00001", "up.index"]
     assert os.listdir(sub) == []
+
+
+# ---------------------------------------------------------------------------
+# issue 16, defects 12 and 13: shapes NumPy refuses, unencodable keys, cut indexes;
+# verify checks that slices tile their tensor
+# ---------------------------------------------------------------------------
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> Tuple[int, str, str]:
+    from shardckpt.cli.main import main
+
+    rc = main(list(argv))
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def _set_shape(dims: List[int], size: Optional[int] = None) -> Callable[[pb.BundleEntryProto], None]:
+    def edit(e: pb.BundleEntryProto) -> None:
+        del e.shape.dim[:]
+        for d in dims:
+            e.shape.dim.add().size = d
+        if size is not None:
+            e.size = size
+    return edit
+
+
+HUGE_EMPTY = [0, 2 ** 62, 2 ** 31]
+
+
+@pytest.mark.parametrize("dims,size", [(HUGE_EMPTY, 0), ([1] * 65, 4), ([2 ** 40, 0, 2 ** 40], 0)],
+                         ids=["zero-element-huge-dims", "rank-65", "zero-in-the-middle"])
+def test_shape_numpy_refuses_is_a_corrupt_index_error_in_read_restore_verify_and_cli(
+        bundle: Bundle, capsys: pytest.CaptureFixture[str], dims: List[int], size: int) -> None:
+    import shardckpt
+
+    bundle.edit_entry(b"f", _set_shape(dims, size))
+    names = [bundle.index_path, key_text("f")]
+    expect(CorruptIndexError, lambda: bundle.read("f"), names=names, mem=True)
+    expect(CorruptIndexError, lambda: restore_v2(bundle.prefix, ["f"], [""], [np.float32]), names=names, mem=True)
+    expect(CorruptIndexError, lambda: shardckpt.restore_tensors(bundle.prefix, ["f"]), names=names, mem=True)
+    with BundleReader(bundle.prefix) as reader:
+        expect(CorruptIndexError, lambda: reader.verify("f"), names=names, mem=True)
+        np.testing.assert_array_equal(reader.read("i"), I)  # the other entries still read
+    rc, out, err = _cli(capsys, "verify", bundle.prefix)
+    assert rc == 1 and "Traceback" not in out + err and "'f'" in out and "FAILED" in out, (out, err)
+    rc, out, err = _cli(capsys, "inspect", bundle.prefix, "--key", "f")
+    assert rc == 1 and "Traceback" not in out + err and "error:" in err and "'f'" in err, (out, err)
+
+
+def test_unencodable_key_is_an_invalid_argument_naming_it(ckdir: Path) -> None:
+    import shardckpt
+
+    prefix = str(ckdir / "u")
+    expect(InvalidArgumentError, lambda: shardckpt.save_tensors(prefix, {"\ud800": F}), names=["\\ud800"])
+    assert not os.path.exists(prefix + ".index")
+    with pytest.raises(InvalidArgumentError, match="not valid Unicode"):
+        save_v2(prefix, ["ok"], [""], [np.array(["\udcff"], dtype=object)])
+    save_v2(prefix, ["ok"], [""], [F])
+    with BundleReader(prefix) as reader:
+        expect(InvalidArgumentError, lambda: reader.read("\ud800"), names=["\\ud800"])
+
+
+@pytest.mark.parametrize("cut", [1, 20, 47, 48, 100])
+def test_index_with_its_tail_cut_off_is_reported_as_truncated(bundle: Bundle, cut: int) -> None:
+    data = bundle.index_bytes()
+    bundle.write_index_bytes(data[:-cut])
+    caught = expect(CorruptIndexError, lambda: bundle.read("f"), names=[bundle.index_path, "truncated"])
+    if cut <= 20:  # the footer's block handles are still there: both sizes are known
+        assert f"expected {len(data)} bytes" in str(caught) and f"has {len(data) - cut}" in str(caught)
+
+
+def _sliced(ckdir: Path, specs: List[str]) -> Bundle:
+    prefix = str(ckdir / "sl")
+    with BundleWriter(prefix) as writer:
+        writer.add("whole", F)
+        for spec in specs:
+            box = TensorSliceBox(spec)
+            writer.add_slice("t", (4, 6), spec, T[box])
+    return Bundle(prefix)
+
+
+def TensorSliceBox(spec: str) -> Tuple[slice, ...]:
+    from shardckpt.format.tensor_slice import TensorSlice
+
+    return tuple(slice(a, b) for a, b in TensorSlice.parse(spec, rank=2).box((4, 6)))
+
+
+@pytest.mark.parametrize("specs,what", [(["0,1:-", "2,2:-"], "gap"), (["0,3:-", "2,2:-"], "overlap"),
+                                        (["-:0,2", "0,2:2,4"], "gap"),
+                                        (["-:0,3", "-:2,4"], "overlap")])
+def test_verify_reports_slices_that_do_not_tile_the_tensor(ckdir: Path, capsys: pytest.CaptureFixture[str],
+                                                           specs: List[str], what: str) -> None:
+    from shardckpt.format.tiling import check_tiling, tiling_problem
+
+    bundle = _sliced(ckdir, specs)
+    with BundleReader(bundle.prefix) as reader:
+        assert what in (tiling_problem(reader, "t") or "")
+        assert tiling_problem(reader, "whole") is None
+        expect(CorruptIndexError, lambda: check_tiling(reader, "t"), names=[bundle.index_path, "'t'", what])
+        reader.verify("t")  # every stored piece is intact: only the tiling is wrong
+    rc, out, err = _cli(capsys, "verify", bundle.prefix)
+    assert rc == 1 and "do not tile" in out and "'t'" in out and "FAILED: 1 of 2" in out, (out, err)
+
+
+def test_verify_accepts_slices_that_tile_and_reports_a_slice_of_another_dtype(
+        ckdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from shardckpt.format.tiling import tiling_problem
+
+    bundle = _sliced(ckdir, ["0,1:-", "1,3:0,2", "1,3:2,4"])
+    rc, out, _ = _cli(capsys, "verify", bundle.prefix)
+    assert rc == 0 and "OK: 2 tensors" in out, out
+    slice_key = encode_tensor_name_slice(b"t", ((1, 3), (0, 2)))
+    bundle.edit_entry(slice_key, lambda e: setattr(e, "dtype", pb.BundleEntryProto().dtype + 9))  # int64
+    with BundleReader(bundle.prefix) as reader:
+        assert "disagrees with the tensor's dtype or shape" in (tiling_problem(reader, "t") or "")
+    rc, out, _ = _cli(capsys, "verify", bundle.prefix)
+    assert rc == 1 and "'t'" in out, out
+
+
+@pytest.mark.parametrize("dtype", [21, 7], ids=["variant", "string"])
+def test_element_length_beyond_64_bits_is_data_loss(bundle: Bundle, dtype: int) -> None:
+    """Found by fuzzing: a 10-byte varint length (> 2**64) made the checksum's struct.pack raise struct.error."""
+    blob = varint(2 ** 69 + 5) + b"\x00" * 8
+    offset = bundle.append_data(blob)
+    entry = pb.BundleEntryProto(dtype=dtype, offset=offset, size=len(blob), crc32c=mask(crc32c(blob)))
+    entry.shape.dim.add().size = 1
+    bundle.put_entry(b"v", entry)
+    expect(DataLossError, lambda: bundle.read("v"), names=[bundle.data_path, key_text("v")])
+    with BundleReader(bundle.prefix) as reader:
+        expect(DataLossError, lambda: reader.verify("v"), names=[bundle.data_path, key_text("v")])

@@ -21,6 +21,7 @@ __all__ = [
     "ShardckptError",
     "DataLossError",
     "CorruptIndexError",
+    "CheckpointReplacedError",
     "NotFoundError",
     "InvalidArgumentError",
     "UnsupportedError",
@@ -74,6 +75,14 @@ class DataLossError(ShardckptError, ValueError):
 
 class CorruptIndexError(DataLossError):
     """The ``.index`` file is not a valid tensor-bundle index."""
+
+
+class CheckpointReplacedError(DataLossError):
+    """A file of the checkpoint a reader opened was replaced (or changed) while the reader was open.
+
+    The reader never returns bytes of another checkpoint: it raises this instead.
+    Open the checkpoint again to read what is there now.
+    """
 
 
 class NotFoundError(ShardckptError, KeyError, FileNotFoundError):

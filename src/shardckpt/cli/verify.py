@@ -1,8 +1,9 @@
 """``shardckpt verify PATH [--json]``: read every stored byte and check it.
 
 Checks that every data file the header announces exists, that every entry fits
-in its file and has the size its dtype and shape need, and that every stored
-piece (whole entries and each slice) matches its CRC32C. It carries on after a
+in its file and has the size its dtype and shape need, that every sliced
+tensor's slices tile it exactly (no gap, no overlap, dtype and shape agree), and
+that every stored piece (whole entries and each slice) matches its CRC32C. It carries on after a
 problem, prints one line per bad entry (key, slice, file, problem), then a
 summary: ``OK: N tensors, M bytes verified`` or ``FAILED: k of N entries bad``.
 Exit status 0 only when everything is fine.
@@ -20,6 +21,7 @@ from typing import Any, Dict, List, Optional, Set
 from ..errors import ShardckptError
 from ..format.bundle_reader import BundleReader
 from ..format.ordered_code import decode_tensor_name_slice
+from ..format.tiling import check_tiling
 from ._layout import TensorLayout, data_files, open_bundle, tensor_layout
 from ._text import bare_message, error_text, human_size, key_text, piece_key_text
 
@@ -128,11 +130,20 @@ def verify_bundle(reader: BundleReader) -> VerifyReport:
             undescribed.add(key)
             continue
         listed.update(p.key for p in layout.pieces)
+        bad = False
+        if layout.sliced:
+            try:
+                check_tiling(reader, key)
+            except ShardckptError as exc:
+                bad = True
+                report.problems.append(_problem(name, None, exc))
         try:
             reader.verify(key)
         except ShardckptError as exc:
-            report.bad_entries += 1
+            bad = True
             report.problems.extend(_piece_problems(reader, layout, exc))
+        if bad:
+            report.bad_entries += 1
             continue
         report.bytes_verified += layout.nbytes
     # Slice entries that no tensor lists: still stored bytes, so still checked.

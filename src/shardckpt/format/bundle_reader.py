@@ -3,8 +3,23 @@
 :class:`BundleReader` reads whole tensors (assembling sliced ones) and arbitrary
 regions of them. A region read issues positional reads of just the byte ranges
 that hold the region, straight into the destination array; reads smaller than a
-page are served from one covering read per row block. Whole-entry reads verify
-the entry's CRC32C on a helper thread while the next bytes arrive.
+page are served by the filesystem's ``pread_batch`` (which coalesces nearby
+ranges). Whole-entry reads are split into units read and checksummed on several
+threads at once (the calling thread and the helpers of a
+:class:`~shardckpt.format.crc.ChecksumContext`); the units' CRC32Cs are combined
+and compared with the stored one.
+
+A :class:`ReadSession` groups reads whose completion and checks may be deferred
+to the end of the session (so one thread can issue the next read while helpers
+still read and checksum the last ones); each session owns its own pending
+checks, so two threads reading through one reader each see their own failures.
+
+The reader sees the checkpoint it opened, or raises
+:class:`~shardckpt.errors.CheckpointReplacedError`: the identity of the index and
+of every data file (inode/size/mtime locally, size and ETag on object stores) is
+recorded when the index is opened; a data file opened later must still have it,
+and reads whose bytes no checksum covers (region reads, ``verify=False``) check
+the file's identity again after reading.
 
 Every problem with the files is a :mod:`shardckpt.errors` exception naming the
 file and the key; sizes are checked against the files before anything is
@@ -14,14 +29,21 @@ allocated, so a hostile index cannot make the reader allocate unbounded memory.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 
-from ..errors import CorruptIndexError, DataLossError, InvalidArgumentError, NotFoundError, UnsupportedError
-from ..storage.base import FileSystem, normalize
+from ..errors import (
+    CheckpointReplacedError,
+    CorruptIndexError,
+    DataLossError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnsupportedError,
+)
+from ..storage.base import FileSystem, RunBatch, normalize
 from ..storage.registry import get_fs
 from . import crc
 from .bundle_writer import byte_view
@@ -33,19 +55,30 @@ from .sstable import read_table
 from .strings import decode_strings, decode_variants
 from .tensor_slice import Box, TensorSlice, box_shape, box_volume, boxes_tile, full_box, intersect
 
-__all__ = ["BundleReader", "StoredPiece", "MAX_SUPPORTED_VERSION"]
+__all__ = ["BundleReader", "ReadSession", "StoredPiece", "MAX_SUPPORTED_VERSION"]
 
 MAX_SUPPORTED_VERSION = 1  # the bundle format's producer/consumer version
-_CHUNK = 16 << 20  # covering reads of small runs
-_VERIFY_CHUNK = 2 << 20  # read step when checksumming on a helper thread meanwhile
-_SMALL_RUN = 4096  # runs below a page are read as whole row blocks
+_UNIT = 2 << 20  # whole entries are read and checksummed in units of this size, on several threads
+_MIN_UNIT = 512 << 10  # entries are split across threads only into units at least this large
+_ALIGN = 64 << 10  # unit boundaries (relative to the entry) are multiples of this
+_SUB = 512 << 10  # within a unit, read this much and checksum it while it is still in the CPU cache
 _MAX_SHARDS = 1 << 24
+_PAGE = 4096
+_MAX_RANK = 64  # NumPy's limit (TensorFlow allows 254; such tensors cannot be arrays here)
+_MAX_ELEMENTS = (1 << 63) - 1
+_EAGER_IDENTITY = 1024  # data files whose identity is recorded when the index is opened
+_OPEN_ATTEMPTS = 3
 
 KeyLike = Union[str, bytes]
 
 
 def _key_bytes(key: KeyLike) -> bytes:
-    return key if isinstance(key, bytes) else key.encode("utf-8")
+    if isinstance(key, bytes):
+        return key
+    try:
+        return key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(f"key {key!r} is not valid Unicode text ({exc.reason}); keys are UTF-8") from None
 
 
 def _key_str(key: bytes) -> str:
@@ -81,15 +114,45 @@ class StoredPiece:
 
 
 class BundleReader:
-    """Random access to the tensors of the bundle at ``prefix``."""
+    """Random access to the tensors of the bundle at ``prefix``.
 
-    def __init__(self, prefix: str, *, fs: Optional[FileSystem] = None) -> None:
+    ``fs`` is the store (default: chosen from the path); ``context`` owns the helper
+    threads that read and checksum units of large entries (default:
+    :func:`~shardckpt.format.crc.default_context`). Safe to share between threads;
+    each thread's :class:`ReadSession` keeps its own pending checks.
+    """
+
+    def __init__(self, prefix: str, *, fs: Optional[FileSystem] = None,
+                 context: Optional[crc.ChecksumContext] = None) -> None:
         prefix = normalize(prefix)
         self.prefix = prefix
         self.index_path = index_filename(prefix)
         fs = fs if fs is not None else get_fs(prefix)
         self._fs = fs
-        self._remote = fs.read_step is not None
+        self._context = context if context is not None else crc.default_context()
+        self._identity_of = getattr(fs, "identity", None)
+        self._unit = fs.read_step or _UNIT  # a store's preferred request size, when it has one
+        self._min_unit = fs.read_step or _MIN_UNIT
+        self._sub = fs.read_step or _SUB
+        self._fds: Dict[int, Any] = {}
+        self._file_sizes: Dict[int, int] = {}
+        self._identities: Dict[int, Any] = {}  # shard -> identity at open (None: missing then)
+        self._lock = threading.Lock()
+        for _attempt in range(_OPEN_ATTEMPTS):
+            if self._open_index():
+                break
+        else:
+            raise CheckpointReplacedError(f"the checkpoint was replaced while it was being opened "
+                                          f"({_OPEN_ATTEMPTS} attempts)", path=self.index_path)
+
+    def _identity(self, path: str, handle: Any = None) -> Any:
+        assert self._identity_of is not None
+        return self._identity_of(path, handle)
+
+    def _open_index(self) -> bool:
+        """Read the index and record the identity of it and the data files; False if it changed meanwhile."""
+        fs = self._fs
+        before = self._identity(self.index_path) if self._identity_of is not None else None
         data = fs.read_bytes(self.index_path)
         raw = dict(read_table(data, self.index_path))
         header_bytes = raw.pop(b"", None)
@@ -100,11 +163,24 @@ class BundleReader:
         self.big_endian = self.header.endianness == pb.BundleHeaderProto.BIG
         self._raw = raw
         self._entries: Dict[bytes, pb.BundleEntryProto] = {}
-        self._fds: Dict[int, int] = {}
-        self._file_sizes: Dict[int, int] = {}
-        self._lock = threading.Lock()
-        # (running crc, expected crc, file, piece) of whole-entry reads whose check is deferred
-        self._deferred: Optional[List[Tuple[crc.RunningCrc, int, str, StoredPiece]]] = None
+        if self._identity_of is None:
+            return True
+        if before is None or before[0] != len(data):
+            return False
+        self._identities = {}
+        if self.num_shards <= _EAGER_IDENTITY:
+            paths = [self.data_path(shard) for shard in range(self.num_shards)]
+            batch = getattr(self._fs, "identities", None)
+            if batch is not None:  # e.g. one listing on an object store
+                found = batch(paths)
+                self._identities = {shard: found.get(path) for shard, path in enumerate(paths)}
+            else:
+                for shard, path in enumerate(paths):
+                    try:
+                        self._identities[shard] = self._identity(path)
+                    except NotFoundError:
+                        self._identities[shard] = None
+        return self._identity(self.index_path) == before
 
     # -- index -------------------------------------------------------------
     def _parse_header(self, value: bytes) -> pb.BundleHeaderProto:
@@ -148,9 +224,7 @@ class BundleReader:
         except Exception:
             raise CorruptIndexError("unparsable entry", path=self.index_path, key=kb) from None
         from_enum(entry.dtype, self.index_path, _key_str(kb))
-        if entry.shape.unknown_rank or any(d.size < 0 for d in entry.shape.dim):
-            raise CorruptIndexError(f"invalid tensor shape {[d.size for d in entry.shape.dim]}",
-                                    path=self.index_path, key=kb)
+        _check_shape(entry, self.index_path, kb, None)
         if not entry.slices:
             if entry.offset < 0 or entry.size < 0 or not 0 <= entry.shard_id < self.num_shards:
                 raise CorruptIndexError(
@@ -194,25 +268,58 @@ class BundleReader:
     def data_path(self, shard_id: int) -> str:
         return data_filename(self.prefix, shard_id, self.num_shards)
 
-    def _fd(self, shard_id: int) -> Tuple[int, int]:
+    def _replaced(self, path: str, what: str) -> CheckpointReplacedError:
+        return CheckpointReplacedError(f"checkpoint was replaced while open: {what} (open the checkpoint again "
+                                       "to read what is there now)", path=path)
+
+    def _fd(self, shard_id: int) -> Tuple[Any, int]:
         with self._lock:
             fd = self._fds.get(shard_id)
             if fd is None:
                 path = self.data_path(shard_id)
-                if self._remote:  # one request: the size lookup also says whether it exists
-                    try:
-                        size = self._fs.size(path)
-                    except NotFoundError:
-                        raise NotFoundError("data file of the checkpoint is missing", path=path) from None
-                    fd = self._fs.open_read(path)
-                else:
+                if self._identity_of is None:
                     if not self._fs.exists(path):
                         raise NotFoundError("data file of the checkpoint is missing", path=path)
                     fd = self._fs.open_read(path)
                     size = self._fs.size(path)
+                else:
+                    known = shard_id in self._identities
+                    recorded = self._identities.get(shard_id)
+                    if known and recorded is None:
+                        if self._fs.exists(path):
+                            raise self._replaced(path, "the data file was missing when the index was opened "
+                                                       "and exists now")
+                        raise NotFoundError("data file of the checkpoint is missing", path=path)
+                    fd = self._fs.open_read(path)
+                    try:
+                        now = self._identity(path, fd)
+                    except BaseException:
+                        self._fs.close(fd)
+                        raise
+                    if known and now != recorded:
+                        self._fs.close(fd)
+                        raise self._replaced(path, "the data file differs from the one present when the index "
+                                                   f"was opened (identity {now} != {recorded})")
+                    self._identities[shard_id] = now
+                    size = int(now[0])
                 self._fds[shard_id] = fd
                 self._file_sizes[shard_id] = size
             return fd, self._file_sizes[shard_id]
+
+    def _check_unchanged(self, shard_id: int) -> None:
+        """After a read no checksum covers: raise if the data file changed since it was opened."""
+        if self._identity_of is None:
+            return
+        path = self.data_path(shard_id)
+        with self._lock:
+            fd = self._fds.get(shard_id)
+            recorded = self._identities.get(shard_id)
+        try:
+            now = self._identity(path, fd)
+        except NotFoundError:  # (a local descriptor is checked with fstat and never gets here)
+            raise self._replaced(path, "the data file was deleted") from None
+        if now != recorded:
+            raise self._replaced(path, f"the data file changed while it was read (identity {now} != {recorded})")
 
     def _locate(self, piece: StoredPiece, dt: DType) -> Tuple[int, str]:
         """Open the piece's data file and check the entry fits in it and its size is right."""
@@ -230,6 +337,7 @@ class BundleReader:
         elif entry.size < box_volume(piece.box):
             raise DataLossError(f"entry holds {entry.size} bytes, too few for "
                                 f"{box_volume(piece.box)} elements", path=path, **piece.where())
+        _check_shape(entry, self.index_path, piece.tensor_key, dt.itemsize or 8)
         return fd, path
 
     def close(self) -> None:
@@ -251,18 +359,36 @@ class BundleReader:
             pass
 
     # -- values ----------------------------------------------------------------
-    def read(self, key: KeyLike, *, verify: bool = True) -> np.ndarray:
+    def session(self, *, defer: bool = True) -> "ReadSession":
+        """A :class:`ReadSession` over this reader (use it as a context manager)."""
+        return ReadSession(self, defer=defer)
+
+    @contextlib.contextmanager
+    def deferred_verification(self) -> Iterator["ReadSession"]:
+        """Kept for callers written against deferred checks: a non-deferring :class:`ReadSession`.
+
+        Checksums are no longer deferred across reads: each whole-entry read is
+        checksummed on several threads as its bytes arrive, and every read returns
+        with its values complete and checked. Use :meth:`session` to defer reads.
+        """
+        with ReadSession(self, defer=False) as session:
+            yield session
+
+    def read(self, key: KeyLike, *, verify: bool = True, session: Optional["ReadSession"] = None) -> np.ndarray:
         """The whole tensor ``key`` (sliced tensors are assembled)."""
-        return self.read_region(key, None, verify=verify)
+        return self.read_region(key, None, verify=verify, session=session)
 
     def read_region(self, key: KeyLike, region: Optional[Union[Box, TensorSlice, str]] = None,
-                    out: Optional[np.ndarray] = None, *, verify: bool = True) -> np.ndarray:
+                    out: Optional[np.ndarray] = None, *, verify: bool = True,
+                    session: Optional["ReadSession"] = None) -> np.ndarray:
         """Read ``region`` of tensor ``key`` (the whole tensor when ``None``) into ``out``.
 
         ``region`` is a box of ``(start, stop)`` pairs, a :class:`TensorSlice` or
         its text form (``"0,5:-"``). ``out`` (allocated when omitted) must have the
         region's shape and the stored dtype. Only stored pieces that overlap the
-        region are read; pieces read whole have their checksum verified.
+        region are read; pieces read whole have their checksum verified, the others
+        have their file's identity checked after the read. Within a deferring
+        ``session`` the read may complete when the session does.
         """
         kb = _key_bytes(key)
         dt = self.dtype(kb)
@@ -292,6 +418,7 @@ class BundleReader:
         region_shape = box_shape(box)
         for piece, _ in overlaps:  # sizes checked against the files before anything is allocated
             self._locate(piece, dt)
+        _check_shape(self.entry(kb), self.index_path, kb, dt.itemsize or 8)
         if out is None:
             out = np.empty(region_shape, dtype=dt.numpy)
         elif tuple(out.shape) != region_shape or out.dtype != dt.numpy:
@@ -302,7 +429,7 @@ class BundleReader:
             local = tuple((a - p0, b - p0) for (a, b), (p0, _) in zip(common, piece.box))
             index = tuple(slice(a - r0, b - r0) for (a, b), (r0, _) in zip(common, box))
             dest = out[index] if index else out
-            self._read_piece(piece, dt, local, dest, verify)
+            self._read_piece(piece, dt, local, dest, verify, session)
         return out
 
     def verify(self, key: KeyLike) -> None:
@@ -315,17 +442,19 @@ class BundleReader:
         dt = from_enum(piece.entry.dtype)
         self._locate(piece, dt)
         dest = np.empty(box_shape(piece.box), dtype=dt.numpy)
-        self._read_piece(piece, dt, full_box(box_shape(piece.box)), dest, True)
+        self._read_piece(piece, dt, full_box(box_shape(piece.box)), dest, True, None)
 
     def raw_bytes(self, piece: StoredPiece) -> bytes:
-        """The stored bytes of one piece (no checks beyond bounds)."""
+        """The stored bytes of one piece (no checks beyond bounds and the file's identity)."""
         dt = from_enum(piece.entry.dtype)
         fd, path = self._locate(piece, dt)
         buf = bytearray(piece.entry.size)
         self._fs.pread_into(fd, memoryview(buf), piece.entry.offset, path)
+        self._check_unchanged(piece.entry.shard_id)
         return bytes(buf)
 
-    def _read_piece(self, piece: StoredPiece, dt: DType, local: Box, dest: np.ndarray, verify: bool) -> None:
+    def _read_piece(self, piece: StoredPiece, dt: DType, local: Box, dest: np.ndarray, verify: bool,
+                    session: Optional["ReadSession"]) -> None:
         fd, path = self._locate(piece, dt)
         stored_shape = box_shape(piece.box)
         if not dt.is_numeric:
@@ -333,15 +462,18 @@ class BundleReader:
             dest[...] = values.reshape(stored_shape)[tuple(slice(a, b) for a, b in local)]
             return
         whole = local == full_box(stored_shape)
+        swap = bool(self.big_endian and dt.swap_unit)
         if whole and dest.flags.c_contiguous:
-            self._read_whole(piece, dt, fd, path, dest, verify)
+            defer = session if session is not None and session.defer and verify and not swap else None
+            self._read_whole(piece, fd, path, dest, verify, defer)
         elif whole:
             tmp = np.empty(stored_shape, dtype=dt.numpy)
-            self._read_whole(piece, dt, fd, path, tmp, verify)
+            self._read_whole(piece, fd, path, tmp, verify, None)
             dest[...] = tmp
         else:
             self._read_box(piece.entry.offset, stored_shape, local, dt, fd, path, dest)
-        if self.big_endian and dt.swap_unit:
+            self._check_unchanged(piece.entry.shard_id)
+        if swap:
             view = dest.reshape(-1).view(np.dtype(f"u{dt.swap_unit}")) if dest.flags.c_contiguous else None
             if view is not None:
                 view.byteswap(inplace=True)
@@ -350,44 +482,17 @@ class BundleReader:
                 swapped.view(np.dtype(f"u{dt.swap_unit}")).byteswap(inplace=True)
                 dest[...] = swapped
 
-    def _read_whole(self, piece: StoredPiece, dt: DType, fd: int, path: str, dest: np.ndarray,
-                    verify: bool) -> None:
-        entry = piece.entry
-        flat = byte_view(dest)
-        running = crc.RunningCrc(crc.shared_executor()) if verify else None
-        step = self._fs.read_step or (_VERIFY_CHUNK if verify else _CHUNK)
-        for start in range(0, entry.size, step):
-            chunk = flat[start:start + step]
-            self._fs.pread_into(fd, chunk, entry.offset + start, path)
-            if running is not None:
-                running.update(chunk)
-        if running is None:
+    def _read_whole(self, piece: StoredPiece, fd: Any, path: str, dest: np.ndarray, verify: bool,
+                    session: Optional["ReadSession"]) -> None:
+        """Read one entry whole into ``dest``: in units on several threads, each unit checksummed as it lands."""
+        job = _EntryJob(self, piece, fd, path, byte_view(dest), verify)
+        job.run(self._context.executor)  # this thread reads units too, until none is left to take
+        if session is not None:  # units still in flight on helpers are waited for by the session
+            session._add(job)
             return
-        if self._deferred is not None and not (self.big_endian and dt.swap_unit):  # swapped in place next
-            self._deferred.append((running, crc.unmask(entry.crc32c), path, piece))
-        else:
-            _check_crc(running, crc.unmask(entry.crc32c), path, piece)
+        job.finish()
 
-    @contextlib.contextmanager
-    def deferred_verification(self) -> Iterator[None]:
-        """Check whole-entry checksums when the block ends instead of after each read.
-
-        Reading the next tensor then overlaps with the checksum of the last one; every
-        check still happens (and raises :class:`DataLossError`) before the block exits.
-        Values read inside the block must not be trusted until it has exited.
-        """
-        if self._deferred is not None:  # already deferring: the outer block checks
-            yield
-            return
-        self._deferred = []
-        try:
-            yield
-        finally:
-            pending, self._deferred = self._deferred, None
-        for running, expected, path, piece in pending:
-            _check_crc(running, expected, path, piece)
-
-    def _read_box(self, offset: int, shape: Tuple[int, ...], local: Box, dt: DType, fd: int,
+    def _read_box(self, offset: int, shape: Tuple[int, ...], local: Box, dt: DType, fd: Any,
                   path: str, dest: np.ndarray) -> None:
         """Read the sub-box ``local`` of a row-major block stored at ``offset``."""
         itemsize = dt.itemsize
@@ -399,59 +504,27 @@ class BundleReader:
         j = rank  # dims j.. are taken whole, so each run spans them
         while j > 0 and local[j - 1] == (0, shape[j - 1]):
             j -= 1
-        if j == 0:  # contiguous after all (e.g. the whole block)
-            runs_dim = -1
-            run_elems = strides[0] * shape[0] if rank else 1
-        else:
-            runs_dim = j - 1
-            run_elems = (local[runs_dim][1] - local[runs_dim][0]) * strides[runs_dim]
-        run_bytes = run_elems * itemsize
-        if self._remote and runs_dim > 0:
-            self._read_runs_remote(offset, strides, local, runs_dim, itemsize, fd, path, dest)
-            return
-        if runs_dim <= 0:
+        if j <= 1:  # one contiguous run (e.g. leading rows, or the whole block)
             start = offset + (local[0][0] * strides[0] * itemsize if rank else 0)
             self._pread_to(fd, path, start, dest)
             return
-        if run_bytes < _SMALL_RUN:
-            # Tiny runs: read whole row blocks of the leading dim, then copy the box out.
+        runs_dim = j - 1
+        run_bytes = (local[runs_dim][1] - local[runs_dim][0]) * strides[runs_dim] * itemsize
+        # Element offset of every run, row-major over the outer dims (computed in bulk).
+        elem = np.full((), local[runs_dim][0] * strides[runs_dim], dtype=np.int64)
+        for d in range(runs_dim):
+            elem = np.add.outer(elem, np.arange(local[d][0], local[d][1], dtype=np.int64) * strides[d])
+        offsets = offset + elem.reshape(-1) * itemsize
+        target = dest if dest.flags.c_contiguous else np.empty(dest.shape, dtype=dest.dtype)
+        cover = None
+        if run_bytes < _PAGE:  # tiny runs: the rows that hold them, for stores where bytes are cheaper than calls
             row_bytes = strides[0] * itemsize
-            rows_per = max(1, _CHUNK // max(1, row_bytes))
-            inner = tuple(slice(a, b) for a, b in local[1:])
-            for r0 in range(local[0][0], local[0][1], rows_per):
-                r1 = min(local[0][1], r0 + rows_per)
-                block = np.empty((r1 - r0,) + tuple(shape[1:]), dtype=dt.numpy)
-                self._pread_to(fd, path, offset + r0 * row_bytes, block)
-                dest[r0 - local[0][0]:r1 - local[0][0]] = block[(slice(None),) + inner]
-            return
-        outer = [range(a, b) for a, b in local[:runs_dim]]
-        base = local[runs_dim][0] * strides[runs_dim]
-        for index in itertools.product(*outer):
-            elem = base + sum(i * s for i, s in zip(index, strides))
-            target = dest[tuple(i - a for i, (a, _) in zip(index, local))]
-            self._pread_to(fd, path, offset + elem * itemsize, target)
+            cover = (offset + local[0][0] * row_bytes, (local[0][1] - local[0][0]) * row_bytes)
+        self._fs.pread_batch(fd, RunBatch(offsets, run_bytes, byte_view(target), cover), path)
+        if target is not dest:
+            dest[...] = target
 
-    def _read_runs_remote(self, offset: int, strides: List[int], local: Box, runs_dim: int, itemsize: int,
-                          fd: Any, path: str, dest: np.ndarray) -> None:
-        """Object stores: every run at once, nearby runs coalesced, GETs in parallel (no covering reads)."""
-        outer = [range(a, b) for a, b in local[:runs_dim]]
-        base = local[runs_dim][0] * strides[runs_dim]
-        requests = []
-        copies = []
-        for index in itertools.product(*outer):
-            elem = base + sum(i * s for i, s in zip(index, strides))
-            target = dest[tuple(i - a for i, (a, _) in zip(index, local))]
-            if target.flags.c_contiguous:
-                requests.append((offset + elem * itemsize, byte_view(target)))
-            else:
-                tmp = np.empty(target.shape, dtype=target.dtype)
-                requests.append((offset + elem * itemsize, byte_view(tmp)))
-                copies.append((target, tmp))
-        self._fs.pread_batch(fd, requests, path)  # type: ignore[attr-defined]
-        for target, tmp in copies:
-            target[...] = tmp
-
-    def _pread_to(self, fd: int, path: str, start: int, target: np.ndarray) -> None:
+    def _pread_to(self, fd: Any, path: str, start: int, target: np.ndarray) -> None:
         if target.flags.c_contiguous:
             self._fs.pread_into(fd, byte_view(target), start, path)
         else:
@@ -477,11 +550,194 @@ class BundleReader:
         return values
 
 
-def _check_crc(running: crc.RunningCrc, expected: int, path: str, piece: StoredPiece) -> None:
-    actual = running.value()
-    if actual != expected:
-        raise DataLossError(f"checksum does not match: stored 0x{expected:08x}, computed 0x{actual:08x}",
-                            path=path, **piece.where())
+def _unit_bounds(size: int, unit: int, min_unit: int, workers: int) -> List[Tuple[int, int]]:
+    """Split ``size`` bytes into nearly equal units of at most ``unit`` bytes (64 KiB aligned).
+
+    An entry of at least two ``min_unit`` is split into one unit per worker at least,
+    so a single large-ish read uses every core.
+    """
+    if size <= 0:
+        return [(0, 0)]
+    count = max(-(-size // unit), min(workers, size // min_unit))
+    step = -(-size // count)
+    step = -(-step // _ALIGN) * _ALIGN
+    return [(a, min(size, a + step)) for a in range(0, size, step)]
+
+
+class _EntryJob:
+    """One whole-entry read: its units are read, and checksummed as they land, by whichever threads take them.
+
+    The calling thread and up to ``workers`` helpers take units in turn; the units'
+    CRCs are combined in order (:func:`crc.combine`) and compared with the stored
+    checksum in :meth:`finish`, which also re-raises a failed read.
+    """
+
+    def __init__(self, reader: "BundleReader", piece: StoredPiece, fd: Any, path: str, flat: memoryview,
+                 verify: bool) -> None:
+        self.reader = reader
+        self.piece = piece
+        self.fd = fd
+        self.path = path
+        self.flat = flat
+        self.verify = verify
+        size = int(piece.entry.size)
+        self.bounds = _unit_bounds(size, reader._unit, reader._min_unit, reader._context.workers)
+        self.crcs = [0] * len(self.bounds)
+        self.error: Optional[BaseException] = None
+        self._next = 0
+        self._claimed = 0
+        self._finished = 0
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+
+    def _take(self) -> int:
+        with self._lock:
+            if self._next >= len(self.bounds) or self.error is not None:
+                if self._finished == self._claimed:
+                    self._done.set()
+                return -1
+            i = self._next
+            self._next += 1
+            self._claimed += 1
+            return i
+
+    def _read_unit(self, i: int) -> None:
+        a, b = self.bounds[i]
+        fs = self.reader._fs
+        sub = self.reader._sub
+        base = int(self.piece.entry.offset)
+        value = 0
+        for s in range(a, b, sub):
+            view = self.flat[s:min(b, s + sub)]
+            fs.pread_into(self.fd, view, base + s, self.path)
+            if self.verify:
+                value = crc.extend(value, view)
+        self.crcs[i] = value
+
+    def work(self) -> None:
+        """Take and read units until none is left."""
+        while True:
+            i = self._take()
+            if i < 0:
+                return
+            try:
+                self._read_unit(i)
+            except BaseException as exc:
+                with self._lock:
+                    self.error = self.error or exc
+            with self._lock:
+                self._finished += 1
+                if self._finished == self._claimed and (self._next >= len(self.bounds) or self.error is not None):
+                    self._done.set()
+
+    def _helpers(self, executor: ThreadPoolExecutor, count: int) -> int:
+        for n in range(count):
+            try:
+                executor.submit(self.work)
+            except RuntimeError:  # interpreter shutting down: the caller reads alone
+                return n
+        return count
+
+    def run(self, executor: ThreadPoolExecutor) -> None:
+        """Read the units on this thread, helped by the pool for entries of several units."""
+        if len(self.bounds) > 1:
+            self._helpers(executor, min(len(self.bounds) - 1, self.reader._context.workers))
+        self.work()
+
+    def finish(self) -> None:
+        """Wait for every unit; raise a failed read, a checksum mismatch, or a file replaced meanwhile."""
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+        if not self.verify:
+            self.reader._check_unchanged(self.piece.entry.shard_id)
+            return
+        total = self.crcs[0]
+        for (a, b), value in zip(self.bounds[1:], self.crcs[1:]):
+            total = crc.combine(total, value, b - a)
+        expected = crc.unmask(self.piece.entry.crc32c)
+        if total != expected:
+            self.reader._check_unchanged(self.piece.entry.shard_id)  # a replaced file says so
+            raise DataLossError(f"checksum does not match: stored 0x{expected:08x}, computed 0x{total:08x}",
+                                path=self.path, **self.piece.where())
+
+
+class ReadSession:
+    """Reads through one :class:`BundleReader` whose completion and checks may wait for the session's end.
+
+    With ``defer`` (the default) a whole-entry read returns as soon as no unit of it is
+    left to start (the calling thread reads units too; helpers may still be reading
+    the last ones); :meth:`finish` (or leaving the ``with`` block)
+    waits for all of them and raises the first failure — a read error, a checksum
+    mismatch (:class:`DataLossError`), a replaced file. Values read through the
+    session must not be trusted before that. The session is safe to use from
+    several threads; its failures are its own (another session, or a plain read,
+    on the same reader never sees them).
+    """
+
+    def __init__(self, reader: "BundleReader", *, defer: bool = True) -> None:
+        self.reader = reader
+        self.defer = defer
+        self._jobs: List[_EntryJob] = []
+        self._lock = threading.Lock()
+
+    def read(self, key: KeyLike, *, verify: bool = True) -> np.ndarray:
+        return self.reader.read_region(key, None, verify=verify, session=self)
+
+    def read_region(self, key: KeyLike, region: Optional[Union[Box, TensorSlice, str]] = None,
+                    out: Optional[np.ndarray] = None, *, verify: bool = True) -> np.ndarray:
+        return self.reader.read_region(key, region, out, verify=verify, session=self)
+
+    def _add(self, job: _EntryJob) -> None:
+        with self._lock:
+            self._jobs.append(job)
+
+    def finish(self) -> None:
+        """Wait for every pending read of the session and check it; raise the first failure."""
+        with self._lock:
+            jobs, self._jobs = self._jobs, []
+        first: Optional[BaseException] = None
+        for job in jobs:
+            try:
+                job.finish()
+            except BaseException as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def __enter__(self) -> "ReadSession":
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.finish()
+            return
+        try:  # the block's own error wins; still wait so that no helper writes into arrays afterwards
+            self.finish()
+        except BaseException:
+            pass
+
+
+def _check_shape(entry: pb.BundleEntryProto, path: str, key: bytes, itemsize: Optional[int]) -> None:
+    """A shape an array can have: known rank <= 64, no negative size, byte count within int64.
+
+    With ``itemsize`` ``None`` only what any shape must satisfy is checked (no negative
+    size); the rest is checked before an array of the shape is made.
+    """
+    dims = [int(d.size) for d in entry.shape.dim]
+    if entry.shape.unknown_rank or any(d < 0 for d in dims):
+        raise CorruptIndexError(f"invalid tensor shape {dims[:_MAX_RANK + 1]}", path=path, key=key)
+    if itemsize is None:
+        return
+    if len(dims) > _MAX_RANK:
+        raise CorruptIndexError(f"tensor of rank {len(dims)}: more than the {_MAX_RANK} dimensions an array "
+                                "can have", path=path, key=key)
+    count = itemsize
+    for d in dims:  # every dimension counts, a zero one included (NumPy refuses such shapes too)
+        count *= max(d, 1)
+        if count > _MAX_ELEMENTS:
+            raise CorruptIndexError(f"tensor shape {dims} is too large (its dimensions, zero ones "
+                                    "ignored, multiply to more than 2**63 bytes)", path=path, key=key)
 
 
 def iter_tensors(reader: BundleReader) -> Iterator[Tuple[bytes, np.ndarray]]:

@@ -40,7 +40,11 @@ def encode_key(key: Union[str, bytes]) -> bytes:
     if isinstance(key, bytes):
         return key
     if isinstance(key, str):
-        return key.encode("utf-8")
+        try:
+            return key.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidArgumentError(f"checkpoint key {key!r} is not valid Unicode text ({exc.reason} at "
+                                       f"position {exc.start}); keys are stored as UTF-8") from None
     raise InvalidArgumentError(f"checkpoint key must be str or bytes, got {type(key).__name__}")
 
 

@@ -2,12 +2,20 @@
 
 The computation itself is done by the ``crc32c`` package (hardware accelerated,
 and it releases the GIL, so checksums overlap with I/O on another thread).
+:func:`combine` joins the CRCs of two adjacent pieces into the CRC of their
+concatenation (the standard CRC combine, in GF(2) polynomial arithmetic), so the
+pieces of one large entry can be checksummed on several cores at once.
+
+Helper threads belong to a :class:`ChecksumContext`; :func:`default_context` is the
+process's one, created on first use under a lock.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional, Union
+from typing import Dict, Optional, Union
 
 import crc32c as _crc32c
 
@@ -82,15 +90,104 @@ class RunningCrc:
         return self._crc
 
 
-_SHARED: "Optional[ThreadPoolExecutor]" = None
+# -- combine ---------------------------------------------------------------------
+_POLY = 0x82F63B78  # the Castagnoli polynomial, bit-reflected
+
+
+def _multmodp(a: int, b: int) -> int:
+    """``a(x) * b(x) mod P(x)`` for bit-reflected 32-bit polynomials."""
+    m = 1 << 31
+    p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if a & (m - 1) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+        if m == 0:
+            return p
+
+
+def _x2n_table() -> list:
+    table = [1 << 30]  # x^1
+    for _ in range(31):
+        table.append(_multmodp(table[-1], table[-1]))
+    return table
+
+
+_X2N = _x2n_table()
+_SHIFTS: Dict[int, int] = {}
+
+
+def _shift_operator(nbytes: int) -> int:
+    """``x^(8 * nbytes) mod P``: what multiplying a CRC by shifts it past ``nbytes`` zero bytes."""
+    op = _SHIFTS.get(nbytes)
+    if op is None:
+        op = 1 << 31  # x^0
+        n, k = nbytes, 3
+        while n:
+            if n & 1:
+                op = _multmodp(_X2N[k & 31], op)
+            n >>= 1
+            k += 1
+        if len(_SHIFTS) < 1024:
+            _SHIFTS[nbytes] = op
+    return op
+
+
+def combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32C of ``A + B`` from ``crc1 = value(A)``, ``crc2 = value(B)`` and ``len2 = len(B)``."""
+    if len2 <= 0:
+        return crc1
+    return _multmodp(_shift_operator(len2), crc1) ^ crc2
+
+
+crc32c_combine = combine
+
+
+# -- helper threads ----------------------------------------------------------------
+class ChecksumContext:
+    """Owns the helper threads that checksum (and, on reads, fetch) bytes for shardckpt.
+
+    The pool is created on first use under the context's lock and lives until
+    :meth:`shutdown`. Pass one to :class:`~shardckpt.format.bundle_reader.BundleReader`
+    to keep its threads separate from the process default.
+    """
+
+    def __init__(self, workers: Optional[int] = None) -> None:
+        self.workers = max(1, int(workers if workers is not None else (os.cpu_count() or 1)))
+        self._lock = threading.Lock()
+        self._executor: Optional[ThreadPoolExecutor] = None
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="shardckpt-crc")
+            return self._executor
+
+    def shutdown(self) -> None:
+        """Stop the helper threads (after the work already handed to them)."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+
+_DEFAULT_LOCK = threading.Lock()
+_DEFAULT: Optional[ChecksumContext] = None
+
+
+def default_context() -> ChecksumContext:
+    """The process's default :class:`ChecksumContext` (one helper per CPU), created under a lock."""
+    global _DEFAULT
+    with _DEFAULT_LOCK:
+        if _DEFAULT is None:
+            _DEFAULT = ChecksumContext()
+        return _DEFAULT
 
 
 def shared_executor() -> ThreadPoolExecutor:
-    """A process-wide pool of checksum helpers (one per CPU)."""
-    global _SHARED
-    if _SHARED is None:
-        import os
-
-        _SHARED = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1),
-                                     thread_name_prefix="shardckpt-crc")
-    return _SHARED
+    """The default context's pool of checksum helpers."""
+    return default_context().executor

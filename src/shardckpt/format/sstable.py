@@ -249,6 +249,47 @@ def _iter_block(block: bytes, path: str, what: str) -> Iterator[Tuple[bytes, byt
         raise
 
 
+def _footer_cut_at(data: bytes) -> Optional[int]:
+    """Where the footer began if the file lost part of it: the index block ends there."""
+    for start in range(max(0, len(data) - FOOTER_SIZE + 1), len(data)):
+        try:
+            _, _, pos = _decode_handle(data, start, len(data), "")
+            index_offset, index_size, _ = _decode_handle(data, pos, len(data), "")
+        except CorruptIndexError:
+            continue
+        end = index_offset + index_size
+        if end + BLOCK_TRAILER_SIZE == start and index_size >= 4:
+            (stored,) = struct.unpack_from("<I", data, end + 1)
+            if crc.unmask(stored) == crc.extend(crc.value(data[index_offset:end]), data[end:end + 1]):
+                return start
+    return None
+
+
+def _starts_like_table(data: bytes, scan: int = 128 << 10) -> bool:
+    """Whether ``data`` begins with a block whose trailer checksum matches (so it was an index once)."""
+    running = 0
+    for end in range(0, min(len(data) - BLOCK_TRAILER_SIZE, scan)):
+        if end >= 4 and data[end] in (_NO_COMPRESSION, _SNAPPY_COMPRESSION):
+            (stored,) = struct.unpack_from("<I", data, end + 1)
+            if crc.unmask(stored) == crc.extend(running, data[end:end + 1]):
+                return True
+        running = crc.extend(running, data[end:end + 1])
+    return False
+
+
+def _no_footer(data: bytes, magic: int) -> str:
+    """Why there is no table footer at the end: a cut tail (with sizes when known), or not an index."""
+    cut = _footer_cut_at(data)
+    if cut is not None:
+        return (f"index is truncated: expected {cut + FOOTER_SIZE} bytes (its footer starts at {cut}), "
+                f"the file has {len(data)}")
+    if _starts_like_table(data):
+        return (f"index is truncated: the file ({len(data)} bytes) begins with valid table blocks but its "
+                f"{FOOTER_SIZE}-byte footer (ending in the magic number 0x{TABLE_MAGIC:016x}) is missing")
+    return (f"bad magic number 0x{magic:016x} (expected 0x{TABLE_MAGIC:016x}): not a tensor-bundle index, "
+            f"or truncated ({len(data)} bytes)")
+
+
 def read_table(data: bytes, path: str = "<memory>") -> Iterator[Tuple[bytes, bytes]]:
     """Yield ``(key, value)`` pairs of an SSTable held in ``data``, in stored order.
 
@@ -256,11 +297,12 @@ def read_table(data: bytes, path: str = "<memory>") -> Iterator[Tuple[bytes, byt
     :class:`CorruptIndexError` naming ``path``.
     """
     if len(data) < FOOTER_SIZE:
-        raise _corrupt(path, f"file is {len(data)} bytes, shorter than the {FOOTER_SIZE}-byte footer")
+        truncated = "index is truncated: " if _starts_like_table(data) else ""
+        raise _corrupt(path, f"{truncated}file is {len(data)} bytes, shorter than the {FOOTER_SIZE}-byte footer")
     footer_at = len(data) - FOOTER_SIZE
     (magic,) = struct.unpack_from("<Q", data, footer_at + 40)
     if magic != TABLE_MAGIC:
-        raise _corrupt(path, f"bad magic number 0x{magic:016x} (not a tensor-bundle index)")
+        raise _corrupt(path, _no_footer(data, magic))
     _, _, pos = _decode_handle(data, footer_at, footer_at + 40, path)  # metaindex: ignored
     index_offset, index_size, _ = _decode_handle(data, pos, footer_at + 40, path)
     index_block = _read_block(data, index_offset, index_size, path, "index")

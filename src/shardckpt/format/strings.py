@@ -17,7 +17,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import DataLossError
+from ..errors import DataLossError, InvalidArgumentError
 from . import crc, varint
 
 __all__ = ["encode_strings", "decode_strings", "decode_variants", "as_bytes_elements"]
@@ -32,7 +32,11 @@ def as_bytes_elements(array: np.ndarray) -> List[bytes]:
         if isinstance(item, bytes):
             out.append(item)
         elif isinstance(item, str):
-            out.append(item.encode("utf-8"))
+            try:
+                out.append(item.encode("utf-8"))
+            except UnicodeEncodeError as exc:
+                raise InvalidArgumentError(f"string tensor element {item[:64]!r} is not valid Unicode text "
+                                           f"({exc.reason}); strings are stored as UTF-8") from None
         elif isinstance(item, (bytearray, memoryview, np.bytes_)):
             out.append(bytes(item))
         else:
@@ -76,8 +80,12 @@ def decode_strings(data: bytes, count: int, stored_crc: int, *, big_endian: bool
     try:
         for _ in range(count):
             n, pos = varint.decode(data, pos, len(data))
+            if n > len(data):
+                raise DataLossError(f"string element of {n} bytes in an entry of {len(data)} bytes")
             lengths.append(n)
             running = crc.extend(running, _length_word(n, big_endian))
+    except DataLossError:
+        raise
     except Exception:
         raise DataLossError("truncated string lengths") from None
     if pos + 4 > len(data):
@@ -111,6 +119,8 @@ def decode_variants(data: bytes, count: int, stored_crc: int) -> List[bytes]:
             n, new_pos = varint.decode(data, pos, len(data))
         except Exception:
             raise DataLossError("truncated variant length") from None
+        if n > len(data):  # also keeps n within the 64 bits the checksum covers
+            raise DataLossError(f"variant element of {n} bytes in an entry of {len(data)} bytes")
         running = crc.extend(running, struct.pack("<Q", n))
         pos = new_pos
         if pos + n + 4 > len(data):

@@ -3,7 +3,10 @@
 A request names a key, a region of the global tensor (or all of it), and
 optionally the array to fill. Each request reads only the stored pieces that
 overlap its region, straight into the destination; requests are served by a
-few threads in parallel.
+few threads in parallel, all inside one deferring
+:class:`~shardckpt.format.bundle_reader.ReadSession`: whole entries are read and
+checksummed by the reader's helper threads while the next requests are planned,
+and every read and checksum is complete and checked before the results return.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any, List, Optional, Sequence, Union
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ..format.bundle_reader import BundleReader
+from ..format.bundle_reader import BundleReader, ReadSession
 from ..format.dtypes import as_dtype
 from ..format.tensor_slice import Box, TensorSlice
 
@@ -37,13 +40,13 @@ class RestoreRequest:
     dtype: Any = None
 
 
-def _serve(reader: BundleReader, request: RestoreRequest, verify: bool) -> np.ndarray:
+def _serve(reader: BundleReader, session: ReadSession, request: RestoreRequest, verify: bool) -> np.ndarray:
     if request.dtype is not None:
         stored = reader.dtype(request.key)
         if as_dtype(request.dtype).enum != stored.enum:
             raise InvalidArgumentError(f"expected dtype {as_dtype(request.dtype).name} does not equal the "
                                        f"stored dtype {stored.name}", path=reader.prefix, key=request.key)
-    return reader.read_region(request.key, request.region, request.out, verify=verify)
+    return session.read_region(request.key, request.region, request.out, verify=verify)
 
 
 def restore_tensors(prefix: str, requests: Sequence[Union[RestoreRequest, str]], *, verify: bool = True,
@@ -53,12 +56,12 @@ def restore_tensors(prefix: str, requests: Sequence[Union[RestoreRequest, str]],
     own = reader is None
     bundle = reader or BundleReader(prefix)
     try:
-        with bundle.deferred_verification():  # the next read overlaps the last one's checksum
+        with bundle.session(defer=True) as session:  # reads overlap; all checked before the block ends
             if max_workers <= 1 or len(reqs) <= 1:
-                results = [_serve(bundle, r, verify) for r in reqs]
+                results = [_serve(bundle, session, r, verify) for r in reqs]
             else:
                 with ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shardckpt-read") as pool:
-                    results = list(pool.map(lambda r: _serve(bundle, r, verify), reqs))
+                    results = list(pool.map(lambda r: _serve(bundle, session, r, verify), reqs))
         return results
     finally:
         if own:

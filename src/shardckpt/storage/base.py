@@ -38,9 +38,10 @@ import abc
 import contextlib
 import posixpath
 import re
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
-__all__ = ["FileSystem", "ReadHandle", "WriteHandle", "split_scheme", "is_local_path", "normalize", "posix_dirname"]
+__all__ = ["FileSystem", "ReadHandle", "WriteHandle", "RunBatch", "split_scheme", "is_local_path", "normalize",
+           "posix_dirname"]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 
@@ -64,6 +65,16 @@ class FileSystem(abc.ABC):
     @abc.abstractmethod
     def open_read(self, path: str) -> ReadHandle:
         """Open ``path`` for positional reads."""
+
+    def pread_batch(self, handle: ReadHandle, requests: Sequence[Tuple[int, memoryview]], path: str = "") -> None:
+        """Fill every ``(offset, buffer)`` of ``requests`` from ``handle``.
+
+        The default serves them one by one with :meth:`pread_into`; stores override it
+        to coalesce nearby ranges or keep several requests in flight. ``requests`` may
+        be a :class:`RunBatch` (many equal runs), which a store may serve in bulk.
+        """
+        for offset, buf in requests:
+            self.pread_into(handle, buf, offset, path)
 
     @abc.abstractmethod
     def pread_into(self, handle: ReadHandle, buf: memoryview, offset: int, path: str = "") -> None:
@@ -188,6 +199,35 @@ class FileSystem(abc.ABC):
     @abc.abstractmethod
     def normpath(self, path: str) -> str:
         """``path`` with redundant separators and up-level references collapsed."""
+
+
+class RunBatch(Sequence[Tuple[int, memoryview]]):
+    """Requests of :meth:`FileSystem.pread_batch` in bulk: ``len(offsets)`` runs of ``run_bytes`` each.
+
+    Run ``i`` is read from file offset ``offsets[i]`` (an int64 array, ascending) into
+    ``dest[i * run_bytes:(i + 1) * run_bytes]``. As a sequence it yields the usual
+    ``(offset, buffer)`` pairs, so any store can serve it one by one. ``cover``, when
+    given, is a ``(start, length)`` range holding every run (e.g. whole rows) that a
+    store for which requests cost more than bytes may read whole instead.
+    """
+
+    def __init__(self, offsets: Any, run_bytes: int, dest: memoryview,
+                 cover: Optional[Tuple[int, int]] = None) -> None:
+        self.offsets = offsets
+        self.run_bytes = int(run_bytes)
+        self.dest = dest
+        self.cover = cover
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        rb = self.run_bytes
+        return int(self.offsets[i]), self.dest[i * rb:(i + 1) * rb]
 
 
 def split_scheme(path: str) -> Tuple[str, str]:

@@ -613,6 +613,58 @@ class FsspecFileSystem(FileSystem):
     def size(self, path: str) -> int:
         return int(self.call("stat", path, self.fs.size, path))
 
+    @staticmethod
+    def _identity_of_info(info: Dict[str, Any]) -> Tuple[Any, ...]:
+        tag = None
+        for field in ("ETag", "etag", "VersionId", "generation", "md5Hash", "LastModified", "mtime", "created"):
+            value = info.get(field)
+            if value is not None:
+                if hasattr(value, "timestamp"):  # listings and HEADs may spell times differently
+                    value = float(value.timestamp())
+                tag = str(value).strip('"')
+                break
+        return (int(info.get("size") or 0), tag)
+
+    def identity(self, path: str, handle: Any = None) -> Tuple[Any, ...]:
+        """What identifies the object's current contents: size and ETag (or version / generation / mtime).
+
+        One metadata request (HEAD); a missing object is a :class:`NotFoundError`.
+        """
+        try:
+            self.fs.invalidate_cache(path)
+        except Exception:
+            pass
+        return self._identity_of_info(self.call("stat", path, self.fs.info, path))
+
+    def identities(self, paths: Sequence[str]) -> Dict[str, Optional[Tuple[Any, ...]]]:
+        """:meth:`identity` of many objects (``None``: missing) with one listing per folder."""
+        out: Dict[str, Optional[Tuple[Any, ...]]] = {}
+        by_dir: Dict[str, List[str]] = {}
+        for p in paths:
+            by_dir.setdefault(posix_dirname(p), []).append(p)
+        for folder, members in by_dir.items():
+            try:
+                self.fs.invalidate_cache(folder)
+            except Exception:
+                pass
+            try:
+                listing = self.call("list", folder, self.fs.ls, folder, detail=True)
+            except NotFoundError:
+                listing = []
+            infos = {}
+            for info in listing:
+                infos[str(info.get("name", "")).split("://", 1)[-1].strip("/")] = info
+            for p in members:
+                info = infos.get(p.split("://", 1)[-1].strip("/"))
+                if info is not None and info.get("type") != "directory":
+                    out[p] = self._identity_of_info(info)
+                    continue
+                try:  # not in the listing: ask the object itself before calling it missing
+                    out[p] = self.identity(p)
+                except NotFoundError:
+                    out[p] = None
+        return out
+
     def read_bytes(self, path: str) -> bytes:
         data = self.call("read", path, self.fs.cat_file, path)
         self._count("bytes_read", len(data))

@@ -12,14 +12,16 @@ import fcntl
 import os
 import secrets
 import shutil
-from typing import Any, Iterator, List, Optional
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import NotFoundError, ShardckptError, StorageError
-from .base import FileSystem
+from .base import FileSystem, RunBatch
 
 __all__ = ["LocalFileSystem", "local_fs", "StorageError"]
 
 _MAX_IO = 1 << 30  # one syscall moves at most 1 GiB (Linux caps near 2 GiB)
+_COALESCE_GAP = 4096  # pread_batch reads runs below a page, and gaps up to a page, in one covering call
+_COALESCE_SPAN = 16 << 20  # ... as long as one covering read stays below this
 
 
 def _wrap(exc: OSError, path: str, action: str) -> ShardckptError:
@@ -36,10 +38,29 @@ class LocalFileSystem(FileSystem):
 
     # -- reading ---------------------------------------------------------
     def open_read(self, path: str) -> int:
+        """Open ``path`` for positional reads (hinting the kernel that reads are mostly sequential)."""
         try:
-            return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
             raise _wrap(exc, path, "open") from None
+        advise = getattr(os, "posix_fadvise", None)
+        if advise is not None:
+            try:
+                advise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            except OSError:
+                pass
+        return fd
+
+    def identity(self, path: str, handle: Optional[int] = None) -> Tuple[Any, ...]:
+        """What identifies the file's current contents: size, device, inode, mtime (of ``handle`` when given).
+
+        A file replaced by a rename or rewritten in place gets another identity.
+        """
+        try:
+            st = os.fstat(handle) if handle is not None else os.stat(path)
+        except OSError as exc:
+            raise _wrap(exc, path, "stat") from None
+        return (st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns)
 
     def size(self, path: str) -> int:
         try:
@@ -68,6 +89,90 @@ class LocalFileSystem(FileSystem):
                 raise DataLossError(f"unexpected end of file at offset {offset + done} "
                                     f"(wanted {total - done} more bytes)", path=path)
             done += n
+
+    def pread_batch(self, fd: int, requests: Sequence[Tuple[int, memoryview]], path: str = "") -> None:
+        """Fill every ``(offset, buffer)``; runs shorter than a page less than a page apart share one read."""
+        if isinstance(requests, RunBatch) and len(requests) and requests.run_bytes < _COALESCE_GAP:
+            self._pread_small_runs(fd, requests, path)
+            return
+        reqs = [(o, b if b.format == "B" and b.ndim == 1 else b.cast("B")) for o, b in requests if len(b)]
+        if any(reqs[i][0] > reqs[i + 1][0] for i in range(len(reqs) - 1)):
+            reqs.sort(key=lambda r: r[0])
+        i = 0
+        n = len(reqs)
+        while i < n:
+            start, first = reqs[i]
+            end = start + len(first)
+            j = i + 1
+            if len(first) < _COALESCE_GAP:
+                while j < n:
+                    off, buf = reqs[j]
+                    size = len(buf)
+                    if size >= _COALESCE_GAP or not 0 <= off - end <= _COALESCE_GAP \
+                            or off + size - start > _COALESCE_SPAN:
+                        break
+                    end = max(end, off + size)
+                    j += 1
+            if j == i + 1:
+                self.pread_into(fd, first, start, path)
+            else:
+                cover = memoryview(bytearray(end - start))
+                self.pread_into(fd, cover, start, path)
+                for off, buf in reqs[i:j]:
+                    buf[:] = cover[off - start:off - start + len(buf)]
+            i = j
+
+    def _pread_small_runs(self, fd: int, batch: RunBatch, path: str) -> None:
+        """Many runs below a page: covering reads of up to ``_COALESCE_SPAN``, runs copied out in bulk.
+
+        With ``batch.cover`` the whole cover is read (split at run boundaries), otherwise
+        gaps of more than a page between runs start a new read.
+        """
+        import numpy as np
+
+        offsets = np.asarray(batch.offsets, dtype=np.int64)
+        rb = batch.run_bytes
+        n = len(offsets)
+        cover = batch.cover
+        if (np.diff(offsets) < rb).any() or (cover is not None and (
+                offsets[0] < cover[0] or offsets[-1] + rb > cover[0] + cover[1])):
+            FileSystem.pread_batch(self, fd, list(batch), path)  # not ascending and disjoint: one by one
+            return
+        dest = np.frombuffer(batch.dest, dtype=np.uint8)[:n * rb].reshape(n, rb)
+        gaps = offsets[1:] - offsets[:-1] - rb
+        breaks = np.flatnonzero(gaps > _COALESCE_GAP) + 1 if cover is None else np.zeros(0, np.int64)
+        i = 0
+        read_from = int(cover[0]) if cover is not None else int(offsets[0])
+        while i < n:
+            k = int(np.searchsorted(breaks, i, side="right"))
+            stop = int(breaks[k]) if k < len(breaks) else n
+            start = read_from if cover is not None else int(offsets[i])
+            j = min(stop, int(np.searchsorted(offsets, start + _COALESCE_SPAN - rb, side="right")))
+            j = max(j, i + 1)
+            end = int(offsets[j - 1]) + rb
+            if cover is not None:
+                end = int(cover[0] + cover[1]) if j == n else int(offsets[j])  # read up to the next run
+            buf = np.empty(end - start, dtype=np.uint8)
+            self.pread_into(fd, memoryview(buf), start, path)  # type: ignore[arg-type]
+            rel = offsets[i:j] - start
+            steps = np.diff(rel)
+            if len(steps) and (steps == steps[0]).all():  # evenly spaced: one strided copy
+                first = buf[int(rel[0]):]
+                dest[i:j] = np.lib.stride_tricks.as_strided(first, shape=(j - i, rb), strides=(int(steps[0]), 1))
+            else:
+                dest[i:j] = buf[rel[:, None] + np.arange(rb)]
+            read_from = end
+            i = j
+
+    def identities(self, paths: Sequence[str]) -> "dict[str, Optional[Tuple[Any, ...]]]":
+        """:meth:`identity` of many files (``None``: missing)."""
+        out: "dict[str, Optional[Tuple[Any, ...]]]" = {}
+        for p in paths:
+            try:
+                out[p] = self.identity(p)
+            except NotFoundError:
+                out[p] = None
+        return out
 
     # -- writing ---------------------------------------------------------
     def open_write(self, path: str) -> int:

@@ -1,0 +1,294 @@
+"""The read side: CRC combine, read sessions, whole entries read on several threads, pread_batch,
+and readers that see the checkpoint they opened (or say it was replaced) — locally and on S3."""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List
+
+import numpy as np
+import pytest
+
+import shardckpt
+from shardckpt.errors import CheckpointReplacedError, DataLossError
+from shardckpt.format import bundle_reader as br
+from shardckpt.format import crc
+from shardckpt.format.bundle_reader import BundleReader
+from shardckpt.storage.base import FileSystem
+from shardckpt.storage.local import LocalFileSystem
+
+DATA = ".data-00000-of-00001"
+
+
+# -- CRC combine ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("len_a,len_b", [(0, 0), (0, 7), (7, 0), (1, 1), (3, 4096), (1 << 20, 12345),
+                                         (100, (2 << 20) + 3)])
+def test_crc32c_combine_equals_crc_of_the_concatenation(len_a: int, len_b: int) -> None:
+    a, b = os.urandom(len_a), os.urandom(len_b)
+    assert crc.combine(crc.value(a), crc.value(b), len_b) == crc.value(a + b)
+
+
+def test_crc32c_combine_of_many_pieces_in_order() -> None:
+    data = os.urandom(3 << 20)
+    cuts = sorted({0, len(data), *np.random.default_rng(1).integers(0, len(data), 40).tolist()})
+    total = 0
+    for a, b in zip(cuts, cuts[1:]):
+        total = crc.combine(total, crc.value(data[a:b]), b - a)
+    assert total == crc.value(data)
+    assert crc.combine(crc.value(b"ab"), crc.value(b"c"), 1) != crc.combine(crc.value(b"ac"), crc.value(b"b"), 1)
+
+
+def test_default_checksum_context_is_created_once_under_concurrency() -> None:
+    seen: List[Any] = []
+    barrier = threading.Barrier(8)
+
+    def grab() -> None:
+        barrier.wait()
+        seen.append(crc.default_context())
+
+    threads = [threading.Thread(target=grab) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(c) for c in seen}) == 1
+    assert crc.shared_executor() is seen[0].executor
+
+
+def test_a_reader_with_its_own_context_uses_its_threads(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "ck")
+    big = np.arange(3 << 20, dtype=np.float32)  # 12 MiB: several units
+    shardckpt.save_tensors(prefix, {"big": big})
+    ctx = crc.ChecksumContext(workers=3)
+    try:
+        with BundleReader(prefix, context=ctx) as reader:
+            np.testing.assert_array_equal(reader.read("big"), big)
+        assert ctx._executor is not None
+    finally:
+        ctx.shutdown()
+
+
+# -- whole entries in units on several threads -----------------------------------------------------
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("elements", [1, (512 << 10) + 1, (2 << 20) // 4 * 5 + 3])
+def test_multi_unit_entries_read_exactly_and_every_unit_is_checked(tmp_path: Path, elements: int) -> None:
+    prefix = str(tmp_path / "ck")
+    value = np.random.default_rng(elements).standard_normal(elements).astype(np.float32)
+    shardckpt.save_tensors(prefix, {"v": value})
+    with BundleReader(prefix) as reader:
+        np.testing.assert_array_equal(reader.read("v"), value)
+        out = np.empty_like(value)
+        with reader.session() as session:
+            session.read_region("v", None, out)
+        np.testing.assert_array_equal(out, value)
+        entry = reader.entry("v")
+        size, offset = entry.size, entry.offset
+    for at in sorted({0, size // 2, size - 1}):  # first, a middle and the last unit
+        _flip(prefix + DATA, offset + at)
+        with BundleReader(prefix) as reader:
+            with pytest.raises(DataLossError, match="checksum does not match"):
+                reader.read("v")
+            with pytest.raises(DataLossError, match="checksum does not match"):
+                with reader.session() as session:
+                    session.read("v")
+        _flip(prefix + DATA, offset + at)
+
+
+def test_two_threads_on_one_reader_each_see_only_their_own_checksum_failures(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "ck")
+    good = {f"good{i}": np.full((1 << 18) + i, i, np.float32) for i in range(4)}
+    shardckpt.save_tensors(prefix, {**good, "bad": np.ones(1 << 20, np.float32)})
+    with BundleReader(prefix) as reader:
+        entry = reader.entry("bad")
+    _flip(prefix + DATA, entry.offset + 12345)
+    results: Dict[str, Any] = {}
+    with BundleReader(prefix) as reader:
+        barrier = threading.Barrier(2)
+
+        def bad_reader() -> None:
+            barrier.wait()
+            try:
+                with reader.session() as session:
+                    for _ in range(5):
+                        session.read("bad")
+                results["bad"] = None
+            except DataLossError as exc:
+                results["bad"] = exc
+
+        def good_reader() -> None:
+            barrier.wait()
+            try:
+                with reader.session() as session:
+                    for _ in range(5):
+                        values = {k: session.read(k) for k in good}
+                results["good"] = values
+            except Exception as exc:  # noqa: BLE001 - recorded and failed below
+                results["good"] = exc
+
+        threads = [threading.Thread(target=bad_reader), threading.Thread(target=good_reader)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert isinstance(results["bad"], DataLossError) and "'bad'" in str(results["bad"])
+    assert isinstance(results["good"], dict), results["good"]
+    for k, v in good.items():
+        np.testing.assert_array_equal(results["good"][k], v)
+
+
+def test_restore_tensors_checks_every_entry_before_returning(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "ck")
+    arrays = {f"t{i}": np.arange(i, i + (300 << 10), dtype=np.float32) for i in range(6)}
+    shardckpt.save_tensors(prefix, arrays)
+    outs = {k: np.empty_like(v) for k, v in arrays.items()}
+    shardckpt.restore_tensors(prefix, [shardckpt.RestoreRequest(k, out=o) for k, o in outs.items()])
+    for k in arrays:
+        np.testing.assert_array_equal(outs[k], arrays[k])
+    with BundleReader(prefix) as reader:
+        entry = reader.entry("t5")
+    _flip(prefix + DATA, entry.offset + entry.size - 1)
+    with pytest.raises(DataLossError, match="'t5'"):
+        shardckpt.restore_tensors(prefix, [shardckpt.RestoreRequest(k, out=o) for k, o in outs.items()])
+
+
+# -- pread_batch ----------------------------------------------------------------------------------
+class _SerialLocal(LocalFileSystem):
+    """The local filesystem with the interface's default (serial) pread_batch."""
+
+    pread_batch = FileSystem.pread_batch
+
+
+@pytest.mark.parametrize("fs", [LocalFileSystem(), _SerialLocal()], ids=["local", "default"])
+def test_region_reads_through_pread_batch(tmp_path: Path, fs: FileSystem) -> None:
+    prefix = str(tmp_path / "ck")
+    a = np.arange(64 * 3000, dtype=np.float32).reshape(64, 3000)
+    shardckpt.save_tensors(prefix, {"a": a})
+    with BundleReader(prefix, fs=fs) as reader:
+        for region in [((3, 40), (10, 12)), ((0, 64), (100, 2000)), ((5, 6), (0, 3000)), ((0, 64), (2999, 3000))]:
+            got = reader.read_region("a", region)
+            np.testing.assert_array_equal(got, a[tuple(slice(*r) for r in region)])
+    c = np.arange(6 * 50 * 70, dtype=np.int16).reshape(6, 50, 70)  # tiny runs, unevenly spaced
+    shardckpt.save_tensors(prefix + "3", {"c": c})
+    with BundleReader(prefix + "3", fs=fs) as reader:
+        for region in [((1, 5), (2, 40), (3, 9)), ((0, 6), (0, 50), (69, 70)), ((2, 3), (0, 50), (0, 35))]:
+            got = reader.read_region("c", region)
+            np.testing.assert_array_equal(got, c[tuple(slice(*r) for r in region)])
+            out = np.zeros((8,) + got.shape, np.int16)[3]  # into a non-contiguous-parent view
+            reader.read_region("c", region, out=np.ascontiguousarray(out))
+
+
+def test_run_batch_is_a_sequence_of_requests() -> None:
+    from shardckpt.storage.base import RunBatch
+
+    dest = memoryview(bytearray(12))
+    batch = RunBatch(np.array([5, 20, 40], np.int64), 4, dest)
+    assert len(batch) == 3 and batch[1][0] == 20 and len(batch[2][1]) == 4 and batch[-1][0] == 40
+    assert [o for o, _ in batch] == [5, 20, 40]
+
+
+# -- a reader sees the checkpoint it opened -------------------------------------------------------
+def _values(seed: int) -> Dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((256, 64)).astype(np.float32),
+            "b": rng.standard_normal(1000).astype(np.float32)}
+
+
+def _never_wrong(fn: Any, want: np.ndarray) -> bool:
+    """Run a read: True if it raised CheckpointReplacedError, else its values must be ``want``."""
+    try:
+        got = fn()
+    except CheckpointReplacedError as exc:
+        assert "replaced while open" in str(exc)
+        return True
+    np.testing.assert_array_equal(got, want)
+    return False
+
+
+def _overwritten_twice(prefix: str) -> None:
+    shardckpt.save_tensors(prefix, _values(2))
+    shardckpt.save_tensors(prefix, _values(3))
+
+
+def test_reader_opened_on_an_old_index_raises_after_the_prefix_is_overwritten_twice(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "ck")
+    old = _values(1)
+    shardckpt.save_tensors(prefix, old)
+    reads = [lambda r: r.read_region("w", ((10, 20), (3, 9))), lambda r: r.read("b"),
+             lambda r: r.read("w", verify=False), lambda r: r.raw_bytes(r.pieces("b")[0])]
+    for read in reads:
+        reader = BundleReader(prefix)  # the index is read now, data files are opened on first use
+        try:
+            _overwritten_twice(prefix)
+            with pytest.raises(CheckpointReplacedError, match="replaced while open"):
+                read(reader)
+        finally:
+            reader.close()
+            shardckpt.save_tensors(prefix, old)
+
+
+def test_reader_with_data_file_open_keeps_reading_what_it_opened(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "ck")
+    old = _values(1)
+    shardckpt.save_tensors(prefix, old)
+    with BundleReader(prefix) as reader:
+        np.testing.assert_array_equal(reader.read("b"), old["b"])  # the data file is open now
+        _overwritten_twice(prefix)
+        # The open descriptor still reads the opened checkpoint's bytes: right values, or a clear error.
+        _never_wrong(lambda: reader.read_region("w", ((10, 20), (3, 9))), old["w"][10:20, 3:9])
+        _never_wrong(lambda: reader.read("w"), old["w"])
+
+
+def test_data_file_rewritten_in_place_is_never_read_silently(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "ck")
+    old = _values(1)
+    shardckpt.save_tensors(prefix, old)
+    with BundleReader(prefix) as reader:
+        reader.read("b")
+        data = Path(prefix + DATA).read_bytes()
+        entry = reader.entry("w")
+        changed = bytearray(data)
+        changed[entry.offset:entry.offset + entry.size] = os.urandom(entry.size)
+        with open(prefix + DATA, "r+b") as f:  # the same inode, other bytes
+            f.write(changed)
+        os.utime(prefix + DATA, ns=(1, 1))
+        with pytest.raises(CheckpointReplacedError):
+            reader.read_region("w", ((0, 5), (0, 64)))
+        with pytest.raises(DataLossError):
+            reader.read("w")
+
+
+@pytest.fixture
+def s3dir(s3_server: Any) -> str:
+    return s3_server.url(f"reader-{uuid.uuid4().hex[:12]}")
+
+
+def test_s3_reader_opened_on_an_old_index_raises_after_the_prefix_is_overwritten_twice(s3dir: str) -> None:
+    prefix = f"{s3dir}/ck"
+    old = _values(1)
+    shardckpt.save_tensors(prefix, old)
+    with BundleReader(prefix) as reader:
+        _overwritten_twice(prefix)
+        with pytest.raises(CheckpointReplacedError, match="replaced while open"):
+            reader.read_region("w", ((10, 20), (3, 9)))
+    shardckpt.save_tensors(prefix, old)
+    with BundleReader(prefix) as reader:
+        np.testing.assert_array_equal(reader.read("b"), old["b"])  # first use: identity checked
+        _overwritten_twice(prefix)
+        with pytest.raises(CheckpointReplacedError, match="replaced while open"):
+            reader.read_region("w", ((10, 20), (3, 9)))  # no checksum covers a region: identity again
+        with pytest.raises(CheckpointReplacedError, match="replaced while open"):
+            reader.read("w")  # the checksum fails; the identity says why
+
+
+def test_unit_sizes_are_what_the_reader_documents() -> None:
+    assert br._SUB <= br._UNIT and br._UNIT % br._SUB == 0
