@@ -6,6 +6,9 @@ and where the bytes live (``shard 0 @ 128`` or ``2 slices in shards {0,1}``,
 followed by one line per slice). With ``--key``: that tensor's layout, summary
 statistics and values (summarised beyond ``--limit`` elements).
 
+``--tree`` shows the key hierarchy (names split at ``/``) with the tensor count and
+bytes under each level.
+
 ``--json`` prints the same information as one JSON document. Values are included
 when the tensor has at most ``--limit`` elements; strings as base64 plus UTF-8
 (``null`` where not UTF-8), flattened row-major.
@@ -28,6 +31,7 @@ from ..format.ordered_code import is_slice_key
 from ._layout import DataFile, TensorLayout, data_files, open_bundle, tensor_layout
 from ._text import error_text, human_size, key_text, render_table, shape_text
 from ._values import format_stats, format_values, json_number, numeric_stats, string_stats, strings_json, values_json
+from .tree import build_tree, render_tree, tree_json
 
 __all__ = ["add_parser", "run", "BadTensor", "list_tensors", "render_listing", "listing_json",
            "TensorDetail", "load_tensor", "render_tensor", "tensor_json"]
@@ -58,6 +62,7 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
     parser.add_argument("path", metavar="PATH", help="checkpoint prefix, checkpoint directory or SavedModel directory")
     parser.add_argument("--key", metavar="K", help="show this tensor's values and statistics")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--tree", action="store_true", help="show the key hierarchy (split at '/') with sizes")
     parser.add_argument("--limit", metavar="N", type=_non_negative, default=DEFAULT_LIMIT,
                         help=f"show all values of tensors with at most N elements (default {DEFAULT_LIMIT})")
     parser.set_defaults(func=run)
@@ -82,6 +87,11 @@ def run(args: argparse.Namespace) -> int:
                   else render_tensor(detail, args.limit))
             return 0
         rows = list_tensors(reader)
+        if getattr(args, "tree", False):
+            root = build_tree([(r.name, r.dtype.name, tuple(r.shape), r.nbytes) for r in rows
+                               if isinstance(r, TensorLayout)])
+            print(json.dumps(tree_json(root), indent=2) if args.json else render_tree(root))
+            return 1 if any(isinstance(r, BadTensor) for r in rows) else 0
         files = data_files(reader)
         print(json.dumps(listing_json(reader.prefix, files, rows), indent=2) if args.json
               else render_listing(reader.prefix, files, rows))

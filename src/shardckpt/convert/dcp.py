@@ -77,7 +77,7 @@ def to_torch(value: np.ndarray, dtype: DType) -> Any:
     """A NumPy array as a torch tensor of the matching dtype (bit patterns kept)."""
     torch = _torch()
     target = getattr(torch, _TORCH[dtype.name])
-    value = np.ascontiguousarray(value)
+    value = np.require(value, requirements="C")
     if dtype.name in ("bfloat16", "float8_e5m2", "float8_e4m3fn", "uint16", "uint32", "uint64"):
         width = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[dtype.numpy.itemsize]
         return torch.from_numpy(value.view(width).copy()).view(target)

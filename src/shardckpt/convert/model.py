@@ -71,6 +71,7 @@ class Source(abc.ABC):
 
     def close(self) -> None:
         """Release open files."""
+        return None
 
     def __enter__(self) -> "Source":
         return self
@@ -89,6 +90,7 @@ class Sink(abc.ABC):
 
     def check(self, infos: Sequence[TensorInfo]) -> None:
         """Raise a :mod:`shardckpt.errors` error naming the first tensor this format cannot hold."""
+        return None
 
     @abc.abstractmethod
     def write(self, infos: Sequence[TensorInfo], fetch: Fetch, metadata: Dict[str, str],

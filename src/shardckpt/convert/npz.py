@@ -169,7 +169,7 @@ class NpzSink(Sink):
                     value = fetch(i)
                     check_value(value, info, self.path)
                     with zf.open(info.name + ".npy", "w", force_zip64=True) as member:
-                        np.lib.format.write_array(member, np.ascontiguousarray(value), allow_pickle=False)
+                        np.lib.format.write_array(member, np.require(value, requirements="C"), allow_pickle=False)
                     progress(info.name, info.nbytes)
                     del value
             return staged.commit()
