@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import shutil
+import warnings
 from typing import Any, Dict, List, Sequence
 
 import numpy as np
@@ -36,6 +37,8 @@ _log = logging.getLogger("shardckpt")
 PICKLE_WARNING = ("a PyTorch DCP folder's .metadata file is a Python pickle: loading it can run arbitrary code. "
                   "Read DCP folders only from sources you trust, and say so with --trust-pickle "
                   "(trust_pickle=True).")
+
+_SINGLE_PROCESS = ".*torch.distributed is disabled.*"  # expected: no_dist=True is a one-process save/load
 
 # TF dtype name -> torch dtype attribute name
 _TORCH = {"bool": "bool", "uint8": "uint8", "int8": "int8", "int16": "int16", "int32": "int32", "int64": "int64",
@@ -125,7 +128,9 @@ class DCPSource(Source):
         if info is None:
             raise NotFoundError("no such tensor", path=self.path, key=name)
         holder = {name: torch.empty(info.shape, dtype=self.torch_dtypes[name])}
-        dcp.load(holder, storage_reader=dcp.FileSystemReader(self.path), no_dist=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
+            dcp.load(holder, storage_reader=dcp.FileSystemReader(self.path), no_dist=True)
         return to_numpy(holder[name], info.dtype)
 
 
@@ -155,7 +160,9 @@ class DCPSink(Sink):
                 check_value(value, info, final)
                 state[info.name] = to_torch(value, info.dtype)
                 progress(info.name, info.nbytes)
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(temp), no_dist=True)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(temp), no_dist=True)
             if os.path.isdir(final):
                 if not os.path.isfile(os.path.join(final, ".metadata")) and os.listdir(final):
                     raise InvalidArgumentError("destination is a non-empty folder that is not a DCP checkpoint",
