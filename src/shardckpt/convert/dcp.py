@@ -106,6 +106,7 @@ class DCPSource(Source):
         metadata = FileSystemReader(self.path).read_metadata()
         self.infos: Dict[str, TensorInfo] = {}
         self.torch_dtypes: Dict[str, Any] = {}
+        self.cache: Dict[str, np.ndarray] = {}
         inverse = {getattr(torch, v): k for k, v in _TORCH.items()}
         for name, md in metadata.state_dict_metadata.items():
             if not isinstance(md, TensorStorageMetadata):
@@ -121,17 +122,32 @@ class DCPSource(Source):
         return list(self.infos.values())
 
     def read(self, name: str) -> np.ndarray:
-        torch = _torch()
-        import torch.distributed.checkpoint as dcp
-
         info = self.infos.get(name)
         if info is None:
             raise NotFoundError("no such tensor", path=self.path, key=name)
-        holder = {name: torch.empty(info.shape, dtype=self.torch_dtypes[name])}
+        if name not in self.cache:
+            self._load_batch(name)
+        return self.cache.pop(name)
+
+    def _load_batch(self, name: str) -> None:
+        """Load ``name`` and the tensors after it, up to the largest tensor's size in all (one ``dcp.load``)."""
+        torch = _torch()
+        import torch.distributed.checkpoint as dcp
+
+        names = list(self.infos)
+        budget = max((i.nbytes for i in self.infos.values()), default=0)
+        batch: List[str] = []
+        total = 0
+        for n in names[names.index(name):]:
+            if batch and total + self.infos[n].nbytes > budget:
+                break
+            batch.append(n)
+            total += self.infos[n].nbytes
+        holder = {n: torch.empty(self.infos[n].shape, dtype=self.torch_dtypes[n]) for n in batch}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
             dcp.load(holder, storage_reader=dcp.FileSystemReader(self.path), no_dist=True)
-        return to_numpy(holder[name], info.dtype)
+        self.cache = {n: to_numpy(holder[n], self.infos[n].dtype) for n in batch}
 
 
 class DCPSink(Sink):
