@@ -1,4 +1,4 @@
-"""``--preset bert``: a google-research TF BERT checkpoint to transformers' ``BertForPreTraining``.
+"""``--preset bert`` / ``electra``: google-research TF checkpoints to transformers' models.
 
 A small BERT checkpoint in the original layout (with Adam slots and ``global_step``)
 is written with shardckpt; TensorFlow reads it; it is converted to a Hugging Face
@@ -102,3 +102,50 @@ def test_bert_preset_matches_transformers(tmp_path: Path, tf_oracle) -> None:  #
     assert outcome["missing"] == [] and outcome["unexpected"] == [] and outcome["mismatched"] == []
     assert outcome["keys_differ"] == [] and outcome["unequal"] == []
     assert outcome["compared"] > 30 and outcome["architectures"] == ["BertForPreTraining"]
+
+
+ELECTRA_SIDE = r"""
+import json, sys
+import torch
+from transformers import ElectraConfig, ElectraForPreTraining, load_tf_weights_in_electra
+hf_dir, tf_prefix, out = sys.argv[1:4]
+model, info = ElectraForPreTraining.from_pretrained(hf_dir, output_loading_info=True)
+theirs = ElectraForPreTraining(ElectraConfig.from_pretrained(hf_dir))
+load_tf_weights_in_electra(theirs, theirs.config, tf_prefix)
+ours_sd, theirs_sd = model.state_dict(), theirs.state_dict()
+json.dump({"missing": info["missing_keys"], "unexpected": info["unexpected_keys"],
+           "unequal": [k for k in ours_sd if not torch.equal(ours_sd[k], theirs_sd[k])],
+           "compared": len(ours_sd)}, open(out, "w"))
+"""
+
+
+def test_electra_preset_matches_transformers(tmp_path: Path) -> None:
+    """ELECTRA's discriminator: ``dense_1`` -> ``dense_prediction``, generator variables left out."""
+    bert = bert_variables(1)
+    values = {}
+    for k, v in bert.items():
+        if k.startswith("bert/") and "pooler" not in k:
+            values["electra/" + k[len("bert/"):]] = v
+    h = CONFIG["hidden_size"]
+    rng = np.random.default_rng(2)
+    values["discriminator_predictions/dense/kernel"] = rng.standard_normal((h, h)).astype(np.float32)
+    values["discriminator_predictions/dense/bias"] = rng.standard_normal(h).astype(np.float32)
+    values["discriminator_predictions/dense_1/kernel"] = rng.standard_normal((h, 1)).astype(np.float32)
+    values["discriminator_predictions/dense_1/bias"] = rng.standard_normal(1).astype(np.float32)
+    values["generator_predictions/output_bias"] = np.zeros(CONFIG["vocab_size"], np.float32)
+    values["global_step"] = np.int64(3)
+    prefix = str(tmp_path / "electra" / "model.ckpt")
+    shardckpt.save_tensors(prefix, values)
+    (tmp_path / "electra" / "bert_config.json").write_text(json.dumps(dict(CONFIG, embedding_size=h)))
+    hf = tmp_path / "hf"
+    # transformers' loader skips nothing but global_step/temperature: give it only the discriminator
+    disc = str(tmp_path / "disc" / "model.ckpt")
+    shardckpt.save_tensors(disc, {k: v for k, v in values.items() if not k.startswith("generator")})
+    convert(prefix, str(hf), dst_format="hf", preset="electra")
+    report = tmp_path / "report.json"
+    side = subprocess.run([find_tf_python(), "-c", ELECTRA_SIDE, str(hf), disc, str(report)], capture_output=True,
+                          text=True, timeout=300)
+    assert side.returncode == 0, side.stderr[-4000:]
+    outcome = json.loads(report.read_text())
+    assert outcome["missing"] == [] and outcome["unexpected"] == [] and outcome["unequal"] == []
+    assert outcome["compared"] > 30

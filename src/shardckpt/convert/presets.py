@@ -13,8 +13,10 @@ self/query/kernel`` ...) to the state dict of ``transformers.BertForPreTraining`
 * optimizer slots (``adam_m``, ``adam_v``, ``AdamWeightDecayOptimizer*``) and
   ``global_step`` are left out.
 
-``electra`` uses the same rules (its checkpoints share the layout under ``electra/``
-with ``discriminator_predictions/`` and ``generator_predictions/`` heads).
+``electra``: the same rules for ELECTRA's discriminator (``transformers.ElectraForPreTraining``):
+``electra/...`` and ``discriminator_predictions/...`` (whose ``dense_1`` is ``dense_prediction``);
+the generator's variables (``generator/``, ``generator_predictions/``) and ``temperature``
+are left out.
 
 :func:`bert_config` turns a ``bert_config.json`` into a transformers ``config.json``.
 """
@@ -27,7 +29,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["PRESETS", "bert_name", "bert_config"]
+__all__ = ["PRESETS", "bert_name", "electra_name", "bert_config"]
 
 _SKIP = {"adam_v", "adam_m", "AdamWeightDecayOptimizer", "AdamWeightDecayOptimizer_1", "global_step"}
 _LAYER = re.compile(r"^layer_(\d+)$")
@@ -61,6 +63,14 @@ def bert_name(name: str) -> Optional[Tuple[str, bool]]:
     return ".".join(out), transpose
 
 
+def electra_name(name: str) -> Optional[Tuple[str, bool]]:
+    """The ``ElectraForPreTraining`` (discriminator) name of an ELECTRA TF variable (None: left out)."""
+    parts = name.split("/")
+    if parts[0] in ("generator", "generator_predictions") or "temperature" in parts:
+        return None
+    return bert_name("/".join("dense_prediction" if p == "dense_1" else p for p in parts))
+
+
 def bert_config(text: str, architecture: str = "BertForPreTraining", model_type: str = "bert") -> Dict[str, Any]:
     """A transformers ``config.json`` (as a dict) from the text of a google-research ``bert_config.json``."""
     try:
@@ -80,5 +90,5 @@ def bert_config(text: str, architecture: str = "BertForPreTraining", model_type:
 PRESETS: Dict[str, Tuple[Callable[[str], Optional[Tuple[str, bool]]], str, str]] = {
     # name: (rename rule, transformers architecture, model_type)
     "bert": (bert_name, "BertForPreTraining", "bert"),
-    "electra": (bert_name, "ElectraForPreTraining", "electra"),
+    "electra": (electra_name, "ElectraForPreTraining", "electra"),
 }
