@@ -231,6 +231,7 @@ def test_tensorflow_reads_our_tf_output(tmp_path: Path, tf_oracle, random_tf) ->
     assert sum(".data-" in f for f in files) > 3
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_load_reads_our_dcp_output(tmp_path: Path, random_tf) -> None:  # type: ignore[no-untyped-def]
     import torch
     import torch.distributed.checkpoint as dcp
@@ -358,3 +359,43 @@ def test_s3_both_ways(tmp_path: Path, s3_server, random_tf) -> None:  # type: ig
     assert_bit_equal(read_all(local), npz_want)
     assert_bit_equal(read_all(tf), want)
     assert diff(st, hf).equal
+
+
+KILL = r"""
+import os, signal, sys
+from shardckpt.convert import convert
+src, dst, fmt = sys.argv[1:4]
+convert(src, dst, dst_format=fmt, max_shard_size=5000,
+        progress=lambda name, nbytes: os.kill(os.getpid(), signal.SIGKILL))  # dies after the first tensor
+"""
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "hf", "npz", "tf"])
+def test_a_killed_conversion_leaves_nothing_that_looks_complete(tmp_path: Path, fmt: str) -> None:
+    import subprocess
+    import sys
+
+    prefix = str(tmp_path / "src" / "ckpt")
+    values = {f"t{i}": np.full(1000, i, np.float32) for i in range(4)}
+    shardckpt.save_tensors(prefix, values)
+    out = tmp_path / "out"
+    out.mkdir()
+    dst = dest(out, fmt)
+    proc = subprocess.run([sys.executable, "-c", KILL, prefix, dst, fmt], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    with pytest.raises(shardckpt.errors.ShardckptError):
+        open_source(dst, fmt).close()  # nothing readable at the destination
+    names = [p.name for p in out.rglob("*") if p.is_file()]
+    assert not [n for n in names if n.endswith((".safetensors", ".npz", ".index", ".json")) and not n.startswith(".")]
+    convert(prefix, dst, dst_format=fmt, max_shard_size=5000)  # leftovers do not stand in the way
+    assert_bit_equal(read_all(dst, fmt), values)
+
+
+def test_checkpoint_directory_and_savedmodel_sources(tmp_path: Path) -> None:
+    values = {"w": np.arange(4, dtype=np.float32)}
+    shardckpt.save_tensors(str(tmp_path / "sm" / "variables" / "variables"), values)
+    convert(str(tmp_path / "sm"), str(tmp_path / "a.npz"))
+    assert_bit_equal(read_all(str(tmp_path / "a.npz")), values)
+    convert(str(tmp_path / "a.npz"), str(tmp_path / "run") + "/", dst_format="tf")
+    assert shardckpt.latest_checkpoint(str(tmp_path / "run")) == str(tmp_path / "run" / "ckpt")
+    assert_bit_equal(read_all(str(tmp_path / "run")), values)
