@@ -128,7 +128,8 @@ def test_progress_draws_a_rich_bar_on_a_terminal() -> None:
     leader, follower = pty.openpty()
     try:
         with open(follower, "w", closefd=False) as tty:
-            with progress_bar("convert", 100, stream=tty) as advance:
+            with progress_bar("convert", None, stream=tty) as advance:
+                advance.set_total(100)  # type: ignore[attr-defined]
                 advance("layer/kernel", 50)
                 advance("layer/bias", 50)
             tty.flush()

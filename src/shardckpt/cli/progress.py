@@ -33,7 +33,11 @@ def use_rich(stream: Optional[TextIO] = None) -> bool:
 @contextlib.contextmanager
 def progress_bar(description: str, total_bytes: Optional[int], *, enabled: bool = True,
                  lines: bool = False, stream: Optional[TextIO] = None) -> Iterator[Advance]:
-    """Yield ``advance(name, nbytes)``; see the module docstring for what is shown where."""
+    """Yield ``advance(name, nbytes)``; see the module docstring for what is shown where.
+
+    ``advance.set_total(nbytes)``, where present, sets the total once it is known
+    (:func:`shardckpt.convert.convert` and :func:`~shardckpt.convert.diff` call it).
+    """
     stream = stream or sys.stderr
     if enabled and use_rich(stream):
         from rich.console import Console
@@ -54,6 +58,10 @@ def progress_bar(description: str, total_bytes: Optional[int], *, enabled: bool 
             def advance(name: str, nbytes: int) -> None:
                 bar.update(task, advance=nbytes, item=name[-60:])
 
+            def set_total(nbytes: int) -> None:
+                bar.update(task, total=nbytes)
+
+            advance.set_total = set_total  # type: ignore[attr-defined]
             yield advance
         return
 

@@ -104,6 +104,8 @@ def convert(src: str, dst: str, *, src_format: Optional[str] = None, dst_format:
     Formats: ``tf``, ``safetensors``, ``hf``, ``npz``, ``dcp`` (detected from the paths
     unless given). ``preset`` is ``"bert"`` or ``"electra"``. ``strings`` is ``"skip"``
     or ``"metadata"``. ``max_shard_size`` (bytes) shards ``tf`` and ``hf`` output.
+    ``progress(name, nbytes)`` is called after each tensor is written (and
+    ``progress.set_total(nbytes)``, if it has that attribute, once before the first).
     """
     started = time.perf_counter()
     if strings not in ("skip", "metadata"):
@@ -168,6 +170,9 @@ def convert(src: str, dst: str, *, src_format: Optional[str] = None, dst_format:
                     return fetch(i)[start:stop]
                 return read_rows(p.source.name, start, stop)
             sink.read_rows = rows
+        set_total = getattr(progress, "set_total", None)
+        if set_total is not None:
+            set_total(sum(i.nbytes for i in out_infos))
         result.files = sink.write(out_infos, fetch, metadata, progress)
         result.tensors = len(out_infos)
         result.bytes = sum(i.nbytes for i in out_infos)

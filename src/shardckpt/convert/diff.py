@@ -89,6 +89,9 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, keys: Optional
         ib = {i.name: i for i in sb.tensors() if pattern is None or pattern.search(i.name)}
         result.only_a = sorted(set(ia) - set(ib))
         result.only_b = sorted(set(ib) - set(ia))
+        set_total = getattr(progress, "set_total", None)
+        if set_total is not None:
+            set_total(sum(ia[n].nbytes for n in set(ia) & set(ib)))
         for name in sorted(set(ia) & set(ib)):
             x, y = ia[name], ib[name]
             td = TensorDiff(name, True)

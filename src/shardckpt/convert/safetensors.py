@@ -188,8 +188,8 @@ class SafetensorsSource(Source):
             shape = ()
         out = np.empty(shape, dtype=info.dtype.numpy)
         if out.nbytes:
-            self.fs.pread_into(self.handle, memoryview(out.reshape(-1).view(np.uint8)), self.data_start + begin,
-                               self.path)
+            self.fs.pread_into(self.handle, memoryview(out.reshape(-1).view(np.uint8)),  # type: ignore[arg-type]
+                               self.data_start + begin, self.path)
         return out
 
     def metadata(self) -> Dict[str, str]:

@@ -122,8 +122,8 @@ def plan(infos: Sequence[TensorInfo], rules: Rules) -> Tuple[List[Planned], List
         if flip and len(info.shape) < 2:
             flip = False
         cast: Optional[DType] = None
-        for pattern, dtype in casts:
-            if pattern is None and info.dtype.name in _FLOATS or pattern is not None and pattern.search(info.name):
+        for cast_pattern, dtype in casts:
+            if (info.dtype.name in _FLOATS if cast_pattern is None else cast_pattern.search(info.name)):
                 cast = dtype
         if cast is not None and not info.dtype.is_numeric:
             raise InvalidArgumentError(f"--dtype cannot cast a {info.dtype.name} tensor", key=info.name)

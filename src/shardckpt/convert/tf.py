@@ -11,7 +11,9 @@ format's own rules). Values are lazy: :class:`StreamingShardPolicy`, a
 :class:`~shardckpt.MaxShardSizePolicy` that packs by declared sizes instead of
 reading values, assigns tensors to shards, and a tensor larger than the limit is cut
 along axis 0 into slabs read one at a time. Shards are written one after the other
-so at most one value is in memory. A destination that is a directory (an existing
+so at most one value is in memory. ``save_tensors`` checks every value against the
+plan before writing it, so each tensor is read twice (the price of going through the
+one save path, with its validation and atomic commit). A destination that is a directory (an existing
 one, or a path ending in ``/``) gets the prefix ``DIR/ckpt`` and a ``checkpoint``
 state file naming it, so ``tf.train.latest_checkpoint(DIR)`` finds it.
 """
