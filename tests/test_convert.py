@@ -398,3 +398,26 @@ def test_checkpoint_directory_and_savedmodel_sources(tmp_path: Path) -> None:
     convert(str(tmp_path / "a.npz"), str(tmp_path / "run") + "/", dst_format="tf")
     assert shardckpt.latest_checkpoint(str(tmp_path / "run")) == str(tmp_path / "run" / "ckpt")
     assert_bit_equal(read_all(str(tmp_path / "run")), values)
+
+
+def test_hf_folder_reconverted_in_place_keeps_no_stale_shards(tmp_path: Path) -> None:
+    src = str(tmp_path / "s.npz")
+    np.savez(src, **{f"w{i}": np.full(100, i, np.float32) for i in range(4)})
+    out = str(tmp_path / "hf")
+    convert(src, out, dst_format="hf", max_shard_size=400)
+    assert len(os.listdir(out)) == 5
+    convert(src, out, dst_format="hf", max_shard_size=800, rules=Rules(drop=["w3"]))
+    assert sorted(os.listdir(out)) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                                       "model.safetensors.index.json"]
+    assert sorted(read_all(out)) == ["w0", "w1", "w2"]
+
+
+def test_strings_in_hf_metadata_are_written_once(tmp_path: Path) -> None:
+    src = str(FIXTURES / "03_string_tensors" / "ckpt")
+    out = tmp_path / "hf"
+    convert(src, str(out), dst_format="hf", strings="metadata")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert "_CHECKPOINTABLE_OBJECT_GRAPH" in index["metadata"]
+    back = str(tmp_path / "back" / "ckpt")
+    convert(str(out), back, dst_format="tf")
+    assert_bit_equal(read_all(back), read_all(src))

@@ -9,7 +9,8 @@ Shards are packed in tensor order, a new shard starting when the next tensor wou
 push the current one past ``max_shard_size`` (a tensor larger than the limit gets a
 shard of its own, as ``transformers`` does). The index is written last: a folder
 without its index is not a checkpoint. A folder holding only ``model.safetensors``
-is read as that file.
+is read as that file. Metadata (e.g. string tensors kept with ``--strings metadata``) is
+written once, in the index's ``metadata``; each shard's ``__metadata__`` is ``{"format": "pt"}``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 _MAX_INDEX_BYTES = 64 << 20
+_OLD_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _SHARD_FILE = re.compile(r"^[^/\\]+\.safetensors$")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
@@ -170,7 +172,7 @@ class HFSink(Sink):
         n = len(shards)
         staged = StagedFiles(self.path)
         weight_map: Dict[str, str] = {}
-        meta = {"format": "pt", **metadata}
+        meta = {"format": "pt"}  # what transformers checks; other metadata goes to the index once
         try:
             for k, indices in enumerate(shards, 1):
                 name = f"model-{k:05d}-of-{n:05d}.safetensors"
@@ -181,7 +183,12 @@ class HFSink(Sink):
                      "weight_map": dict(sorted(weight_map.items()))}
             last = [(name, data) for name, data in self.extra_files.items()]
             last.append((INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode()))
-            return staged.commit(last)
+            written = staged.commit(last)
         except BaseException:
             staged.abort()
             raise
+        for name in fs.listdir(self.path):  # shards of an earlier conversion into this folder
+            base = name.rsplit("/", 1)[-1]
+            if _OLD_SHARD.match(base) and base not in weight_map.values():
+                fs.remove(fs.join(self.path, base))
+        return written
