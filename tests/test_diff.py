@@ -147,3 +147,14 @@ def test_progress_draws_a_rich_bar_on_a_terminal() -> None:
         os.close(leader)
         os.close(follower)
     assert b"convert" in data and b"\x1b[" in data  # drawn with terminal control sequences
+
+
+def test_inspect_tree_of_an_hf_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = str(tmp_path / "s.npz")
+    np.savez(src, **{"bert.encoder.layer.0.weight": np.ones((4, 4), np.float32),
+                     "bert.encoder.layer.1.weight": np.ones((4, 4), np.float32), "cls.bias": np.ones(3)})
+    convert(src, str(tmp_path / "hf"), dst_format="hf")
+    assert main(["inspect", "--tree", str(tmp_path / "hf")]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0] == "3 tensors, 152 bytes (152 B)"
+    assert "bert.encoder.layer.  2 tensors  128 B" in text and "cls.bias  float64[3]  24 B" in text

@@ -7,7 +7,8 @@ followed by one line per slice). With ``--key``: that tensor's layout, summary
 statistics and values (summarised beyond ``--limit`` elements).
 
 ``--tree`` shows the key hierarchy (names split at ``/``) with the tensor count and
-bytes under each level.
+bytes under each level; it also reads safetensors files, Hugging Face folders and
+``.npz`` archives (names split at ``.`` when none has a ``/``).
 
 ``--json`` prints the same information as one JSON document. Values are included
 when the tensor has at most ``--limit`` elements; strings as base64 plus UTF-8
@@ -25,6 +26,8 @@ from typing import Any, Dict, List, Union
 
 import numpy as np
 
+from ..convert.api import open_source
+from ..convert.detect import source_format
 from ..errors import NotFoundError, ShardckptError
 from ..format.bundle_reader import BundleReader
 from ..format.ordered_code import is_slice_key
@@ -59,7 +62,8 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
     parser = subparsers.add_parser(
         "inspect", help="list a checkpoint's tensors, or show one tensor's values",
         description=__doc__.split("\n\n")[1] if __doc__ else None)
-    parser.add_argument("path", metavar="PATH", help="checkpoint prefix, checkpoint directory or SavedModel directory")
+    parser.add_argument("path", metavar="PATH", help="checkpoint prefix, checkpoint directory or SavedModel directory "
+                        "(with --tree also .safetensors, a Hugging Face folder or .npz)")
     parser.add_argument("--key", metavar="K", help="show this tensor's values and statistics")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--tree", action="store_true", help="show the key hierarchy (split at '/') with sizes")
@@ -80,6 +84,13 @@ def _non_negative(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``inspect``; returns the exit status."""
+    if getattr(args, "tree", False) and source_format(args.path) != "tf":
+        with open_source(args.path) as source:  # safetensors, HF folders, npz: the tree of their names
+            infos = source.tensors()
+        sep = "/" if any("/" in i.name for i in infos) else "."
+        root = build_tree([(i.name, i.dtype.name, i.shape, i.nbytes) for i in infos], sep)
+        print(json.dumps(tree_json(root), indent=2) if args.json else render_tree(root, sep))
+        return 0
     with open_bundle(args.path) as reader:
         if args.key is not None:
             detail = load_tensor(reader, args.key)

@@ -1,4 +1,4 @@
-"""The key hierarchy of a checkpoint (``inspect --tree``): names split at ``/``, sizes summed per level."""
+"""The key hierarchy of a checkpoint (``inspect --tree``): names split at ``/`` (or ``.``), sizes summed per level."""
 
 from __future__ import annotations
 
@@ -19,14 +19,14 @@ class Node:
     leaf: Optional[Tuple[str, Tuple[int, ...]]] = None  # (dtype, shape) of a tensor ending here
 
 
-def build_tree(items: Sequence[Tuple[str, str, Tuple[int, ...], int]]) -> Node:
-    """A tree from ``(name, dtype name, shape, nbytes)`` records."""
+def build_tree(items: Sequence[Tuple[str, str, Tuple[int, ...], int]], sep: str = "/") -> Node:
+    """A tree from ``(name, dtype name, shape, nbytes)`` records, names split at ``sep``."""
     root = Node("")
     for name, dtype, shape, nbytes in items:
         node = root
         node.nbytes += nbytes
         node.count += 1
-        for part in name.split("/"):
+        for part in name.split(sep):
             node = node.children.setdefault(part, Node(part))
             node.nbytes += nbytes
             node.count += 1
@@ -34,7 +34,7 @@ def build_tree(items: Sequence[Tuple[str, str, Tuple[int, ...], int]]) -> Node:
     return root
 
 
-def render_tree(root: Node) -> str:
+def render_tree(root: Node, sep: str = "/") -> str:
     lines = [f"{root.count} tensors, {root.nbytes} bytes ({human_size(root.nbytes)})"]
 
     def walk(node: Node, indent: str) -> None:
@@ -44,13 +44,13 @@ def render_tree(root: Node) -> str:
             label = child.name
             while child.leaf is None and len(child.children) == 1:  # a chain like .ATTRIBUTES/VARIABLE_VALUE
                 child = next(iter(child.children.values()))
-                label += "/" + child.name
+                label += sep + child.name
             branch = "└── " if last else "├── "
             if child.leaf is not None and not child.children:
                 dtype, shape = child.leaf
                 lines.append(f"{indent}{branch}{label}  {dtype}{shape_text(shape)}  {human_size(child.nbytes)}")
             else:
-                lines.append(f"{indent}{branch}{label}/  {child.count} tensors  {human_size(child.nbytes)}")
+                lines.append(f"{indent}{branch}{label}{sep}  {child.count} tensors  {human_size(child.nbytes)}")
             walk(child, indent + ("    " if last else "│   "))
 
     walk(root, "")
