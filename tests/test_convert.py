@@ -421,3 +421,17 @@ def test_strings_in_hf_metadata_are_written_once(tmp_path: Path) -> None:
     back = str(tmp_path / "back" / "ckpt")
     convert(str(out), back, dst_format="tf")
     assert_bit_equal(read_all(back), read_all(src))
+
+
+def test_safetensors_tensors_are_aligned(tmp_path: Path) -> None:
+    from shardckpt.convert.safetensors import SafetensorsSource
+
+    src = str(tmp_path / "s.npz")
+    np.savez(src, a=np.ones(3, np.bool_), b=np.ones(3, np.float64), c=np.ones(5, np.int8), d=np.ones(2, np.float32))
+    out = str(tmp_path / "o.safetensors")
+    convert(src, out)
+    with SafetensorsSource(out) as s:
+        assert s.data_start % 8 == 0
+        for name, info in s.infos.items():
+            assert (s.data_start + s.ranges[name][0]) % info.dtype.itemsize == 0, name
+        assert list(s.infos) == ["b", "d", "a", "c"]

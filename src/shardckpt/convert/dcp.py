@@ -126,6 +126,7 @@ class DCPSource(Source):
         if info is None:
             raise NotFoundError("no such tensor", path=self.path, key=name)
         if name not in self.cache:
+            self.cache = {}  # read out of order: drop what was loaded ahead, memory stays bounded
             self._load_batch(name)
         return self.cache.pop(name)
 

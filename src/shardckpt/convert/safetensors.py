@@ -220,7 +220,13 @@ def header_bytes(infos: Sequence[TensorInfo], metadata: Dict[str, str], path: st
 
 def write_safetensors(out: OutputFile, infos: Sequence[TensorInfo], fetch: Fetch, indices: Sequence[int],
                       metadata: Dict[str, str], progress: Progress) -> None:
-    """Stream one safetensors file: the header, then each ``fetch(i)`` for ``i`` in ``indices``."""
+    """Stream one safetensors file: the header, then each ``fetch(i)`` for ``i`` in ``indices``.
+
+    Tensors are laid out by element size, largest first (stable otherwise): the buffer
+    may have no holes, and this order keeps every tensor aligned to its element size
+    (the header is padded to 8 bytes), as the reference implementation does.
+    """
+    indices = sorted(indices, key=lambda i: -(infos[i].dtype.itemsize or 0))
     chosen = [infos[i] for i in indices]
     head, _ = header_bytes(chosen, metadata, out.final)
     out.write(head)
