@@ -19,7 +19,9 @@ once as a PyTorch DCP folder. Systems, each in its own fresh process (``--worker
   ``safetensors.numpy.save_file`` (in the TensorFlow side environment);
 * ``sc_dcp_safetensors``: ``shardckpt.convert`` DCP -> .safetensors;
 * ``torch_dcp_safetensors``: ``dcp_to_torch_save`` + ``torch.load`` +
-  ``safetensors.torch.save_file``.
+  ``safetensors.torch.save_file``;
+* ``sc_safetensors_tf``: the reverse direction, .safetensors -> TF checkpoint through
+  ``save_tensors`` (which reads each value twice: validation, then the write).
 
 Reported per system: median seconds, GB/s, throughput relative to ``raw_copy`` and peak
 extra resident memory (``common.Probe``). The issue's memory figure (2 GiB with a
@@ -51,6 +53,7 @@ SYSTEMS = {  # name -> (interpreter, source kind)
     "tf_safetensors": ("tf", "tf"),
     "sc_dcp_safetensors": ("py", "dcp"),
     "torch_dcp_safetensors": ("py", "dcp"),
+    "sc_safetensors_tf": ("py", "st"),
 }
 
 
@@ -64,7 +67,7 @@ def spec_of(args: argparse.Namespace) -> C.Spec:
 def paths(args: argparse.Namespace, layout: str) -> Dict[str, str]:
     base = os.path.join(args.dir, layout)
     return {"tf": os.path.join(base, "tf", "ckpt"), "dcp": os.path.join(base, "dcp"),
-            "out": os.path.join(base, "out")}
+            "st": os.path.join(base, "src.safetensors"), "out": os.path.join(base, "out")}
 
 
 # -- setup (once per layout) ------------------------------------------------------------
@@ -83,6 +86,9 @@ def setup(args: argparse.Namespace, layout: str) -> None:
     policy = shardckpt.MaxShardSizePolicy(max(1 << 20, args.size // 16)) if layout == "sliced" else None
     shardckpt.save_tensors(p["tf"], tensors, shardckpt.CheckpointOptions(sharding_callback=policy), max_workers=1)
     if layout == "plain":
+        from shardckpt.convert import convert
+
+        convert(p["tf"], p["st"])
         import torch
         import torch.distributed.checkpoint as dcp
 
@@ -175,6 +181,10 @@ def run_worker(args: argparse.Namespace) -> None:
         w_sc(p, args, "safetensors", "dcp")
     elif system == "torch_dcp_safetensors":
         w_torch_dcp_safetensors(p, args)
+    elif system == "sc_safetensors_tf":
+        from shardckpt.convert import convert
+
+        convert(p["st"], os.path.join(p["out"], "tf", "ckpt"), dst_format="tf")
     fig = probe.sample()
     written = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(p["out"]) for f in fs)
     shutil.rmtree(p["out"], ignore_errors=True)
@@ -228,7 +238,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         for _ in range(args.repeats):
             for system in args.systems:
                 interp, source = SYSTEMS[system]
-                if source == "dcp" and layout != "plain":
+                if source in ("dcp", "st") and layout != "plain":
                     continue
                 exe = tf if interp == "tf" else sys.executable
                 if exe is None:
