@@ -435,3 +435,13 @@ def test_safetensors_tensors_are_aligned(tmp_path: Path) -> None:
         for name, info in s.infos.items():
             assert (s.data_start + s.ranges[name][0]) % info.dtype.itemsize == 0, name
         assert list(s.infos) == ["b", "d", "a", "c"]
+
+
+def test_renaming_an_object_graph_checkpoint_warns(tmp_path: Path) -> None:
+    src = str(FIXTURES / "01_basic_float32_int64" / "ckpt")
+    rules = Rules(rename=["/.ATTRIBUTES/VARIABLE_VALUE$="])
+    result = convert(src, str(tmp_path / "tf") + "/", dst_format="tf", rules=rules)
+    assert any("still names the original keys" in w for w in result.warnings)
+    assert rules.preset is None  # the caller's rules are not changed
+    result = convert(src, str(tmp_path / "tf2") + "/", dst_format="tf", preset="bert", rules=rules)
+    assert rules.preset is None and "_CHECKPOINTABLE_OBJECT_GRAPH" in result.left_out

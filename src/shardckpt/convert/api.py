@@ -10,6 +10,7 @@ the sink, which commits atomically.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -30,7 +31,7 @@ from .presets import PRESETS, bert_config
 from .safetensors import SafetensorsSink, SafetensorsSource
 from .select import Planned, Rules, plan
 from .strings import encode_string_tensor, string_entries
-from .tf import TFSink, TFSource
+from .tf import OBJECT_GRAPH_KEY, TFSink, TFSource
 
 __all__ = ["convert", "open_source", "make_sink", "ConvertResult"]
 
@@ -114,7 +115,7 @@ def convert(src: str, dst: str, *, src_format: Optional[str] = None, dst_format:
     if preset is not None:
         if preset not in PRESETS:
             raise InvalidArgumentError(f"unknown preset {preset!r}; one of {', '.join(PRESETS)}")
-        rules.preset = PRESETS[preset][0]
+        rules = dataclasses.replace(rules, preset=PRESETS[preset][0])
     dfmt = dest_format(dst, dst_format)
     with open_source(src, src_format, trust_pickle=trust_pickle) as source:
         result = ConvertResult(source.path, source.format, dst, dfmt)
@@ -140,6 +141,11 @@ def convert(src: str, dst: str, *, src_format: Optional[str] = None, dst_format:
                 outputs.append(p)
                 continue
             result.left_out.append(p.source.name)
+        renamed = any(p.out.name != p.source.name for p in outputs)
+        if dfmt == "tf" and renamed and any(p.out.name == OBJECT_GRAPH_KEY for p in outputs):
+            result.warnings.append(f"{OBJECT_GRAPH_KEY} still names the original keys: tf.train.Checkpoint restores "
+                                   "will not find renamed variables (tf.train.load_checkpoint reads them by name); "
+                                   f"--drop {OBJECT_GRAPH_KEY} leaves it out")
         for w in result.warnings:
             _log.warning("%s", w)
         extra_files: Dict[str, bytes] = {}
