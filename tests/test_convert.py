@@ -445,3 +445,20 @@ def test_renaming_an_object_graph_checkpoint_warns(tmp_path: Path) -> None:
     assert rules.preset is None  # the caller's rules are not changed
     result = convert(src, str(tmp_path / "tf2") + "/", dst_format="tf", preset="bert", rules=rules)
     assert rules.preset is None and "_CHECKPOINTABLE_OBJECT_GRAPH" in result.left_out
+
+
+@pytest.mark.parametrize("source", ["npz", "safetensors"])
+def test_tf_output_cuts_large_tensors_into_slabs(tmp_path: Path, source: str) -> None:
+    values = {"big": np.arange(4000, dtype=np.float32).reshape(100, 40), "t": np.ones((40, 3), np.float32),
+              "small": np.arange(3, dtype=np.int64)}
+    src = str(tmp_path / ("s.npz" if source == "npz" else "s.safetensors"))
+    np.savez(str(tmp_path / "s.npz"), **values)
+    if source != "npz":
+        convert(str(tmp_path / "s.npz"), src)
+    out = str(tmp_path / "tf" / "ckpt")
+    convert(src, out, dst_format="tf", max_shard_size=1000, rules=Rules(transpose=["^t$"]))
+    from shardckpt.format.bundle_reader import BundleReader
+    with BundleReader(out) as reader:
+        assert len(reader.pieces("big")) == 17  # 6 rows (960 bytes) per slab
+    got = read_all(out)
+    assert_bit_equal(got, {"big": values["big"], "t": np.ascontiguousarray(values["t"].T), "small": values["small"]})

@@ -169,12 +169,21 @@ def convert(src: str, dst: str, *, src_format: Optional[str] = None, dst_format:
             return value
 
         read_rows = getattr(source, "read_rows", None)
-        if isinstance(sink, TFSink) and read_rows is not None:
-            def rows(i: int, start: int, stop: int) -> np.ndarray:
-                p = outputs[i]
-                if p.transpose or p.cast is not None or p.source.name in extras:
-                    return fetch(i)[start:stop]
+        last: Dict[int, np.ndarray] = {}  # the whole value slabs were last cut from (sources without row reads)
+
+        def rows(i: int, start: int, stop: int) -> np.ndarray:
+            p = outputs[i]
+            if read_rows is not None and not (p.transpose or p.cast is not None or p.source.name in extras):
                 return read_rows(p.source.name, start, stop)
+            if i not in last:
+                last.clear()
+                last[i] = fetch(i)
+            part = np.array(last[i][start:stop])
+            if stop >= p.out.shape[0]:  # the tensor's last slab: let the whole value go
+                last.clear()
+            return part
+
+        if isinstance(sink, TFSink):
             sink.read_rows = rows
         set_total = getattr(progress, "set_total", None)
         if set_total is not None:
