@@ -107,3 +107,18 @@ def test_npz_with_pickled_objects_is_refused(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedError, match="pickle"):
         convert(str(src), str(tmp_path / "o.safetensors"))
     assert not (tmp_path / "o.safetensors").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_damaged_npz(tmp_path: Path, damage: str) -> None:
+    src = tmp_path / "d.npz"
+    np.savez(src, a=np.arange(1000, dtype=np.float32), b=np.ones(10))
+    raw = bytearray(src.read_bytes())
+    if damage == "truncated":
+        raw = raw[: len(raw) // 2]
+    else:
+        raw[200] ^= 0xFF  # inside a's data: the member's CRC-32 no longer matches
+    src.write_bytes(bytes(raw))
+    with pytest.raises(DataLossError):
+        convert(str(src), str(tmp_path / "o.safetensors"))
+    assert not (tmp_path / "o.safetensors").exists()

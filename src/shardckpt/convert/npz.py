@@ -85,7 +85,7 @@ class NpzSource(Source):
                     dtype, shape = _npy_header(f, self.path, name)
                 self.members[name] = member
                 self.infos[name] = TensorInfo(name, dtype, shape)
-        except zipfile.BadZipFile as exc:
+        except (zipfile.BadZipFile, EOFError) as exc:
             self.raw.close()
             raise DataLossError(f"not a valid .npz (zip) archive: {exc}", path=path) from None
         except BaseException:
@@ -101,7 +101,7 @@ class NpzSource(Source):
         with self.zip.open(self.members[name]) as f:
             try:
                 value = np.lib.format.read_array(f, allow_pickle=False)
-            except ValueError as exc:
+            except (ValueError, EOFError, zipfile.BadZipFile) as exc:
                 raise DataLossError(f"cannot read array: {exc}", path=self.path, key=name) from None
         return value.astype(value.dtype.newbyteorder("="), copy=False)
 
