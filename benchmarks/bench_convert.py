@@ -168,6 +168,7 @@ def run_worker(args: argparse.Namespace) -> None:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: F401
 
         import shardckpt.convert  # noqa: F401
+    os.sync()  # no earlier step's write-back competes with this one's
     probe = C.Probe().start()
     if system == "raw_copy":
         w_raw_copy(p, args)
