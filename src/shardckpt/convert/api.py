@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..format.dtypes import STRING
-from ..storage import get_fs
+from ..storage import get_fs, is_local_path
 from .dcp import DCPSink, DCPSource
 from .detect import dest_format, source_format
 from .hf import HFSink, HFSource
@@ -159,9 +159,26 @@ def convert(src: str, dst: str, *, src_format: Optional[str] = None, dst_format:
         if not out_infos:
             raise InvalidArgumentError("nothing to convert: every tensor was left out", path=src)
 
+        # A sink that writes each value out before the next fetch, to a local file (an object
+        # store's upload may still hold the bytes), gets values read into one reused buffer:
+        # no fresh pages to fault in per tensor, and one tensor's worth of memory.
+        reuse = sink.consumes_each_value and is_local_path(dst)
+        buffer: List[np.ndarray] = []
+
+        def read(p: Planned) -> np.ndarray:
+            info = p.source
+            if reuse and info.dtype.is_numeric:
+                if not buffer:
+                    buffer.append(np.empty(max(o.source.nbytes for o in outputs), np.uint8))
+                out = buffer[0][:info.nbytes].view(info.dtype.numpy).reshape(info.shape)
+                got = source.read_into(info.name, out)
+                if got is not None:
+                    return got
+            return source.read(info.name)
+
         def fetch(i: int) -> np.ndarray:
             p = outputs[i]
-            value = extras[p.source.name] if p.source.name in extras else source.read(p.source.name)
+            value = extras[p.source.name] if p.source.name in extras else read(p)
             if p.transpose:
                 value = value.T
             if p.cast is not None:

@@ -11,7 +11,7 @@ temporaries when anything fails.
 from __future__ import annotations
 
 import secrets
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Iterable, List, Tuple
 
 import numpy as np
 
@@ -107,9 +107,3 @@ class StagedFiles:
         for f in self.files:
             f.discard()
         self.files = []
-
-
-def split_dir(path: str, fs: Optional[FileSystem] = None) -> Tuple[str, str]:
-    """``(directory, basename)`` of a path on its store."""
-    fs = fs or get_fs(path)
-    return fs.dirname(path), fs.basename(path)

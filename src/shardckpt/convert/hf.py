@@ -128,6 +128,9 @@ class HFSource(Source):
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         return self.files[self.where[name]].read_rows(name, start, stop)
 
+    def read_into(self, name: str, out: np.ndarray) -> Optional[np.ndarray]:
+        return self.files[self.where[name]].read_into(name, out)
+
     def metadata(self) -> Dict[str, str]:
         return dict(self.meta)
 
@@ -153,6 +156,7 @@ class HFSink(Sink):
     """A Hugging Face sharded folder; ``config`` (a dict) is written as ``config.json`` beside it."""
 
     format = "hf"
+    consumes_each_value = True
 
     def __init__(self, path: str, max_shard_size: Optional[int] = None,
                  extra_files: Optional[Dict[str, bytes]] = None) -> None:

@@ -65,6 +65,10 @@ class Source(abc.ABC):
     def read(self, name: str) -> np.ndarray:
         """The whole value of tensor ``name`` (its dtype is ``info.dtype.numpy``)."""
 
+    def read_into(self, name: str, out: np.ndarray) -> Optional[np.ndarray]:
+        """Read numeric tensor ``name`` into ``out`` (its dtype and shape); None where not supported."""
+        return None
+
     def metadata(self) -> Dict[str, str]:
         """Free-form string metadata the format carries (safetensors ``__metadata__``)."""
         return {}
@@ -84,6 +88,9 @@ class Sink(abc.ABC):
     """A destination written from a stream of tensors and committed atomically."""
 
     format: str = ""
+    #: Whether every fetched value is written out (and no reference kept) before the
+    #: next fetch, so the converter may read each value into one reused buffer.
+    consumes_each_value: bool = False
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -96,14 +103,3 @@ class Sink(abc.ABC):
     def write(self, infos: Sequence[TensorInfo], fetch: Fetch, metadata: Dict[str, str],
               progress: Progress = NO_PROGRESS) -> List[str]:
         """Write every tensor (``fetch(i)`` is the value of ``infos[i]``), commit, return the files written."""
-
-
-def nbytes_of(value: np.ndarray) -> int:
-    """Bytes of an array (strings: the sum of their lengths)."""
-    if value.dtype == object:
-        return sum(len(v) if isinstance(v, (bytes, str)) else 0 for v in value.reshape(-1))
-    return int(value.nbytes)
-
-
-def describe_dtype(dtype: Optional[DType]) -> str:
-    return "?" if dtype is None else dtype.name

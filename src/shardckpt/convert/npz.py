@@ -151,6 +151,7 @@ class _ZipTarget(io.RawIOBase):
 
 class NpzSink(Sink):
     format = "npz"
+    consumes_each_value = True
 
     def check(self, infos: Sequence[TensorInfo]) -> None:
         for info in infos:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -176,6 +176,13 @@ class SafetensorsSource(Source):
             raise NotFoundError("no such tensor", path=self.path, key=name)
         return self.read_rows(name, 0, info.shape[0] if info.shape else 1)
 
+    def read_into(self, name: str, out: np.ndarray) -> Optional[np.ndarray]:
+        begin, end = self.ranges[name]
+        if end > begin:
+            self.fs.pread_into(self.handle, memoryview(out.reshape(-1).view(np.uint8)),  # type: ignore[arg-type]
+                               self.data_start + begin, self.path)
+        return out
+
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows ``[start, stop)`` along axis 0 (a scalar: the whole value)."""
         info = self.infos[name]
@@ -249,6 +256,7 @@ class SafetensorsSink(Sink):
     """One ``.safetensors`` file."""
 
     format = "safetensors"
+    consumes_each_value = True
 
     def check(self, infos: Sequence[TensorInfo]) -> None:
         for info in infos:

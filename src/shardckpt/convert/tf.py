@@ -64,6 +64,9 @@ class TFSource(Source):
             raise NotFoundError("no such tensor", path=self.path, key=name)
         return self.bundle.read(self.keys[name])
 
+    def read_into(self, name: str, out: np.ndarray) -> Optional[np.ndarray]:
+        return self.bundle.read_region(self.keys[name], None, out=out)
+
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         info = self.infos[name]
         box = ((start, stop),) + tuple((0, d) for d in info.shape[1:])
