@@ -6,6 +6,10 @@ and where the bytes live (``shard 0 @ 128`` or ``2 slices in shards {0,1}``,
 followed by one line per slice). With ``--key``: that tensor's layout, summary
 statistics and values (summarised beyond ``--limit`` elements).
 
+``--tree`` shows the key hierarchy (names split at ``/``) with the tensor count and
+bytes under each level; it also reads safetensors files, Hugging Face folders and
+``.npz`` archives (names split at ``.`` when none has a ``/``).
+
 ``--json`` prints the same information as one JSON document. Values are included
 when the tensor has at most ``--limit`` elements; strings as base64 plus UTF-8
 (``null`` where not UTF-8), flattened row-major.
@@ -22,12 +26,15 @@ from typing import Any, Dict, List, Union
 
 import numpy as np
 
+from ..convert.api import open_source
+from ..convert.detect import source_format
 from ..errors import NotFoundError, ShardckptError
 from ..format.bundle_reader import BundleReader
 from ..format.ordered_code import is_slice_key
 from ._layout import DataFile, TensorLayout, data_files, open_bundle, tensor_layout
 from ._text import error_text, human_size, key_text, render_table, shape_text
 from ._values import format_stats, format_values, json_number, numeric_stats, string_stats, strings_json, values_json
+from .tree import build_tree, render_tree, tree_json
 
 __all__ = ["add_parser", "run", "BadTensor", "list_tensors", "render_listing", "listing_json",
            "TensorDetail", "load_tensor", "render_tensor", "tensor_json"]
@@ -55,9 +62,11 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
     parser = subparsers.add_parser(
         "inspect", help="list a checkpoint's tensors, or show one tensor's values",
         description=__doc__.split("\n\n")[1] if __doc__ else None)
-    parser.add_argument("path", metavar="PATH", help="checkpoint prefix, checkpoint directory or SavedModel directory")
+    parser.add_argument("path", metavar="PATH", help="checkpoint prefix, checkpoint directory or SavedModel directory "
+                        "(with --tree also .safetensors, a Hugging Face folder or .npz)")
     parser.add_argument("--key", metavar="K", help="show this tensor's values and statistics")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--tree", action="store_true", help="show the key hierarchy (split at '/') with sizes")
     parser.add_argument("--limit", metavar="N", type=_non_negative, default=DEFAULT_LIMIT,
                         help=f"show all values of tensors with at most N elements (default {DEFAULT_LIMIT})")
     parser.set_defaults(func=run)
@@ -75,6 +84,13 @@ def _non_negative(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``inspect``; returns the exit status."""
+    if getattr(args, "tree", False) and source_format(args.path) != "tf":
+        with open_source(args.path) as source:  # safetensors, HF folders, npz: the tree of their names
+            infos = source.tensors()
+        sep = "/" if any("/" in i.name for i in infos) else "."
+        root = build_tree([(i.name, i.dtype.name, i.shape, i.nbytes) for i in infos], sep)
+        print(json.dumps(tree_json(root), indent=2) if args.json else render_tree(root, sep))
+        return 0
     with open_bundle(args.path) as reader:
         if args.key is not None:
             detail = load_tensor(reader, args.key)
@@ -82,6 +98,11 @@ def run(args: argparse.Namespace) -> int:
                   else render_tensor(detail, args.limit))
             return 0
         rows = list_tensors(reader)
+        if getattr(args, "tree", False):
+            root = build_tree([(r.name, r.dtype.name, tuple(r.shape), r.nbytes) for r in rows
+                               if isinstance(r, TensorLayout)])
+            print(json.dumps(tree_json(root), indent=2) if args.json else render_tree(root))
+            return 1 if any(isinstance(r, BadTensor) for r in rows) else 0
         files = data_files(reader)
         print(json.dumps(listing_json(reader.prefix, files, rows), indent=2) if args.json
               else render_listing(reader.prefix, files, rows))

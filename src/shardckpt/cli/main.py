@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence
 
 from .. import __version__
 from ..errors import ShardckptError
-from . import demo, inspect, verify
+from . import convert, demo, diff, inspect, verify
 from ._text import error_text
 
 __all__ = ["build_parser", "main"]
@@ -24,10 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``shardckpt`` parser with one subparser per command."""
     parser = argparse.ArgumentParser(
         prog="shardckpt",
-        description="Inspect and check TensorFlow V2 checkpoints (tensor bundles) without TensorFlow.")
+        description="Inspect, check, convert and compare checkpoints (TensorFlow V2 bundles, safetensors, "
+                    "Hugging Face folders, npz, PyTorch DCP) without TensorFlow.")
     parser.add_argument("--version", action="version", version=f"shardckpt {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for command in (inspect, verify, demo):
+    for command in (inspect, verify, convert, diff, demo):
         command.add_parser(subparsers)
     return parser
 

@@ -1,0 +1,74 @@
+"""``shardckpt convert SRC DST``: one checkpoint to another format, streaming.
+
+Formats (detected from the paths, or given with ``--from``/``--to``): ``tf``
+(prefix, checkpoint directory, SavedModel directory), ``safetensors`` (one file),
+``hf`` (a Hugging Face sharded folder), ``npz`` and ``dcp`` (PyTorch Distributed
+Checkpoint, needs torch; its ``.metadata`` is a pickle, so reading one needs
+``--trust-pickle``). Local paths and ``s3://``. One tensor is in memory at a
+time; the output is committed atomically. A dtype the output cannot hold is an
+error naming the tensor before anything is written; ``--dtype`` casts explicitly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..convert import Rules, convert, parse_size
+from ..convert.detect import FORMATS
+from ..convert.presets import PRESETS
+from ..convert.select import load_name_map
+from .progress import progress_bar
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Register the ``convert`` subcommand."""
+    p = subparsers.add_parser("convert", help="convert a checkpoint to another format (tf, safetensors, hf, npz, dcp)",
+                              description=__doc__.split("\n\n")[1] if __doc__ else None)
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument("--from", dest="src_format", choices=FORMATS, help="format of SRC (default: detected)")
+    p.add_argument("--to", dest="dst_format", choices=FORMATS,
+                   help="format of DST (default: from its suffix, .safetensors or .npz)")
+    p.add_argument("--keep", action="append", default=[], metavar="REGEX", help="convert only matching tensors")
+    p.add_argument("--drop", action="append", default=[], metavar="REGEX", help="leave matching tensors out")
+    p.add_argument("--rename", action="append", default=[], metavar="REGEX=REPL", help="rename (re.sub), repeatable")
+    p.add_argument("--map", metavar="FILE", help="JSON object of exact old -> new names")
+    p.add_argument("--transpose", action="append", default=[], metavar="REGEX",
+                   help="reverse the axes of matching tensors")
+    p.add_argument("--dtype", action="append", default=[], metavar="[REGEX=]DTYPE",
+                   help="cast floating-point tensors (or those matching REGEX) to DTYPE; nothing is cast otherwise")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="rename a google-research TF checkpoint for transformers")
+    p.add_argument("--strings", choices=("skip", "metadata"), default="skip",
+                   help="string tensors into safetensors __metadata__ (default: left out with a warning)")
+    p.add_argument("--max-shard-size", metavar="SIZE", type=parse_size,
+                   help="largest shard for tf and hf output, e.g. 5GB, 512MiB (hf default 5GB)")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="allow reading a PyTorch DCP folder, whose .metadata is a pickle that can run code")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    name_map = {}
+    if args.map:
+        with open(args.map, encoding="utf-8") as f:
+            name_map = load_name_map(f.read(), args.map)
+    rules = Rules(keep=args.keep, drop=args.drop, rename=args.rename, name_map=name_map, transpose=args.transpose,
+                  casts=args.dtype)
+    with progress_bar("convert", None, enabled=not args.json) as advance:
+        result = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format, rules=rules,
+                         preset=args.preset, strings=args.strings, max_shard_size=args.max_shard_size,
+                         trust_pickle=args.trust_pickle, progress=advance)
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        for w in result.warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        print(f"converted {result.tensors} tensors ({result.bytes} bytes) from {result.source_format} "
+              f"{result.source} to {result.dest_format} {result.dest} in {result.seconds:.2f} s"
+              + (f"; {len(result.left_out)} left out" if result.left_out else ""))
+    return 0
