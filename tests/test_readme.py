@@ -10,6 +10,8 @@ The harness is generic: new blocks are picked up without touching this file.
 * ```` ```bash ```` / ``sh`` / ``shell`` / ``console`` blocks: each ``&&``-separated
   command that runs ``shardckpt`` (``shardckpt ...``, ``.venv/bin/shardckpt ...``) runs
   with this checkout's CLI; installs, exports and the test suite itself are not run.
+  A block whose first line is ``cd "$(mktemp -d)"`` is a self-contained script and runs
+  whole under ``bash -e``, with ``shardckpt`` and ``python`` resolving to this checkout's.
 * Other blocks (```` ```text ````, no language) are not code.
 
 Placeholders are mapped, not edited in the README: absolute paths (``/ckpt/...``,
@@ -180,6 +182,19 @@ def build_steps(blocks: List[Block], mapper: Mapper, work: Path) -> List[dict]:
                               "cwd": str(folder), "env": MPI_ENV, "timeout": TIMEOUT})
         elif block.lang == "python":
             steps.append({"kind": "python", "line": block.line, "code": mapper.python(block.code)})
+        elif block.lang in SHELL_LANGS and block.code.lstrip().startswith('cd "$(mktemp -d)"'):
+            script = work / f"block-{block.line}.sh"
+            script.write_text("set -euo pipefail\n" + block.code)
+            bin_dir = work / "bin"
+            bin_dir.mkdir(exist_ok=True)
+            (bin_dir / "shardckpt").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m shardckpt.cli.main "$@"\n')
+            (bin_dir / "shardckpt").chmod(0o755)
+            for name in ("python", "python3"):  # scripts, not symlinks: a venv is found from the real path
+                (bin_dir / name).write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+                (bin_dir / name).chmod(0o755)
+            steps.append({"kind": "shell", "line": block.line, "cwd": str(work), "timeout": TIMEOUT,
+                          "argv": ["bash", str(script)],
+                          "env": {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}})
         elif block.lang in SHELL_LANGS:
             for words in block.shardckpt_commands():
                 steps.append({"kind": "shell", "line": block.line, "cwd": str(work), "timeout": TIMEOUT,
