@@ -37,8 +37,10 @@ own groups are unaffected).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import threading
 import time
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
@@ -56,6 +58,8 @@ from .coordinator import (
 __all__ = ["TorchCoordinator"]
 
 _ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+_LIVE: List["TorchCoordinator"] = []  # in creation order; closed in reverse at exit
+_LIVE_LOCK = threading.Lock()
 _MAX_TAG = 2**31 - 1
 # How long a rank waits for rank 0's barrier verdict beyond its own deadline
 # before it decides by itself (covers rank 0 arriving a little later).
@@ -136,6 +140,8 @@ class TorchCoordinator(EngineCoordinator):
         if self._rank < 0:
             raise CoordinationError("this process is not a member of the coordinator's group")
         self._store = self._make_store()
+        with _LIVE_LOCK:
+            _LIVE.append(self)
 
     def clone(self) -> "TorchCoordinator":
         """The same ranks on a new gloo group of its own (collective over those ranks)."""
@@ -412,3 +418,35 @@ class TorchCoordinator(EngineCoordinator):
                 dist.destroy_process_group()
             except Exception:  # pragma: no cover
                 pass
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Tear down every coordinator's gloo group (clones first), then the default group if a coordinator
+    created it, before the interpreter finalises.
+
+    A script that simply ends (no close call) would otherwise leave the groups and the
+    key-value store to be destroyed during interpreter teardown, while their C++ threads
+    may still be alive: the process then aborts ("terminate called without an active
+    exception") after the checkpoint committed, and the launcher reports a failure.
+    Background saves were already waited for (``saving.async_save`` joins them before
+    atexit handlers run).
+    """
+    with _LIVE_LOCK:
+        live = list(reversed(_LIVE))
+        _LIVE.clear()
+    default_owner = None
+    for coordinator in live:
+        if coordinator._initialized_default:
+            default_owner = coordinator
+            coordinator._initialized_default = False  # destroyed last, once
+        try:
+            coordinator.close()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+    if default_owner is not None:
+        try:
+            if default_owner._dist.is_initialized():
+                default_owner._dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
