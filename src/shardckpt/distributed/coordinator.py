@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 import json
 import time
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from ..errors import InvalidArgumentError, ShardckptError
 
@@ -30,10 +30,14 @@ class CoordinationError(ShardckptError, RuntimeError):
     """A collective failed: a client reported an error, or the engine did.
 
     ``missing``: the ranks found gone (dead or hung), when the backend could tell.
+    ``elsewhere``: for clients found at different barriers, each such rank and the barrier it was
+    at (the barrier's judge, rank 0, being at the expected one).
     """
 
-    def __init__(self, message: str, missing: Optional[List[int]] = None) -> None:
+    def __init__(self, message: str, missing: Optional[List[int]] = None,
+                 elsewhere: Optional[Dict[int, str]] = None) -> None:
         self.missing = list(missing or [])
+        self.elsewhere = dict(elsewhere or {})
         super().__init__(message)
 
 
@@ -96,19 +100,34 @@ class Coordinator(abc.ABC):
             detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
             raise CoordinationError(f"{len(failed)} of {self.size} clients failed: {detail}")
 
-    def _probe_missing(self, timeout: float) -> List[int]:
-        """After a collective failed on this client: the ranks that do not reach a barrier in time.
+    def _probe_missing(self, timeout: float, failed: int) -> List[int]:
+        """After collective number ``failed`` failed on this client: the ranks that were not in it.
 
-        Every client whose collective failed calls it (with the same barrier sequence, as they
-        all failed in the same collective), so a dead or hung client is named. The others may
-        notice the failure up to ``timeout`` (the failed call's) later than this client, so the
-        probe waits that long plus a grace period. Best effort: ``[]`` when it cannot tell.
+        Every client whose collective failed calls it, so a dead or hung client is named. The
+        barrier is named after the failed collective's number: a client that was late, and
+        whose own failure came in a later collective (its late arrival completed the first part
+        of a two-part collective, say), arrives at a barrier of another name and is named as
+        well, whenever it arrives. The others may notice the failure up to ``timeout`` (the failed
+        call's) later than this client, so the probe waits that long plus a grace period. When
+        clients disagree on the collective, the largest group is the one that was "here".
+        Best effort: ``[]`` when it cannot tell.
         """
         wait = timeout + max(1.0, 0.1 * timeout)
         try:
-            self.barrier("shardckpt: who is still here after a failed collective", timeout=wait)
+            self.barrier(f"shardckpt: who was in collective #{failed}", timeout=wait)
         except CoordinationTimeout as e:
             return [r for r in e.missing if r != self.rank]
+        except CoordinationError as e:
+            if not e.elsewhere:
+                return []
+            here = self.size - len(e.elsewhere)  # rank 0 and those at its barrier
+            groups: Dict[str, List[int]] = {}
+            for r, n in e.elsewhere.items():
+                groups.setdefault(n, []).append(int(r))
+            biggest = max(groups.values(), key=len)
+            if len(biggest) > here:  # rank 0 was the odd one out
+                return sorted(r for r in range(self.size) if r not in biggest and r != self.rank)
+            return sorted(r for r in e.elsewhere if r != self.rank)
         except Exception:  # noqa: BLE001 - only a diagnosis
             return []
         return []

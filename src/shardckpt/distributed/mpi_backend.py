@@ -110,6 +110,7 @@ class MPICoordinator(EngineCoordinator):
         self._size = self._comm.Get_size()
         self._tag_ub = int(self._comm.Get_attr(MPI.TAG_UB) or 32767)
         self._failed: Optional[str] = None
+        self._collectives = 0  # collectives waited for, counted alike on every client (names a failed one)
         self._barrier_seq = 0
         # Requests (and their buffers) that must outlive the call that started them.
         self._inflight: List[Tuple[Any, Any]] = []
@@ -157,6 +158,8 @@ class MPICoordinator(EngineCoordinator):
         return True
 
     def _collective(self, req: Any, bufs: Any, deadline: float, what: str, timeout: Optional[float]) -> None:
+        self._collectives += 1
+        number = self._collectives
         try:
             done = self._poll(req, deadline)
         except self._MPI.Exception as e:
@@ -165,7 +168,8 @@ class MPICoordinator(EngineCoordinator):
         if not done:
             self._inflight.append((req, bufs))  # cannot be cancelled: keep its buffers alive
             shown = self._timeout if timeout is None else timeout
-            missing = self._probe_missing(shown)  # a barrier on the barrier communicator, not the stuck one
+            # a barrier on the barrier communicator, not the stuck one
+            missing = self._probe_missing(shown, number)
             self._failed = f"{what} timed out"
             who = (f"rank(s) {missing} did not take part" if missing
                    else "some client did not take part, or is too slow")
@@ -414,7 +418,8 @@ class MPICoordinator(EngineCoordinator):
             names = sorted(verdict["names"].items(), key=lambda x: int(x[0]))
             detail = ", ".join(f"rank {r} at {n!r}" for r, n in names)
             raise CoordinationError(f"barrier #{seq}: clients are at different barriers: expected "
-                                    f"{verdict.get('expected')!r}, but {detail}")
+                                    f"{verdict.get('expected')!r}, but {detail}",
+                                    elsewhere={int(r): str(n) for r, n in names})
         missing = [int(r) for r in verdict.get("missing", [])]
         if verdict.get("stalled"):
             why = "rank 0 arrived but gave no verdict"

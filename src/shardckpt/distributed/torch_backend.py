@@ -111,6 +111,7 @@ class TorchCoordinator(EngineCoordinator):
             raise InvalidArgumentError(f"coordinator timeout must be positive, got {timeout!r}")
         self._timeout = float(timeout)
         self._failed: Optional[str] = None
+        self._collectives = 0  # collectives waited for, counted alike on every client (names a failed one)
         self._barrier_seq = 0
         self._cleaned = 0  # rank 0: the barrier keys before this sequence number are deleted
         self._initialized_default = False
@@ -177,6 +178,8 @@ class TorchCoordinator(EngineCoordinator):
 
     def _wait(self, work: Any, deadline: float, what: str, timeout: Optional[float]) -> None:
         """Wait for gloo ``work`` until ``deadline``; on failure, mark the coordinator unusable and raise."""
+        self._collectives += 1
+        number = self._collectives
         try:
             work.wait(timeout=_seconds(deadline - time.monotonic()))
             return
@@ -184,7 +187,7 @@ class TorchCoordinator(EngineCoordinator):
             err = e
         shown = self._timeout if timeout is None else timeout
         text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        missing = self._probe_missing(shown)  # a barrier on the key-value store: works without gloo
+        missing = self._probe_missing(shown, number)  # a barrier on the key-value store: works without gloo
         self._failed = f"{what} failed"
         who = f"rank(s) {missing} did not reach a barrier after it" if missing else "could not tell which client"
         if "timed out" in str(err).lower() or time.monotonic() >= deadline:
@@ -388,7 +391,8 @@ class TorchCoordinator(EngineCoordinator):
             names = sorted(verdict["names"].items(), key=lambda x: int(x[0]))
             detail = ", ".join(f"rank {r} at {n!r}" for r, n in names)
             raise CoordinationError(f"barrier #{seq}: clients are at different barriers: expected "
-                                    f"{verdict.get('expected')!r}, but {detail}")
+                                    f"{verdict.get('expected')!r}, but {detail}",
+                                    elsewhere={int(r): str(n) for r, n in names})
         missing = [int(r) for r in verdict.get("missing", [])]
         if verdict.get("stalled"):
             why = f"rank 0 arrived but gave no verdict (reported by rank {by})"
