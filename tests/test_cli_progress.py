@@ -62,11 +62,13 @@ def run_on_terminal(*args: str, progress: Optional[str] = None) -> Tuple[int, by
         follower = -1
         terminal = b""
         deadline = time.monotonic() + 120
+        exited = False
         while time.monotonic() < deadline:
             ready, _, _ = select.select([leader], [], [], 1.0)
             if not ready:
-                if proc.poll() is not None:
+                if exited:  # one more wait after the exit was seen: nothing left to drain
                     break
+                exited = proc.poll() is not None
                 continue
             try:
                 chunk = os.read(leader, 65536)
