@@ -13,6 +13,11 @@ bytes under each level; it also reads safetensors files, Hugging Face folders an
 ``--json`` prints the same information as one JSON document. Values are included
 when the tensor has at most ``--limit`` elements; strings as base64 plus UTF-8
 (``null`` where not UTF-8), flattened row-major.
+
+Listing a TF checkpoint describes every entry from the index (no tensor bytes are
+read); on a terminal a progress bar counts the tensors described (on stderr, erased
+before the listing is printed), which matters for checkpoints of many thousands of
+keys or on object stores; off a terminal and with ``--json`` nothing else is printed.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from ..format.ordered_code import is_slice_key
 from ._layout import DataFile, TensorLayout, data_files, open_bundle, tensor_layout
 from ._text import error_text, human_size, key_text, render_table, shape_text
 from ._values import format_stats, format_values, json_number, numeric_stats, string_stats, strings_json, values_json
+from .progress import Advance, progress_bar
 from .tree import build_tree, render_tree, tree_json
 
 __all__ = ["add_parser", "run", "BadTensor", "list_tensors", "render_listing", "listing_json",
@@ -97,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(tensor_json(detail, args.limit), indent=2) if args.json
                   else render_tensor(detail, args.limit))
             return 0
-        rows = list_tensors(reader)
+        with progress_bar("inspect", None, enabled=not args.json, unit="items") as advance:
+            rows = list_tensors(reader, advance)
         if getattr(args, "tree", False):
             root = build_tree([(r.name, r.dtype.name, tuple(r.shape), r.nbytes) for r in rows
                                if isinstance(r, TensorLayout)])
@@ -111,14 +118,27 @@ def run(args: argparse.Namespace) -> int:
 
 # -- the listing ---------------------------------------------------------------------------------
 
-def list_tensors(reader: BundleReader) -> List[Row]:
-    """The layout of every tensor (plain keys, sorted); bad entries become :class:`BadTensor`."""
+def _no_progress(name: str, count: int) -> None:
+    return None
+
+
+def list_tensors(reader: BundleReader, progress: Advance = _no_progress) -> List[Row]:
+    """The layout of every tensor (plain keys, sorted); bad entries become :class:`BadTensor`.
+
+    ``progress(key, 1)`` is called after each tensor is described (and ``progress.set_total(n)``,
+    where it has one, once before the first).
+    """
     rows: List[Row] = []
-    for key in sorted(reader.keys()):
+    keys = sorted(reader.keys())
+    set_total = getattr(progress, "set_total", None)
+    if set_total is not None:
+        set_total(len(keys))
+    for key in keys:
         try:
             rows.append(tensor_layout(reader, key))
         except ShardckptError as exc:
             rows.append(BadTensor(key, exc))
+        progress(rows[-1].name, 1)
     return rows
 
 

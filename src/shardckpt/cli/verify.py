@@ -7,6 +7,10 @@ that every stored piece (whole entries and each slice) matches its CRC32C. It ca
 problem, prints one line per bad entry (key, slice, file, problem), then a
 summary: ``OK: N tensors, M bytes verified`` or ``FAILED: k of N entries bad``.
 Exit status 0 only when everything is fine.
+
+On a terminal a progress bar (bytes read out of the data files' total) is drawn on
+stderr while the entries are read, and erased before the report is printed; off a
+terminal and with ``--json`` nothing but the report is printed (:mod:`.progress`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from ..format.ordered_code import decode_tensor_name_slice
 from ..format.tiling import check_tiling
 from ._layout import TensorLayout, data_files, open_bundle, tensor_layout
 from ._text import bare_message, error_text, human_size, key_text, piece_key_text
+from .progress import Advance, progress_bar
 
 __all__ = ["add_parser", "run", "Problem", "VerifyReport", "verify_bundle", "render_report", "report_json"]
 
@@ -80,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {message}", file=sys.stderr)
         return 1
     with reader:
-        report = verify_bundle(reader)
+        with progress_bar("verify", None, enabled=not args.json) as advance:
+            report = verify_bundle(reader, advance)
     print(json.dumps(report_json(report), indent=2) if args.json else render_report(report))
     return 0 if report.ok else 1
 
@@ -113,10 +119,22 @@ def _slice_owner(key: bytes) -> Optional[bytes]:
         return None
 
 
-def verify_bundle(reader: BundleReader) -> VerifyReport:
-    """Check every data file, entry and stored piece of ``reader``'s bundle."""
+def _no_progress(name: str, nbytes: int) -> None:
+    return None
+
+
+def verify_bundle(reader: BundleReader, progress: Advance = _no_progress) -> VerifyReport:
+    """Check every data file, entry and stored piece of ``reader``'s bundle.
+
+    ``progress(key, nbytes)`` is called after each tensor (or orphan slice entry) is checked,
+    and ``progress.set_total(nbytes)`` (where it has one) once, with the data files' total size.
+    """
     report = VerifyReport(prefix=reader.prefix)
-    report.missing_files = [f.path for f in data_files(reader) if f.size is None]
+    files = data_files(reader)
+    report.missing_files = [f.path for f in files if f.size is None]
+    set_total = getattr(progress, "set_total", None)
+    if set_total is not None:
+        set_total(sum(f.size or 0 for f in files))
     listed: Set[bytes] = set()
     undescribed: Set[bytes] = set()  # tensors whose entry is bad: their slices are no orphans
     for key in sorted(reader.keys()):
@@ -142,6 +160,7 @@ def verify_bundle(reader: BundleReader) -> VerifyReport:
         except ShardckptError as exc:
             bad = True
             report.problems.extend(_piece_problems(reader, layout, exc))
+        progress(name, layout.nbytes)
         if bad:
             report.bad_entries += 1
             continue
@@ -156,7 +175,9 @@ def verify_bundle(reader: BundleReader) -> VerifyReport:
         report.orphan_slices.append(pretty)
         try:
             reader.verify(key)
-            report.bytes_verified += int(reader.entry(key).size)
+            size = int(reader.entry(key).size)
+            report.bytes_verified += size
+            progress(pretty, size)
         except ShardckptError as exc:
             report.bad_entries += 1
             name, sep, spec = pretty.partition(" slice ")

@@ -27,7 +27,7 @@ from .detect import dest_format, source_format
 from .hf import HFSink, HFSource
 from .model import NO_PROGRESS, Progress, Sink, Source, TensorInfo
 from .npz import NpzSink, NpzSource
-from .presets import PRESETS, bert_config
+from .presets import PRESETS, model_config
 from .safetensors import SafetensorsSink, SafetensorsSource
 from .select import Planned, Rules, plan
 from .strings import encode_string_tensor, string_entries
@@ -85,14 +85,15 @@ def make_sink(path: str, fmt: str, *, max_shard_size: Optional[int] = None,
 
 
 def _preset_config(source: Source, preset: str) -> Optional[bytes]:
-    """``config.json`` from a ``bert_config.json`` beside the source checkpoint, if there is one."""
+    """``config.json`` from the preset's config file (``bert_config.json``, ``albert_config.json``)
+    beside the source checkpoint, if there is one."""
     fs = get_fs(source.path)
+    chosen = PRESETS[preset]
     directory = source.path if fs.isdir(source.path) else fs.dirname(source.path)
-    candidate = fs.join(directory, "bert_config.json") if directory else "bert_config.json"
+    candidate = fs.join(directory, chosen.config_file) if directory else chosen.config_file
     if not fs.isfile(candidate):
         return None
-    _, architecture, model_type = PRESETS[preset]
-    config = bert_config(fs.read_bytes(candidate).decode("utf-8"), architecture, model_type)
+    config = model_config(chosen, fs.read_bytes(candidate).decode("utf-8"))
     return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
 
 
@@ -103,7 +104,7 @@ def convert(src: str, dst: str, *, src_format: Optional[str] = None, dst_format:
     """Convert the checkpoint at ``src`` into ``dst``; see the module docstring.
 
     Formats: ``tf``, ``safetensors``, ``hf``, ``npz``, ``dcp`` (detected from the paths
-    unless given). ``preset`` is ``"bert"`` or ``"electra"``. ``strings`` is ``"skip"``
+    unless given). ``preset`` is ``"bert"``, ``"electra"`` or ``"albert"``. ``strings`` is ``"skip"``
     or ``"metadata"``. ``max_shard_size`` (bytes) shards ``tf`` and ``hf`` output.
     ``progress(name, nbytes)`` is called after each tensor is written (and
     ``progress.set_total(nbytes)``, if it has that attribute, once before the first).
@@ -115,7 +116,7 @@ def convert(src: str, dst: str, *, src_format: Optional[str] = None, dst_format:
     if preset is not None:
         if preset not in PRESETS:
             raise InvalidArgumentError(f"unknown preset {preset!r}; one of {', '.join(PRESETS)}")
-        rules = dataclasses.replace(rules, preset=PRESETS[preset][0])
+        rules = dataclasses.replace(rules, preset=PRESETS[preset].rule)
     dfmt = dest_format(dst, dst_format)
     with open_source(src, src_format, trust_pickle=trust_pickle) as source:
         result = ConvertResult(source.path, source.format, dst, dfmt)

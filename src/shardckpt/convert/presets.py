@@ -1,4 +1,4 @@
-"""Name presets: the original google-research TF BERT layout to Hugging Face transformers.
+"""Name presets: the original google-research TF BERT-family layouts to Hugging Face transformers.
 
 ``bert``: the checkpoints of google-research/bert (``bert/encoder/layer_0/attention/
 self/query/kernel`` ...) to the state dict of ``transformers.BertForPreTraining``
@@ -18,18 +18,43 @@ self/query/kernel`` ...) to the state dict of ``transformers.BertForPreTraining`
 the generator's variables (``generator/``, ``generator_predictions/``) and ``temperature``
 are left out.
 
-:func:`bert_config` turns a ``bert_config.json`` into a transformers ``config.json``.
+``albert``: google-research/albert checkpoints to ``transformers.AlbertForPreTraining``. ALBERT
+shares one set of layer weights per group, so its encoder is ``bert/encoder/transformer/group_G/
+inner_group_I/...`` plus ``bert/encoder/embedding_hidden_mapping_in`` (the embedding-to-hidden
+projection); the names are first rewritten into transformers' module path, then the ``bert`` leaf
+rules above apply (``kernel`` transposed, ``gamma``/``beta``, ``*_embeddings``):
+
+* ``bert/encoder/transformer/group_G/inner_group_I/`` ->
+  ``albert.encoder.albert_layer_groups.G.albert_layers.I.``, and within it
+  ``attention_1/self/{query,key,value}/`` -> ``attention.{query,key,value}.``,
+  ``attention_1/output/dense/`` -> ``attention.dense.``, ``LayerNorm/`` -> ``attention.LayerNorm.``,
+  ``ffn_1/intermediate/dense/`` -> ``ffn.``, ``ffn_1/intermediate/output/dense/`` -> ``ffn_output.``,
+  ``LayerNorm_1/`` -> ``full_layer_layer_norm.``;
+* ``bert/`` -> ``albert.``; ``bert/pooler/dense/`` -> ``albert.pooler.``;
+* ``cls/predictions/transform/{dense,LayerNorm}/`` -> ``predictions.{dense,LayerNorm}.``;
+  ``cls/predictions/output_bias`` -> ``predictions.bias``;
+* ``cls/seq_relationship/output_{weights,bias}`` -> ``sop_classifier.classifier.{weight,bias}``
+  (sentence-order prediction); a top-level ``output_{weights,bias}`` (a fine-tuned
+  classifier) -> ``classifier.{weight,bias}``;
+* a leading ``module/`` (TF-Hub exports) is dropped; optimizer slots (LAMB's ``adam_m``/
+  ``adam_v``) and ``global_step`` are left out as for ``bert``.
+
+Each preset (:class:`ModelPreset`) also names the config file google-research puts beside the
+checkpoint (``bert_config.json``, ``albert_config.json``); :func:`model_config` turns it into a
+transformers ``config.json`` (:func:`bert_config` for the BERT family; for ALBERT, :func:`albert_config`).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, Callable, Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Pattern, Tuple
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["PRESETS", "bert_name", "electra_name", "bert_config"]
+__all__ = ["PRESETS", "ModelPreset", "bert_name", "electra_name", "albert_name", "bert_config",
+           "albert_config", "model_config"]
 
 _SKIP = {"adam_v", "adam_m", "AdamWeightDecayOptimizer", "AdamWeightDecayOptimizer_1", "global_step"}
 _LAYER = re.compile(r"^layer_(\d+)$")
@@ -71,14 +96,44 @@ def electra_name(name: str) -> Optional[Tuple[str, bool]]:
     return bert_name("/".join("dense_prediction" if p == "dense_1" else p for p in parts))
 
 
-def bert_config(text: str, architecture: str = "BertForPreTraining", model_type: str = "bert") -> Dict[str, Any]:
+#: ALBERT's scopes rewritten into transformers' module path, in order, on the ``/``-joined name
+#: (after ``module/`` is dropped); what is left goes through :func:`bert_name`'s leaf rules.
+_ALBERT_RULES: List[Tuple[Pattern[str], str]] = [(re.compile(a), b) for a, b in [
+    (r"^bert/", "albert/"),
+    (r"^albert/pooler/dense/", "albert/pooler/"),
+    (r"^albert/encoder/transformer/group_(\d+)/inner_group_(\d+)/",
+     r"albert/encoder/albert_layer_groups/\1/albert_layers/\2/"),
+    (r"(/albert_layers/\d+/)attention_1/self/", r"\1attention/"),
+    (r"(/albert_layers/\d+/)attention_1/output/dense/", r"\1attention/dense/"),
+    (r"(/albert_layers/\d+/)LayerNorm/", r"\1attention/LayerNorm/"),
+    (r"(/albert_layers/\d+/)LayerNorm_1/", r"\1full_layer_layer_norm/"),
+    (r"(/albert_layers/\d+/)ffn_1/intermediate/dense/", r"\1ffn/"),
+    (r"(/albert_layers/\d+/)ffn_1/intermediate/output/dense/", r"\1ffn_output/"),
+    (r"^cls/predictions/transform/", "predictions/"),
+    (r"^cls/predictions/", "predictions/"),
+    (r"^cls/seq_relationship/", "sop_classifier/classifier/"),
+    (r"^(output_weights|output_bias)$", r"classifier/\1"),
+]]
+
+
+def albert_name(name: str) -> Optional[Tuple[str, bool]]:
+    """The ``AlbertForPreTraining`` name of a google-research ALBERT variable and whether it is transposed."""
+    if name.startswith("module/"):
+        name = name[len("module/"):]
+    for pattern, repl in _ALBERT_RULES:
+        name = pattern.sub(repl, name)
+    return bert_name(name)
+
+
+def bert_config(text: str, architecture: str = "BertForPreTraining", model_type: str = "bert",
+                filename: str = "bert_config.json") -> Dict[str, Any]:
     """A transformers ``config.json`` (as a dict) from the text of a google-research ``bert_config.json``."""
     try:
         config = json.loads(text)
     except ValueError as exc:
-        raise InvalidArgumentError(f"bert_config.json is not JSON: {exc}") from None
+        raise InvalidArgumentError(f"{filename} is not JSON: {exc}") from None
     if not isinstance(config, dict):
-        raise InvalidArgumentError("bert_config.json is not a JSON object")
+        raise InvalidArgumentError(f"{filename} is not a JSON object")
     out = dict(config)
     out.setdefault("layer_norm_eps", 1e-12)
     out.setdefault("pad_token_id", 0)
@@ -87,8 +142,39 @@ def bert_config(text: str, architecture: str = "BertForPreTraining", model_type:
     return out
 
 
-PRESETS: Dict[str, Tuple[Callable[[str], Optional[Tuple[str, bool]]], str, str]] = {
-    # name: (rename rule, transformers architecture, model_type)
-    "bert": (bert_name, "BertForPreTraining", "bert"),
-    "electra": (electra_name, "ElectraForPreTraining", "electra"),
+def albert_config(text: str, filename: str = "albert_config.json") -> Dict[str, Any]:
+    """A transformers ``config.json`` (as a dict) from a google-research ``albert_config.json``.
+
+    google-research ALBERT's ``gelu`` is the tanh approximation, which transformers calls
+    ``gelu_new`` (as the ALBERT configs on the Hugging Face Hub say); every other field is kept.
+    """
+    out = bert_config(text, "AlbertForPreTraining", "albert", filename)
+    if out.get("hidden_act") == "gelu":
+        out["hidden_act"] = "gelu_new"
+    return out
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """One ``--preset``: the rename rule, the transformers class, and the config file beside the checkpoint."""
+
+    rule: Callable[[str], Optional[Tuple[str, bool]]]
+    architecture: str
+    model_type: str
+    config_file: str = "bert_config.json"
+    #: ``config(text, filename)`` -> the transformers ``config.json`` as a dict.
+    config: Optional[Callable[[str, str], Dict[str, Any]]] = None
+
+
+def model_config(preset: ModelPreset, text: str) -> Dict[str, Any]:
+    """The transformers ``config.json`` (as a dict) from the text of ``preset.config_file``."""
+    if preset.config is not None:
+        return preset.config(text, preset.config_file)
+    return bert_config(text, preset.architecture, preset.model_type, preset.config_file)
+
+
+PRESETS: Dict[str, ModelPreset] = {
+    "bert": ModelPreset(bert_name, "BertForPreTraining", "bert"),
+    "electra": ModelPreset(electra_name, "ElectraForPreTraining", "electra"),
+    "albert": ModelPreset(albert_name, "AlbertForPreTraining", "albert", "albert_config.json", albert_config),
 }
