@@ -34,7 +34,8 @@ def test_fuzz_harness_briefly(name: str, tmp_path: Path) -> None:
     seeds = FUZZ / "corpus" / name
     assert seeds.is_dir() and any(seeds.iterdir()), f"no seed corpus for {name}"
     runs = RUNS.get(name, 1000)
-    cmd = [sys.executable, "-c", LAUNCHER, sys.executable, str(FUZZ / HARNESSES[name]), f"-runs={runs}", "-seed=1", f"-timeout={TIMEOUT_S}",
+    cmd = [sys.executable, "-c", LAUNCHER,
+           sys.executable, str(FUZZ / HARNESSES[name]), f"-runs={runs}", "-seed=1", f"-timeout={TIMEOUT_S}",
            f"-rss_limit_mb={RSS_LIMIT_MB}", f"-artifact_prefix={tmp_path}/", str(tmp_path / "corpus"), str(seeds)]
     (tmp_path / "corpus").mkdir()
     env = dict(os.environ)
