@@ -7,6 +7,10 @@ bytes. Backends wrap existing engines (``torch.distributed``, MPI) on a
 communicator of their own, never the one the user's training uses, so a
 checkpoint's collectives cannot interleave with a training step's.
 
+The engine-backed coordinators derive from ``engine.EngineCoordinator``, whose
+barrier is the one arrival protocol of ``barrier.py`` over three transport
+primitives per backend (``_post``, ``_take``, ``_retire``).
+
 Objects travel as JSON (never pickle): dicts, lists, strings, numbers, booleans
 and ``None``.
 """
@@ -15,12 +19,11 @@ from __future__ import annotations
 
 import abc
 import json
-import time
 from typing import Any, Dict, List, Optional
 
-from ..errors import InvalidArgumentError, ShardckptError
+from ..errors import ShardckptError
 
-__all__ = ["Coordinator", "EngineCoordinator", "CoordinationError", "CoordinationTimeout", "DEFAULT_TIMEOUT",
+__all__ = ["Coordinator", "CoordinationError", "CoordinationTimeout", "DEFAULT_TIMEOUT",
            "encode", "decode"]
 
 DEFAULT_TIMEOUT = 600.0  # seconds
@@ -143,41 +146,3 @@ class Coordinator(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional for backends
         """Release the backend's resources (the coordinator's own communicator)."""
-
-
-class EngineCoordinator(Coordinator):
-    """What the engine-backed coordinators share: rank, size, timeout, argument checks, and
-    the "unusable after a failed collective" state (an engine cannot cancel one)."""
-
-    _rank: int
-    _size: int
-    _timeout: float
-    _failed: Optional[str]
-    _engine = "engine"
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def timeout(self) -> float:
-        return self._timeout
-
-    def _check(self) -> None:
-        if self._failed is not None:
-            raise CoordinationError(f"the {self._engine} coordinator is unusable after an earlier failure "
-                                    f"({self._failed}); create a new coordinator")
-
-    def _deadline(self, timeout: Optional[float]) -> float:
-        t = self._timeout if timeout is None else float(timeout)
-        if t <= 0:
-            raise InvalidArgumentError(f"timeout must be positive, got {timeout!r}")
-        return time.monotonic() + t
-
-    def _check_peer(self, peer: int, what: str) -> None:
-        if not isinstance(peer, int) or not 0 <= peer < self._size:
-            raise InvalidArgumentError(f"{what} {peer!r} out of range for {self._size} clients")
