@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 import json
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import ShardckptError
 
@@ -104,7 +104,12 @@ class Coordinator(abc.ABC):
             raise CoordinationError(f"{len(failed)} of {self.size} clients failed: {detail}")
 
     def _probe_missing(self, timeout: float, failed: int) -> List[int]:
-        """After collective number ``failed`` failed on this client: the ranks that were not in it.
+        """After collective number ``failed`` failed on this client: the other ranks that were not in it."""
+        return self._probe(timeout, failed)[0]
+
+    def _probe(self, timeout: float, failed: int) -> Tuple[List[int], bool]:
+        """After collective number ``failed`` failed on this client: ``(other ranks that were not in it,
+        whether this rank itself came too late)``.
 
         Every client whose collective failed calls it, so a dead or hung client is named. The
         barrier is named after the failed collective's number: a client that was late, and
@@ -113,27 +118,29 @@ class Coordinator(abc.ABC):
         well, whenever it arrives. The others may notice the failure up to ``timeout`` (the failed
         call's) later than this client, so the probe waits that long plus a grace period. When
         clients disagree on the collective, the largest group is the one that was "here".
-        Best effort: ``[]`` when it cannot tell.
+        A client that reaches the probe after the others' verdict is among its ``missing``: it
+        arrived after the others had given up on it (the second value). Best effort:
+        ``([], False)`` when it cannot tell.
         """
         wait = timeout + max(1.0, 0.1 * timeout)
         try:
             self.barrier(f"shardckpt: who was in collective #{failed}", timeout=wait)
         except CoordinationTimeout as e:
-            return [r for r in e.missing if r != self.rank]
+            return [r for r in e.missing if r != self.rank], self.rank in e.missing
         except CoordinationError as e:
             if not e.elsewhere:
-                return []
+                return [], False
             here = self.size - len(e.elsewhere)  # rank 0 and those at its barrier
             groups: Dict[str, List[int]] = {}
             for r, n in e.elsewhere.items():
                 groups.setdefault(n, []).append(int(r))
             biggest = max(groups.values(), key=len)
             if len(biggest) > here:  # rank 0 was the odd one out
-                return sorted(r for r in range(self.size) if r not in biggest and r != self.rank)
-            return sorted(r for r in e.elsewhere if r != self.rank)
+                return sorted(r for r in range(self.size) if r not in biggest and r != self.rank), False
+            return sorted(r for r in e.elsewhere if r != self.rank), False
         except Exception:  # noqa: BLE001 - only a diagnosis
-            return []
-        return []
+            return [], False
+        return [], False
 
     def clone(self) -> "Coordinator":
         """A coordinator of the same clients on a communicator of its own.

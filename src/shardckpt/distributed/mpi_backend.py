@@ -148,8 +148,12 @@ class MPICoordinator(EngineCoordinator):
             self._inflight.append((req, bufs))  # cannot be cancelled: keep its buffers alive
             shown = self._timeout if timeout is None else timeout
             # a barrier on the barrier communicator, not the stuck one
-            missing = self._probe_missing(shown, number)
+            missing, late = self._probe(shown, number)
             self._failed = f"{what} timed out"
+            if late:
+                raise CoordinationTimeout(f"rank {self._rank}: {what} did not complete within {shown:g} s: this "
+                                          "rank arrived after the other clients had given up waiting for it "
+                                          "(they timed out)", missing=sorted({self._rank, *missing}))
             who = (f"rank(s) {missing} did not take part" if missing
                    else "some client did not take part, or is too slow")
             raise CoordinationTimeout(f"rank {self._rank}: {what} did not complete within {shown:g} s ({who})",

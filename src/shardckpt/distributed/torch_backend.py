@@ -40,6 +40,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import re
 import threading
 import time
 import warnings
@@ -70,6 +71,13 @@ def _import_dist():
 
 def _seconds(timeout: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(float(timeout), 0.001))
+
+
+def _engine_text(err: BaseException) -> str:
+    """The gist of a torch/gloo error: its first sentence, without gloo's source location."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
+    return text.split(". ")[0]
 
 
 class TorchCoordinator(EngineCoordinator):
@@ -175,9 +183,14 @@ class TorchCoordinator(EngineCoordinator):
         except Exception as e:
             err = e
         shown = self._timeout if timeout is None else timeout
-        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        missing = self._probe_missing(shown, number)  # a barrier on the key-value store: works without gloo
+        text = _engine_text(err)
+        missing, late = self._probe(shown, number)  # a barrier on the key-value store: works without gloo
         self._failed = f"{what} failed"
+        if late:  # the others timed out waiting for this rank, and may be gone: gloo's error says little
+            raise CoordinationTimeout(
+                f"rank {self._rank}: {what} failed: this rank arrived after the other clients had given up "
+                f"waiting for it (they timed out); the engine said: {text}",
+                missing=sorted({self._rank, *missing})) from err
         who = f"rank(s) {missing} did not reach a barrier after it" if missing else "could not tell which client"
         if "timed out" in str(err).lower() or time.monotonic() >= deadline:
             raise CoordinationTimeout(
