@@ -19,14 +19,49 @@ from __future__ import annotations
 
 import abc
 import json
+import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..errors import ShardckptError
+from ..errors import InvalidArgumentError, ShardckptError
 
-__all__ = ["Coordinator", "CoordinationError", "CoordinationTimeout", "DEFAULT_TIMEOUT",
+__all__ = ["Coordinator", "CoordinationError", "CoordinationTimeout", "DEFAULT_TIMEOUT", "TIMEOUT_ENV",
+           "default_timeout", "check_timeout",
            "encode", "decode"]
 
 DEFAULT_TIMEOUT = 600.0  # seconds
+TIMEOUT_ENV = "SHARDCKPT_TIMEOUT"
+
+
+def default_timeout() -> float:
+    """The default timeout of a new coordinator, in seconds: ``$SHARDCKPT_TIMEOUT``, else 600.
+
+    Which timeout a collective step of a save waits, first that is set: the save's
+    ``CheckpointOptions(timeout=)``, the coordinator's (``get_coordinator(timeout=)``, or a
+    backend's ``timeout=`` argument), ``$SHARDCKPT_TIMEOUT``, 600 s.
+    """
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidArgumentError(f"{TIMEOUT_ENV}={raw!r}: expected a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise InvalidArgumentError(f"{TIMEOUT_ENV}={raw!r}: expected a positive, finite number of seconds")
+    return value
+
+
+def check_timeout(timeout: Optional[float], what: str = "coordinator timeout") -> float:
+    """``timeout`` as seconds (``None``: :func:`default_timeout`); positive and finite, else InvalidArgumentError."""
+    if timeout is None:
+        return default_timeout()
+    try:
+        value = float(timeout)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{what} must be a number of seconds, got {timeout!r}") from None
+    if not 0 < value < float("inf"):
+        raise InvalidArgumentError(f"{what} must be positive and finite, got {timeout!r}")
+    return value
 
 
 class CoordinationError(ShardckptError, RuntimeError):

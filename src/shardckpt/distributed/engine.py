@@ -15,7 +15,7 @@ from typing import Optional
 
 from ..errors import InvalidArgumentError
 from .barrier import ArrivalBarrier
-from .coordinator import CoordinationError, Coordinator
+from .coordinator import CoordinationError, Coordinator, check_timeout
 
 __all__ = ["EngineCoordinator"]
 
@@ -40,8 +40,12 @@ class EngineCoordinator(ArrivalBarrier, Coordinator):
 
     @property
     def timeout(self) -> float:
-        """The default timeout of every call, in seconds."""
+        """The default timeout of every call, in seconds (settable; a call's ``timeout`` argument wins)."""
         return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._timeout = check_timeout(seconds)
 
     def barrier(self, name: str = "barrier", timeout: Optional[float] = None) -> None:
         self._check()

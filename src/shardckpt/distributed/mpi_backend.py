@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from .coordinator import DEFAULT_TIMEOUT, CoordinationError, CoordinationTimeout, decode, encode
+from .coordinator import CoordinationError, CoordinationTimeout, check_timeout, decode, encode
 from .engine import EngineCoordinator
 
 __all__ = ["MPICoordinator"]
@@ -67,18 +67,17 @@ class MPICoordinator(EngineCoordinator):
 
     ``comm``: an mpi4py intracommunicator of the user's; the coordinator works
     on duplicates of it (``Dup`` is collective: every rank of ``comm`` must
-    construct the coordinator). ``timeout`` (seconds): the default of every call.
+    construct the coordinator). ``timeout`` (seconds): the default of every call
+    (``None``: ``$SHARDCKPT_TIMEOUT``, else 600 s).
     """
 
     _engine = "MPI"
     _channel = "the barrier communicator"
 
-    def __init__(self, comm: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, comm: Any = None, timeout: Optional[float] = None) -> None:
         MPI = _import_mpi()
         self._MPI = MPI
-        if not timeout or timeout <= 0:
-            raise InvalidArgumentError(f"coordinator timeout must be positive, got {timeout!r}")
-        self._timeout = float(timeout)
+        self._timeout = check_timeout(timeout)
         base = MPI.COMM_WORLD if comm is None else comm
         try:
             self._comm = base.Dup()

@@ -28,7 +28,9 @@ checkpoint collective does not poison the training group.
   group's connections.
 
 Timeouts: the gloo group is created with the coordinator's ``timeout``; a
-per-call ``timeout`` (``None``: the coordinator's) bounds each call. A
+per-call ``timeout`` (``None``: the coordinator's) bounds each call, and becomes
+the gloo group's own timeout for that call (gloo ends an operation at its group's
+timeout, so a call could otherwise not wait longer than the default). A
 collective or receive that fails or times out leaves gloo work in flight that
 cannot be cancelled, so the coordinator is then marked unusable: every later
 call raises :class:`CoordinationError` (create a new coordinator; the user's
@@ -47,7 +49,7 @@ import warnings
 from typing import Any, Dict, List, Optional
 
 from ..errors import InvalidArgumentError
-from .coordinator import DEFAULT_TIMEOUT, CoordinationError, CoordinationTimeout, decode, encode
+from .coordinator import CoordinationError, CoordinationTimeout, check_timeout, decode, encode
 from .engine import EngineCoordinator
 
 __all__ = ["TorchCoordinator"]
@@ -87,7 +89,8 @@ class TorchCoordinator(EngineCoordinator):
     coordinator creates its own gloo group over the same ranks (collectively:
     for ``group=None`` every rank of the job must construct the coordinator, as
     with ``dist.new_group``; for a subgroup, only its members). ``timeout``
-    (seconds): the default of every call and the gloo group's timeout.
+    (seconds): the default of every call (``None``:
+    ``$SHARDCKPT_TIMEOUT``, else 600 s).
 
     If ``torch.distributed`` is not initialized yet, the default process group
     is initialized with gloo from the ``env://`` variables that ``torchrun``
@@ -99,13 +102,11 @@ class TorchCoordinator(EngineCoordinator):
     _poll_first = 0.0005  # each look at the store is a round trip
     _poll_max = 0.01
 
-    def __init__(self, group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, group: Any = None, timeout: Optional[float] = None) -> None:
         torch, dist = _import_dist()
         self._torch = torch
         self._dist = dist
-        if not timeout or timeout <= 0:
-            raise InvalidArgumentError(f"coordinator timeout must be positive, got {timeout!r}")
-        self._timeout = float(timeout)
+        self._timeout = check_timeout(timeout)
         self._failed: Optional[str] = None
         self._collectives = 0  # collectives waited for, counted alike on every client (names a failed one)
         self._barrier_seq = 0
@@ -133,6 +134,7 @@ class TorchCoordinator(EngineCoordinator):
                                              use_local_synchronization=True)
         except Exception as e:
             raise CoordinationError(f"could not create the coordinator's gloo group: {e}") from e
+        self._group_timeout = self._timeout  # the gloo group's own timeout, set per call (_gloo_timeout)
         self._rank = dist.get_rank(self._group)
         self._size = dist.get_world_size(self._group)
         if self._rank < 0:
@@ -172,6 +174,18 @@ class TorchCoordinator(EngineCoordinator):
 
 
 
+
+    def _gloo_timeout(self, timeout: Optional[float]) -> None:
+        """Make the gloo group's own timeout the call's, so a call may wait longer than the coordinator's default
+        (gloo ends an operation at its group's timeout, whatever the wait allows)."""
+        seconds = self._timeout if timeout is None else float(timeout)
+        if seconds == self._group_timeout:
+            return
+        try:
+            self._group._get_backend(self._torch.device("cpu"))._set_default_timeout(_seconds(seconds))
+            self._group_timeout = seconds
+        except Exception:  # noqa: BLE001 - a torch without it: calls are capped at the group's timeout
+            pass
 
     def _wait(self, work: Any, deadline: float, what: str, timeout: Optional[float]) -> None:
         """Wait for gloo ``work`` until ``deadline``; on failure, mark the coordinator unusable and raise."""
@@ -217,6 +231,7 @@ class TorchCoordinator(EngineCoordinator):
         self._check()
         torch, dist = self._torch, self._dist
         deadline = self._deadline(timeout)
+        self._gloo_timeout(timeout)
         payload = encode(obj)
         if self._size == 1:
             return [decode(payload)]
@@ -246,6 +261,7 @@ class TorchCoordinator(EngineCoordinator):
         self._check_peer(root, "broadcast root")
         torch, dist = self._torch, self._dist
         deadline = self._deadline(timeout)
+        self._gloo_timeout(timeout)
         if self._size == 1:
             return decode(encode(obj))
         payload = encode(obj) if self._rank == root else b""
@@ -292,6 +308,7 @@ class TorchCoordinator(EngineCoordinator):
         if nbytes < 0:
             raise InvalidArgumentError(f"nbytes must be >= 0, got {nbytes}")
         deadline = self._deadline(timeout)
+        self._gloo_timeout(timeout)
         if out is None:
             out = memoryview(bytearray(nbytes))
         mv = memoryview(out)

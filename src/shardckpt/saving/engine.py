@@ -34,6 +34,7 @@ its original error. Which store is written
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -82,6 +83,10 @@ def save(tensors: TensorsToSave, request: SaveRequest, coordinator: Coordinator,
     if options.enable_async:
         context = default_context()
         background = context.background(coordinator)
+        current = getattr(coordinator, "timeout", None)  # engine-backed coordinators have one
+        if request.timeout is None and isinstance(current, float):
+            # the clone was made once; the caller's coordinator's timeout now is the one that counts
+            request = dataclasses.replace(request, timeout=current)
         saver = saver or context.saver()
         saver.set_budget(options.async_staging_bytes)
         saver.submit(request.prefix, plan, lambda staged: _log_stats(run_save(staged, request, background)),
