@@ -2,8 +2,9 @@
 
 Four clients under torchrun (gloo) and under mpiexec run tests/helpers/disagree_worker.py:
 client 2 names a variable differently, lays it out differently, builds another mesh,
-saves another dtype, or skips a save. Every time every client raises the same error
-naming client 2, nothing is committed at that prefix, and ``shardckpt verify`` of the
+saves another dtype or global shape, or skips a save. Every time every client raises the
+same error naming client 2 (and only the disagreeing client when it is client 0, the io
+client), nothing is committed at that prefix, and ``shardckpt verify`` of the
 last good checkpoint passes; after the skipped save, the clients resynchronise.
 """
 
@@ -29,7 +30,7 @@ if str(HELPERS) not in sys.path:
 
 from launchers import clean_env, tool  # noqa: E402  (tests/helpers)
 
-DISAGREEING = ["rename", "layout", "mesh", "dtype"]
+DISAGREEING = ["rename", "layout", "mesh", "dtype", "shape"]
 
 
 @pytest.fixture(scope="module", params=["torch", "mpi"])
@@ -77,6 +78,19 @@ def test_a_disagreeing_client_fails_the_save_on_every_client_naming_it(run, phas
     assert not (run["data"] / f"{phase}.index").exists()  # nothing committed
     assert not list(run["data"].glob(f"{phase}.data-*"))  # nothing left behind
     assert not list(run["data"].glob(f"{phase}_temp_*"))
+
+
+def test_a_shape_mismatch_names_the_disagreeing_client_even_when_it_is_the_io_client(run) -> None:
+    messages = set()
+    for r, phases in run["results"].items():
+        for phase, odd in (("shape", 2), ("root_shape", 0)):
+            entry = phases[phase]
+            assert not entry["ok"] and entry["type"] == "CoordinationError", (r, phase, entry)
+            assert f"rank(s) [{odd}] save global shape [[8, 32]]" in entry["message"], (r, phase, entry["message"])
+            assert "failed on client" not in entry["message"], entry["message"]
+            messages.add((phase, entry["message"]))
+        assert not (run["data"] / "root_shape.index").exists()
+    assert len(messages) == 2, messages  # one verdict per phase, the same on every client
 
 
 def test_a_client_that_skips_a_save_fails_it_where_it_first_happens_then_resyncs(run) -> None:

@@ -10,6 +10,8 @@ On ``create_distributed_mesh([("x", 2), ("y", 4)])`` every client calls
 * ``layout``: client 2 lays it out as ``["y", "x"]`` instead of ``["x", "y"]``;
 * ``mesh``: client 2 builds its mesh as ``[("x", 4), ("y", 2)]``;
 * ``dtype``: client 2 saves float64;
+* ``shape``: client 2 saves a (8, 32) variable (same layout, another global shape);
+* ``root_shape``: client 0 (the io client) does, the others save (8, 16);
 * ``skip``: client 2 skips the save to ``skip_a``; the others' save to ``skip_a`` meets
   client 2's save to ``skip_b``;
 * ``resync``: everyone (client 2 for the second time) saves to ``skip_b``: this works.
@@ -46,9 +48,11 @@ def main() -> None:
         value = np.arange(np.prod(SHAPE), dtype=np.float64).reshape(SHAPE)
         options = CheckpointOptions(timeout=30)
 
-        def save(prefix: str, name: str = "w", layout=("x", "y"), on=None, dtype: Any = np.float32) -> None:
+        def save(prefix: str, name: str = "w", layout=("x", "y"), on=None, dtype: Any = np.float32,
+                 wide: bool = False) -> None:
             m = on or mesh
-            v = dt.from_global(value.astype(dtype), dt.Layout(list(layout), m))
+            array = np.hstack([value, value]) if wide else value
+            v = dt.from_global(array.astype(dtype), dt.Layout(list(layout), m))
             dt.sharded_save(m, os.path.join(data, prefix), [name], [""], [v], options)
 
         def phase(name: str, fn: Callable[[], None]) -> None:
@@ -65,6 +69,8 @@ def main() -> None:
         phase("layout", lambda: save("layout", layout=("y", "x") if odd else ("x", "y")))
         phase("mesh", lambda: save("mesh", on=other_mesh if odd else mesh))
         phase("dtype", lambda: save("dtype", dtype=np.float64 if odd else np.float32))
+        phase("shape", lambda: save("shape", wide=odd))
+        phase("root_shape", lambda: save("root_shape", wide=rank == 0))
         phase("skip", lambda: save("skip_b" if odd else "skip_a"))
         phase("resync", lambda: save("skip_b"))
         result["done"] = True

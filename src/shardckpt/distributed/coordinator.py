@@ -7,6 +7,10 @@ bytes. Backends wrap existing engines (``torch.distributed``, MPI) on a
 communicator of their own, never the one the user's training uses, so a
 checkpoint's collectives cannot interleave with a training step's.
 
+The engine-backed coordinators derive from ``engine.EngineCoordinator``, whose
+barrier is the one arrival protocol of ``barrier.py`` over three transport
+primitives per backend (``_post``, ``_take``, ``_retire``).
+
 Objects travel as JSON (never pickle): dicts, lists, strings, numbers, booleans
 and ``None``.
 """
@@ -15,15 +19,49 @@ from __future__ import annotations
 
 import abc
 import json
-import time
-from typing import Any, Dict, List, Optional
+import os
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import InvalidArgumentError, ShardckptError
 
-__all__ = ["Coordinator", "EngineCoordinator", "CoordinationError", "CoordinationTimeout", "DEFAULT_TIMEOUT",
+__all__ = ["Coordinator", "CoordinationError", "CoordinationTimeout", "DEFAULT_TIMEOUT", "TIMEOUT_ENV",
+           "default_timeout", "check_timeout",
            "encode", "decode"]
 
 DEFAULT_TIMEOUT = 600.0  # seconds
+TIMEOUT_ENV = "SHARDCKPT_TIMEOUT"
+
+
+def default_timeout() -> float:
+    """The default timeout of a new coordinator, in seconds: ``$SHARDCKPT_TIMEOUT``, else 600.
+
+    Which timeout a collective step of a save waits, first that is set: the save's
+    ``CheckpointOptions(timeout=)``, the coordinator's (``get_coordinator(timeout=)``, or a
+    backend's ``timeout=`` argument), ``$SHARDCKPT_TIMEOUT``, 600 s.
+    """
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidArgumentError(f"{TIMEOUT_ENV}={raw!r}: expected a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise InvalidArgumentError(f"{TIMEOUT_ENV}={raw!r}: expected a positive, finite number of seconds")
+    return value
+
+
+def check_timeout(timeout: Optional[float], what: str = "coordinator timeout") -> float:
+    """``timeout`` as seconds (``None``: :func:`default_timeout`); positive and finite, else InvalidArgumentError."""
+    if timeout is None:
+        return default_timeout()
+    try:
+        value = float(timeout)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{what} must be a number of seconds, got {timeout!r}") from None
+    if not 0 < value < float("inf"):
+        raise InvalidArgumentError(f"{what} must be positive and finite, got {timeout!r}")
+    return value
 
 
 class CoordinationError(ShardckptError, RuntimeError):
@@ -101,7 +139,12 @@ class Coordinator(abc.ABC):
             raise CoordinationError(f"{len(failed)} of {self.size} clients failed: {detail}")
 
     def _probe_missing(self, timeout: float, failed: int) -> List[int]:
-        """After collective number ``failed`` failed on this client: the ranks that were not in it.
+        """After collective number ``failed`` failed on this client: the other ranks that were not in it."""
+        return self._probe(timeout, failed)[0]
+
+    def _probe(self, timeout: float, failed: int) -> Tuple[List[int], bool]:
+        """After collective number ``failed`` failed on this client: ``(other ranks that were not in it,
+        whether this rank itself came too late)``.
 
         Every client whose collective failed calls it, so a dead or hung client is named. The
         barrier is named after the failed collective's number: a client that was late, and
@@ -110,27 +153,29 @@ class Coordinator(abc.ABC):
         well, whenever it arrives. The others may notice the failure up to ``timeout`` (the failed
         call's) later than this client, so the probe waits that long plus a grace period. When
         clients disagree on the collective, the largest group is the one that was "here".
-        Best effort: ``[]`` when it cannot tell.
+        A client that reaches the probe after the others' verdict is among its ``missing``: it
+        arrived after the others had given up on it (the second value). Best effort:
+        ``([], False)`` when it cannot tell.
         """
         wait = timeout + max(1.0, 0.1 * timeout)
         try:
             self.barrier(f"shardckpt: who was in collective #{failed}", timeout=wait)
         except CoordinationTimeout as e:
-            return [r for r in e.missing if r != self.rank]
+            return [r for r in e.missing if r != self.rank], self.rank in e.missing
         except CoordinationError as e:
             if not e.elsewhere:
-                return []
+                return [], False
             here = self.size - len(e.elsewhere)  # rank 0 and those at its barrier
             groups: Dict[str, List[int]] = {}
             for r, n in e.elsewhere.items():
                 groups.setdefault(n, []).append(int(r))
             biggest = max(groups.values(), key=len)
             if len(biggest) > here:  # rank 0 was the odd one out
-                return sorted(r for r in range(self.size) if r not in biggest and r != self.rank)
-            return sorted(r for r in e.elsewhere if r != self.rank)
+                return sorted(r for r in range(self.size) if r not in biggest and r != self.rank), False
+            return sorted(r for r in e.elsewhere if r != self.rank), False
         except Exception:  # noqa: BLE001 - only a diagnosis
-            return []
-        return []
+            return [], False
+        return [], False
 
     def clone(self) -> "Coordinator":
         """A coordinator of the same clients on a communicator of its own.
@@ -143,41 +188,3 @@ class Coordinator(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional for backends
         """Release the backend's resources (the coordinator's own communicator)."""
-
-
-class EngineCoordinator(Coordinator):
-    """What the engine-backed coordinators share: rank, size, timeout, argument checks, and
-    the "unusable after a failed collective" state (an engine cannot cancel one)."""
-
-    _rank: int
-    _size: int
-    _timeout: float
-    _failed: Optional[str]
-    _engine = "engine"
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def timeout(self) -> float:
-        return self._timeout
-
-    def _check(self) -> None:
-        if self._failed is not None:
-            raise CoordinationError(f"the {self._engine} coordinator is unusable after an earlier failure "
-                                    f"({self._failed}); create a new coordinator")
-
-    def _deadline(self, timeout: Optional[float]) -> float:
-        t = self._timeout if timeout is None else float(timeout)
-        if t <= 0:
-            raise InvalidArgumentError(f"timeout must be positive, got {timeout!r}")
-        return time.monotonic() + t
-
-    def _check_peer(self, peer: int, what: str) -> None:
-        if not isinstance(peer, int) or not 0 <= peer < self._size:
-            raise InvalidArgumentError(f"{what} {peer!r} out of range for {self._size} clients")

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from .coordinator import DEFAULT_TIMEOUT, CoordinationError, CoordinationTimeout, Coordinator, decode, encode
+from .coordinator import CoordinationError, CoordinationTimeout, Coordinator, check_timeout, decode, encode
 
 __all__ = ["LocalGroup", "local_group", "LocalProcessCoordinator"]
 
@@ -48,14 +48,14 @@ def local_group(size: int, context: Optional[Any] = None, channels: int = 2) -> 
 class LocalProcessCoordinator(Coordinator):
     """Rank ``rank`` of a :class:`LocalGroup`."""
 
-    def __init__(self, group: LocalGroup, rank: int, timeout: float = DEFAULT_TIMEOUT, channel: int = 0) -> None:
+    def __init__(self, group: LocalGroup, rank: int, timeout: Optional[float] = None, channel: int = 0) -> None:
         self._group = group
         self._rank = rank
         self._channel = channel
         self._clones = 0
         self._mailboxes = group.mailboxes[channel]
         self._arrivals = group.arrivals[channel]
-        self._timeout = timeout
+        self._timeout = check_timeout(timeout)
         self._seq = 0
         self._stash: Dict[Tuple[str, int, int], Deque[Any]] = {}  # messages that came early, in order
 

@@ -16,27 +16,14 @@ methods are used: the lower-case ones pickle.
   (no copy), in chunks of at most 1 GiB (MPI counts are C ints). A receive
   that times out is cancelled (``MPI_Cancel``) and the coordinator stays
   usable, unless part of a chunked message had already arrived.
-* ``barrier``: MPI has no barrier with a timeout, so an arrival protocol on the
-  barrier communicator, every message JSON bytes carrying the barrier's
-  sequence number (stale ones are dropped):
-
-  1. every non-root rank sends ``arrive`` (with the barrier's name) to rank 0;
-  2. rank 0, on arriving, sends ``here`` to every rank, then collects
-     ``arrive`` messages until every rank has arrived or its deadline passes;
-  3. rank 0 sends every rank the verdict: ok, the missing ranks, or the ranks
-     that are at a barrier of another name;
-  4. a non-root rank waits for ``here`` until its deadline, then (rank 0 has
-     arrived) for the verdict until rank 0's deadline plus a grace period.
-     If ``here`` never comes it sends ``withdraw`` to rank 0 and waits a grace
-     period for a verdict: one that comes is obeyed (a rank 0 that was only a
-     little late has either seen the withdrawal, so everyone fails naming rank
-     0, or not, so everyone passes); otherwise it raises naming rank 0.
-
-  The verdict goes to late ranks as well, so a rank that arrives after the
-  deadline raises at once, naming itself. Either every rank passes or every
-  rank raises, with the same ``missing`` list (unless rank 0 itself is
-  missing, or much later than the grace period). A barrier that times out
-  leaves the coordinator usable.
+* ``barrier``: MPI has no barrier with a timeout, so the arrival protocol of
+  :mod:`.barrier`, its notices carried as JSON bytes (with the barrier's sequence
+  number) by ``Isend`` on the barrier communicator, one tag; the sends are never
+  waited for (their buffers are kept until they complete). A rank probes
+  (``Iprobe`` from any source) and receives what is there: notices of a later
+  barrier are kept until this rank reaches it, those of an earlier one (a failed
+  barrier's, arriving late) are dropped. A barrier that times out leaves the
+  coordinator usable.
 """
 
 from __future__ import annotations
@@ -47,22 +34,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from .coordinator import (
-    DEFAULT_TIMEOUT,
-    CoordinationError,
-    CoordinationTimeout,
-    EngineCoordinator,
-    decode,
-    encode,
-)
+from .coordinator import CoordinationError, CoordinationTimeout, check_timeout, decode, encode
+from .engine import EngineCoordinator
 
 __all__ = ["MPICoordinator"]
 
 _CHUNK = 1 << 30  # bytes per MPI message (MPI counts are C ints)
-_TAG_TO_ROOT = 1  # barrier communicator: arrive / withdraw
-_TAG_FROM_ROOT = 2  # barrier communicator: here / verdict
-_GRACE_MIN = 1.0
-_GRACE_FRACTION = 0.1
+_TAG_BARRIER = 1  # the barrier communicator's one tag
 _LEFTOVERS: List[Tuple[Any, Any]] = []
 
 
@@ -89,17 +67,17 @@ class MPICoordinator(EngineCoordinator):
 
     ``comm``: an mpi4py intracommunicator of the user's; the coordinator works
     on duplicates of it (``Dup`` is collective: every rank of ``comm`` must
-    construct the coordinator). ``timeout`` (seconds): the default of every call.
+    construct the coordinator). ``timeout`` (seconds): the default of every call
+    (``None``: ``$SHARDCKPT_TIMEOUT``, else 600 s).
     """
 
     _engine = "MPI"
+    _channel = "the barrier communicator"
 
-    def __init__(self, comm: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, comm: Any = None, timeout: Optional[float] = None) -> None:
         MPI = _import_mpi()
         self._MPI = MPI
-        if not timeout or timeout <= 0:
-            raise InvalidArgumentError(f"coordinator timeout must be positive, got {timeout!r}")
-        self._timeout = float(timeout)
+        self._timeout = check_timeout(timeout)
         base = MPI.COMM_WORLD if comm is None else comm
         try:
             self._comm = base.Dup()
@@ -114,8 +92,8 @@ class MPICoordinator(EngineCoordinator):
         self._barrier_seq = 0
         # Requests (and their buffers) that must outlive the call that started them.
         self._inflight: List[Tuple[Any, Any]] = []
-        # Barrier messages that arrived ahead of their barrier: (src, seq) -> message.
-        self._early: Dict[Tuple[int, int], List[Dict[str, Any]]] = {}
+        # Barrier notices that arrived ahead of their barrier: seq -> notices, in arrival order.
+        self._early: Dict[int, List[Dict[str, Any]]] = {}
 
     # -- properties -------------------------------------------------------------------------------------------
 
@@ -169,8 +147,12 @@ class MPICoordinator(EngineCoordinator):
             self._inflight.append((req, bufs))  # cannot be cancelled: keep its buffers alive
             shown = self._timeout if timeout is None else timeout
             # a barrier on the barrier communicator, not the stuck one
-            missing = self._probe_missing(shown, number)
+            missing, late = self._probe(shown, number)
             self._failed = f"{what} timed out"
+            if late:
+                raise CoordinationTimeout(f"rank {self._rank}: {what} did not complete within {shown:g} s: this "
+                                          "rank arrived after the other clients had given up waiting for it "
+                                          "(they timed out)", missing=sorted({self._rank, *missing}))
             who = (f"rank(s) {missing} did not take part" if missing
                    else "some client did not take part, or is too slow")
             raise CoordinationTimeout(f"rank {self._rank}: {what} did not complete within {shown:g} s ({who})",
@@ -286,153 +268,36 @@ class MPICoordinator(EngineCoordinator):
                                         f"{piece.nbytes} were expected (tag {tag})")
         return mv
 
-    # -- barrier ----------------------------------------------------------------------------------------------
-
-    def _post(self, msg: Dict[str, Any], dst: int, tag: int) -> None:
-        buf = bytearray(encode(msg))
-        req = self._ctl.Isend([buf, self._MPI.BYTE], dst, tag)
-        self._inflight.append((req, buf))
-
-    def _take(self, src: int, tag: int, seq: int) -> Optional[Tuple[int, Dict[str, Any]]]:
-        """One barrier message of barrier ``seq`` (from ``src``, or any source), if one is waiting."""
-        MPI = self._MPI
-        for key in list(self._early):
-            if key[1] == seq and (src == MPI.ANY_SOURCE or key[0] == src) and self._early[key]:
-                msg = self._early[key].pop(0)
-                if not self._early[key]:
-                    del self._early[key]
-                return key[0], msg
-        status = MPI.Status()
-        while self._ctl.Iprobe(src, tag, status):
-            n = status.Get_count(MPI.BYTE)
-            origin = status.Get_source()
-            buf = bytearray(n)
-            self._ctl.Recv([buf, MPI.BYTE], origin, tag)
-            try:
-                msg = decode(bytes(buf))
-                mseq = int(msg["seq"])
-            except (ValueError, KeyError, TypeError):
-                continue
-            if mseq == seq:
-                return origin, msg
-            if mseq > seq:
-                self._early.setdefault((origin, mseq), []).append(msg)
-            # mseq < seq: left over from a barrier that failed; dropped
-        return None
+    # -- barrier transport (the protocol is in .barrier) ------------------------------------------------------
 
     def barrier(self, name: str = "barrier", timeout: Optional[float] = None) -> None:
-        self._check()
-        deadline = self._deadline(timeout)
-        shown = self._timeout if timeout is None else float(timeout)
-        seq = self._barrier_seq
-        self._barrier_seq += 1
-        if self._size == 1:
-            return
-        self._prune()
-        try:
-            if self._rank == 0:
-                verdict = self._judge(seq, name, deadline)
-            else:
-                verdict = self._follow(seq, name, deadline, shown)
-        except self._MPI.Exception as e:
-            raise CoordinationError(f"rank {self._rank}: barrier {name!r} failed: {e}") from e
-        self._raise_verdict(verdict, name, seq, shown)
+        self._prune()  # sends of earlier barriers' notices that have completed
+        super().barrier(name, timeout)
 
-    def _judge(self, seq: int, name: str, deadline: float) -> Dict[str, Any]:
+    def _post(self, seq: int, notice: Dict[str, Any], to: Optional[int]) -> None:
+        buf = bytearray(encode(dict(notice, seq=seq)))
+        for dst in ([to] if to is not None else [r for r in range(self._size) if r != self._rank]):
+            req = self._ctl.Isend([buf, self._MPI.BYTE], dst, _TAG_BARRIER)
+            self._inflight.append((req, buf))
+
+    def _take(self, seq: int) -> List[Dict[str, Any]]:
         MPI = self._MPI
-        for r in range(1, self._size):
-            self._post({"k": "here", "seq": seq}, r, _TAG_FROM_ROOT)
-        arrived: Dict[int, str] = {0: name}
-        withdrawn: List[int] = []
-        delay = 0.0001
-
-        def drain() -> bool:
-            got = False
-            while True:
-                item = self._take(MPI.ANY_SOURCE, _TAG_TO_ROOT, seq)
-                if item is None:
-                    return got
-                got = True
-                src, msg = item
-                if msg.get("k") == "arrive":
-                    arrived[src] = str(msg.get("name"))
-                elif msg.get("k") == "withdraw":
-                    withdrawn.append(src)
-
-        while len(arrived) < self._size and time.monotonic() < deadline:
-            if drain():
-                delay = 0.0001
+        notices = self._early.pop(seq, [])
+        status = MPI.Status()
+        while self._ctl.Iprobe(MPI.ANY_SOURCE, _TAG_BARRIER, status):
+            buf = bytearray(status.Get_count(MPI.BYTE))
+            self._ctl.Recv([buf, MPI.BYTE], status.Get_source(), _TAG_BARRIER)
+            try:
+                notice = decode(bytes(buf))
+                nseq = int(notice["seq"])
+            except (ValueError, KeyError, TypeError):
                 continue
-            time.sleep(delay)
-            delay = min(delay * 2, 0.002)
-        drain()  # a last look, for withdrawals
-        missing = [r for r in range(self._size) if r not in arrived]
-        if withdrawn:
-            verdict: Dict[str, Any] = {"ok": False, "missing": sorted(set(missing) | {0}),
-                                       "withdrawn": sorted(set(withdrawn))}
-        elif missing:
-            verdict = {"ok": False, "missing": missing}
-        else:
-            wrong = {str(r): n for r, n in sorted(arrived.items()) if n != name}
-            verdict = {"ok": True} if not wrong else {"ok": False, "missing": [], "names": wrong, "expected": name}
-        verdict.update(k="verdict", seq=seq)
-        for r in range(1, self._size):
-            self._post(verdict, r, _TAG_FROM_ROOT)
-        return verdict
-
-    def _follow(self, seq: int, name: str, deadline: float, timeout: float) -> Dict[str, Any]:
-        self._post({"k": "arrive", "seq": seq, "name": name}, 0, _TAG_TO_ROOT)
-        grace = max(_GRACE_MIN, _GRACE_FRACTION * timeout)
-        limit = deadline
-        here = False
-        withdrawn = False
-        delay = 0.0001
-        while True:
-            item = self._take(0, _TAG_FROM_ROOT, seq)
-            if item is not None:
-                msg = item[1]
-                if msg.get("k") == "verdict":
-                    return msg
-                if msg.get("k") == "here" and not here:
-                    here = True
-                    # Rank 0 decides by its own deadline, at most `timeout` from now.
-                    limit = time.monotonic() + timeout + grace
-                delay = 0.0001
-                continue
-            if time.monotonic() >= limit:
-                if here:
-                    return {"ok": False, "missing": [0], "stalled": True}
-                if withdrawn:
-                    return {"ok": False, "missing": [0], "by": self._rank}
-                self._post({"k": "withdraw", "seq": seq}, 0, _TAG_TO_ROOT)
-                withdrawn = True
-                limit = time.monotonic() + grace
-                continue
-            time.sleep(delay)
-            delay = min(delay * 2, 0.002)
-
-    def _raise_verdict(self, verdict: Dict[str, Any], name: str, seq: int, timeout: float) -> None:
-        if verdict.get("ok"):
-            return
-        if verdict.get("names"):
-            names = sorted(verdict["names"].items(), key=lambda x: int(x[0]))
-            detail = ", ".join(f"rank {r} at {n!r}" for r, n in names)
-            raise CoordinationError(f"barrier #{seq}: clients are at different barriers: expected "
-                                    f"{verdict.get('expected')!r}, but {detail}",
-                                    elsewhere={int(r): str(n) for r, n in names})
-        missing = [int(r) for r in verdict.get("missing", [])]
-        if verdict.get("stalled"):
-            why = "rank 0 arrived but gave no verdict"
-        elif "by" in verdict:
-            why = f"rank 0 did not arrive within {timeout:g} s (no verdict from it)"
-        elif verdict.get("withdrawn"):
-            why = (f"rank 0 arrived too late: rank(s) {verdict['withdrawn']} had given up on it"
-                   + (f"; rank(s) {[r for r in missing if r]} did not arrive" if len(missing) > 1 else ""))
-        else:
-            why = f"rank(s) {missing} did not arrive within {timeout:g} s (decided by rank 0)"
-        if self._rank in missing:
-            why += "; this rank arrived too late"
-        raise CoordinationTimeout(f"barrier {name!r} (#{seq}) timed out: {why}", missing=missing)
+            if nseq == seq:
+                notices.append(notice)
+            elif nseq > seq:  # a barrier this rank has not reached yet
+                self._early.setdefault(nseq, []).append(notice)
+            # nseq < seq: left over from a barrier that failed; dropped
+        return notices
 
     # -- lifetime ---------------------------------------------------------------------------------------------
 

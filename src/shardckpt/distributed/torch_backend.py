@@ -11,16 +11,16 @@ checkpoint collective does not poison the training group.
   coordinator's gloo group.
 * ``send_bytes`` / ``recv_bytes``: ``dist.send`` / ``dist.irecv`` of ``uint8``
   tensors that wrap the caller's buffer (``torch.frombuffer``, no copy).
-* ``barrier``: an arrival protocol on the job's key-value store (the
-  ``TCPStore`` that ``torchrun`` / ``init_process_group`` set up), not on gloo:
-  every rank publishes its arrival; rank 0 waits for all of them until the
-  deadline and writes the verdict with ``compare_set``. A rank that waits in
-  vain for rank 0's verdict writes its own verdict (naming rank 0, or whoever
-  it finds missing) with the same ``compare_set``: the first verdict written
-  wins, so every rank that gets one gets the *same* one, and either every rank
-  passes the barrier or every rank raises :class:`CoordinationTimeout` with the
-  same ``missing`` list. A barrier that times out leaves nothing pending, so
-  the coordinator stays usable.
+* ``barrier``: the arrival protocol of :mod:`.barrier`, carried by the job's
+  key-value store (the ``TCPStore`` that ``torchrun`` / ``init_process_group`` set
+  up, under a prefix of the coordinator's group), not by gloo, so it still works
+  after a gloo collective failed (the probe that names a missing rank relies on
+  that). Notices go into numbered slots of a box per barrier and receiver:
+  ``b<seq>/to0/<i>`` (rank 0's) and ``b<seq>/all/<i>`` (every other rank's); a
+  sender takes the next number with ``add`` on ``<box>/n``, then writes the slot
+  with ``set``; a reader takes slots in order (a counted slot not yet set is taken next
+  time). Rank 0 deletes the keys of the earlier barriers once a barrier passes
+  (every rank is done with them then).
 
   ``dist.monitored_barrier`` is not used: it names the missing ranks on rank 0
   only, and the other ranks then wait for the *group's* timeout (not the
@@ -28,7 +28,9 @@ checkpoint collective does not poison the training group.
   group's connections.
 
 Timeouts: the gloo group is created with the coordinator's ``timeout``; a
-per-call ``timeout`` (``None``: the coordinator's) bounds each call. A
+per-call ``timeout`` (``None``: the coordinator's) bounds each call, and becomes
+the gloo group's own timeout for that call (gloo ends an operation at its group's
+timeout, so a call could otherwise not wait longer than the default). A
 collective or receive that fails or times out leaves gloo work in flight that
 cannot be cancelled, so the coordinator is then marked unusable: every later
 call raises :class:`CoordinationError` (create a new coordinator; the user's
@@ -40,20 +42,15 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import re
 import threading
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from ..errors import InvalidArgumentError
-from .coordinator import (
-    DEFAULT_TIMEOUT,
-    CoordinationError,
-    CoordinationTimeout,
-    EngineCoordinator,
-    decode,
-    encode,
-)
+from .coordinator import CoordinationError, CoordinationTimeout, check_timeout, decode, encode
+from .engine import EngineCoordinator
 
 __all__ = ["TorchCoordinator"]
 
@@ -61,10 +58,6 @@ _ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 _LIVE: List["TorchCoordinator"] = []  # in creation order; closed in reverse at exit
 _LIVE_LOCK = threading.Lock()
 _MAX_TAG = 2**31 - 1
-# How long a rank waits for rank 0's barrier verdict beyond its own deadline
-# before it decides by itself (covers rank 0 arriving a little later).
-_GRACE_MIN = 1.0
-_GRACE_FRACTION = 0.1
 
 
 def _import_dist():
@@ -82,9 +75,11 @@ def _seconds(timeout: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(float(timeout), 0.001))
 
 
-def _poll_sleep(delay: float) -> float:
-    time.sleep(delay)
-    return min(delay * 2, 0.01)
+def _engine_text(err: BaseException) -> str:
+    """The gist of a torch/gloo error: its first sentence, without gloo's source location."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
+    return text.split(". ")[0]
 
 
 class TorchCoordinator(EngineCoordinator):
@@ -94,7 +89,8 @@ class TorchCoordinator(EngineCoordinator):
     coordinator creates its own gloo group over the same ranks (collectively:
     for ``group=None`` every rank of the job must construct the coordinator, as
     with ``dist.new_group``; for a subgroup, only its members). ``timeout``
-    (seconds): the default of every call and the gloo group's timeout.
+    (seconds): the default of every call (``None``:
+    ``$SHARDCKPT_TIMEOUT``, else 600 s).
 
     If ``torch.distributed`` is not initialized yet, the default process group
     is initialized with gloo from the ``env://`` variables that ``torchrun``
@@ -102,17 +98,19 @@ class TorchCoordinator(EngineCoordinator):
     """
 
     _engine = "torch"
+    _channel = "the job's key-value store"
+    _poll_first = 0.0005  # each look at the store is a round trip
+    _poll_max = 0.01
 
-    def __init__(self, group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, group: Any = None, timeout: Optional[float] = None) -> None:
         torch, dist = _import_dist()
         self._torch = torch
         self._dist = dist
-        if not timeout or timeout <= 0:
-            raise InvalidArgumentError(f"coordinator timeout must be positive, got {timeout!r}")
-        self._timeout = float(timeout)
+        self._timeout = check_timeout(timeout)
         self._failed: Optional[str] = None
         self._collectives = 0  # collectives waited for, counted alike on every client (names a failed one)
         self._barrier_seq = 0
+        self._taken = (-1, 0)  # (barrier, notices of it taken so far)
         self._cleaned = 0  # rank 0: the barrier keys before this sequence number are deleted
         self._initialized_default = False
         if not dist.is_initialized():
@@ -136,6 +134,7 @@ class TorchCoordinator(EngineCoordinator):
                                              use_local_synchronization=True)
         except Exception as e:
             raise CoordinationError(f"could not create the coordinator's gloo group: {e}") from e
+        self._group_timeout = self._timeout  # the gloo group's own timeout, set per call (_gloo_timeout)
         self._rank = dist.get_rank(self._group)
         self._size = dist.get_world_size(self._group)
         if self._rank < 0:
@@ -176,6 +175,18 @@ class TorchCoordinator(EngineCoordinator):
 
 
 
+    def _gloo_timeout(self, timeout: Optional[float]) -> None:
+        """Make the gloo group's own timeout the call's, so a call may wait longer than the coordinator's default
+        (gloo ends an operation at its group's timeout, whatever the wait allows)."""
+        seconds = self._timeout if timeout is None else float(timeout)
+        if seconds == self._group_timeout:
+            return
+        try:
+            self._group._get_backend(self._torch.device("cpu"))._set_default_timeout(_seconds(seconds))
+            self._group_timeout = seconds
+        except Exception:  # noqa: BLE001 - a torch without it: calls are capped at the group's timeout
+            pass
+
     def _wait(self, work: Any, deadline: float, what: str, timeout: Optional[float]) -> None:
         """Wait for gloo ``work`` until ``deadline``; on failure, mark the coordinator unusable and raise."""
         self._collectives += 1
@@ -186,9 +197,14 @@ class TorchCoordinator(EngineCoordinator):
         except Exception as e:
             err = e
         shown = self._timeout if timeout is None else timeout
-        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        missing = self._probe_missing(shown, number)  # a barrier on the key-value store: works without gloo
+        text = _engine_text(err)
+        missing, late = self._probe(shown, number)  # a barrier on the key-value store: works without gloo
         self._failed = f"{what} failed"
+        if late:  # the others timed out waiting for this rank, and may be gone: gloo's error says little
+            raise CoordinationTimeout(
+                f"rank {self._rank}: {what} failed: this rank arrived after the other clients had given up "
+                f"waiting for it (they timed out); the engine said: {text}",
+                missing=sorted({self._rank, *missing})) from err
         who = f"rank(s) {missing} did not reach a barrier after it" if missing else "could not tell which client"
         if "timed out" in str(err).lower() or time.monotonic() >= deadline:
             raise CoordinationTimeout(
@@ -215,6 +231,7 @@ class TorchCoordinator(EngineCoordinator):
         self._check()
         torch, dist = self._torch, self._dist
         deadline = self._deadline(timeout)
+        self._gloo_timeout(timeout)
         payload = encode(obj)
         if self._size == 1:
             return [decode(payload)]
@@ -244,6 +261,7 @@ class TorchCoordinator(EngineCoordinator):
         self._check_peer(root, "broadcast root")
         torch, dist = self._torch, self._dist
         deadline = self._deadline(timeout)
+        self._gloo_timeout(timeout)
         if self._size == 1:
             return decode(encode(obj))
         payload = encode(obj) if self._rank == root else b""
@@ -290,6 +308,7 @@ class TorchCoordinator(EngineCoordinator):
         if nbytes < 0:
             raise InvalidArgumentError(f"nbytes must be >= 0, got {nbytes}")
         deadline = self._deadline(timeout)
+        self._gloo_timeout(timeout)
         if out is None:
             out = memoryview(bytearray(nbytes))
         mv = memoryview(out)
@@ -305,103 +324,38 @@ class TorchCoordinator(EngineCoordinator):
         self._wait(work, deadline, f"receive of {nbytes} bytes from rank {src}", timeout)
         return mv
 
-    # -- barrier ----------------------------------------------------------------------------------------------
+    # -- barrier transport (the protocol is in .barrier) ------------------------------------------------------
 
-    def barrier(self, name: str = "barrier", timeout: Optional[float] = None) -> None:
-        self._check()
-        deadline = self._deadline(timeout)
-        shown = self._timeout if timeout is None else float(timeout)
-        seq = self._barrier_seq
-        self._barrier_seq += 1
-        if self._size == 1:
-            return
-        store = self._store
-        arrived_key = [f"b{seq}/a{r}" for r in range(self._size)]
-        verdict_key = f"b{seq}/v"
-        try:
-            store.set(arrived_key[self._rank], name)
-            if self._rank == 0:
-                verdict, proposed = self._judge(arrived_key, name, deadline), True
-            else:
-                verdict, proposed = self._await_verdict(arrived_key, verdict_key, deadline, shown)
-            if proposed:
-                # The first verdict written wins; everyone reads that one.
-                verdict = decode(store.compare_set(verdict_key, "", encode(verdict)))
-        except CoordinationError:
-            raise
-        except Exception as e:
-            raise CoordinationError(f"rank {self._rank}: barrier {name!r} failed: the key-value store "
-                                    f"did not answer: {e}") from e
-        self._raise_verdict(verdict, name, seq, shown)
-        if self._rank == 0:
-            # Every rank has arrived here, so every rank is done with the earlier barriers' keys.
-            try:
-                for old in range(self._cleaned, seq):
-                    for key in [f"b{old}/a{r}" for r in range(self._size)] + [f"b{old}/v"]:
-                        store.delete_key(key)
-                self._cleaned = seq
-            except Exception:  # pragma: no cover - cleanup only
-                pass
+    def _post(self, seq: int, notice: Dict[str, Any], to: Optional[int]) -> None:
+        box = f"b{seq}/all" if to is None else f"b{seq}/to{to}"
+        slot = self._store.add(f"{box}/n", 1)
+        self._store.set(f"{box}/{slot}", encode(notice))
 
-    def _judge(self, arrived_key: List[str], name: str, deadline: float) -> Dict[str, Any]:
-        """Rank 0: wait for every arrival until ``deadline``; the verdict to propose."""
+    def _take(self, seq: int) -> List[Dict[str, Any]]:
+        # The protocol posts only to rank 0 and to everyone: rank 0 reads its box, the others the shared one.
+        box = f"b{seq}/to0" if self._rank == 0 else f"b{seq}/all"
         store = self._store
-        delay = 0.0005
-        while not store.check(arrived_key):
-            if time.monotonic() >= deadline:
-                missing = [r for r, key in enumerate(arrived_key) if not store.check([key])]
-                if missing:
-                    return {"ok": False, "by": 0, "missing": missing}
+        read = self._taken[1] if self._taken[0] == seq else 0
+        count = store.add(f"{box}/n", 0)
+        notices = []
+        while read < count:
+            key = f"{box}/{read + 1}"
+            if not store.check([key]):  # counted, not yet set: taken next time
                 break
-            delay = _poll_sleep(delay)
-        names = [v.decode("utf-8", "replace") for v in store.multi_get(arrived_key)]
-        wrong = {r: n for r, n in enumerate(names) if n != name}
-        if wrong:
-            return {"ok": False, "by": 0, "missing": [], "names": {str(r): n for r, n in wrong.items()},
-                    "expected": name}
-        return {"ok": True, "by": 0}
+            notices.append(decode(store.get(key)))
+            read += 1
+        self._taken = (seq, read)
+        return notices
 
-    def _await_verdict(self, arrived_key: List[str], verdict_key: str, deadline: float,
-                       timeout: float) -> Tuple[Dict[str, Any], bool]:
-        """Non-root: ``(verdict, False)`` once one is written, or ``(proposal, True)`` after waiting in vain."""
+    def _retire(self, seq: int) -> None:
         store = self._store
-        grace = max(_GRACE_MIN, _GRACE_FRACTION * timeout)
-        limit = deadline + grace
-        extended = False
-        delay = 0.0005
-        while True:
-            if store.check([verdict_key]):
-                return decode(store.get(verdict_key)), False
-            now = time.monotonic()
-            if now >= limit:
-                if not extended and store.check([arrived_key[0]]):
-                    # Rank 0 is here and judging, by a deadline up to `timeout` after ours: give it that.
-                    extended = True
-                    limit = deadline + timeout + grace
-                    continue
-                missing = [r for r, key in enumerate(arrived_key) if not store.check([key])]
-                return {"ok": False, "by": self._rank, "missing": missing or [0], "stalled": not missing}, True
-            delay = _poll_sleep(delay)
-
-    def _raise_verdict(self, verdict: Dict[str, Any], name: str, seq: int, timeout: float) -> None:
-        if verdict.get("ok"):
-            return
-        by = verdict.get("by", 0)
-        if verdict.get("names"):
-            names = sorted(verdict["names"].items(), key=lambda x: int(x[0]))
-            detail = ", ".join(f"rank {r} at {n!r}" for r, n in names)
-            raise CoordinationError(f"barrier #{seq}: clients are at different barriers: expected "
-                                    f"{verdict.get('expected')!r}, but {detail}",
-                                    elsewhere={int(r): str(n) for r, n in names})
-        missing = [int(r) for r in verdict.get("missing", [])]
-        if verdict.get("stalled"):
-            why = f"rank 0 arrived but gave no verdict (reported by rank {by})"
-        else:
-            who = "rank 0" if by == 0 else f"rank {by}, which got no verdict from rank 0"
-            why = f"rank(s) {missing} did not arrive within {timeout:g} s (decided by {who})"
-        if self._rank in missing:
-            why += "; this rank arrived too late"
-        raise CoordinationTimeout(f"barrier {name!r} (#{seq}) timed out: {why}", missing=missing)
+        for old in range(self._cleaned, seq):
+            for box in (f"b{old}/to0", f"b{old}/all"):
+                count = store.add(f"{box}/n", 0)
+                for slot in range(1, count + 1):
+                    store.delete_key(f"{box}/{slot}")
+                store.delete_key(f"{box}/n")
+        self._cleaned = seq
 
     # -- lifetime ---------------------------------------------------------------------------------------------
 

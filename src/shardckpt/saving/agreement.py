@@ -76,15 +76,20 @@ def pieces_problem(described: List[Dict[str, List[Any]]]) -> Optional[str]:
     verdicts: Dict[Tuple[Tuple[int, ...], Tuple[Box, ...]], Optional[str]] = {}
     for key in sorted(by_key):
         holders = by_key[key]
-        first_rank, dtype, shape, _ = holders[0]
+        # The reference is what most clients save (ties: the lowest rank's), so the odd one is named,
+        # whichever rank it is.
+        dtype = _majority([d for _, d, _, _ in holders])
+        shape = _majority([s for _, _, s, _ in holders])
         wrong_dtype = [r for r, d, _, _ in holders if d != dtype]
         wrong_shape = [r for r, _, s, _ in holders if s != shape]
         if wrong_dtype:
+            first_rank = min(r for r, d, _, _ in holders if d == dtype)
             names = sorted({_dtype_name(d) for r, d, _, _ in holders if r in wrong_dtype})
             problems.append(f"key {key!r}: rank(s) {wrong_dtype} save it as {', '.join(names)}, rank {first_rank} "
                             f"as {_dtype_name(dtype)}")
             continue
         if wrong_shape:
+            first_rank = min(r for r, _, s, _ in holders if s == shape)
             problems.append(f"key {key!r}: rank(s) {wrong_shape} save global shape "
                             f"{[list(s) for r, _, s, _ in holders if r in wrong_shape]}, rank {first_rank} saves "
                             f"{list(shape)}")
@@ -111,6 +116,13 @@ def pieces_problem(described: List[Dict[str, List[Any]]]) -> Optional[str]:
         return None
     return "clients' pieces disagree: " + "; ".join(problems)
 
+
+def _majority(values: List[Any]) -> Any:
+    """The most common of ``values``; on a tie, the one that comes first."""
+    counts: Dict[Any, int] = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    return max(counts, key=lambda v: (counts[v], -values.index(v)))
 
 
 def _dtype_name(enum: int) -> str:

@@ -34,13 +34,14 @@ its original error. Which store is written
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..distributed.coordinator import CoordinationError, Coordinator
+from ..distributed.coordinator import CoordinationError, CoordinationTimeout, Coordinator
 from .agreement import describe_pieces, identity_problem, pieces_problem, save_identity
 from .async_save import AsyncSaver
 from .commit import Committer, committer_for
@@ -82,6 +83,10 @@ def save(tensors: TensorsToSave, request: SaveRequest, coordinator: Coordinator,
     if options.enable_async:
         context = default_context()
         background = context.background(coordinator)
+        current = getattr(coordinator, "timeout", None)  # engine-backed coordinators have one
+        if request.timeout is None and isinstance(current, float):
+            # the clone was made once; the caller's coordinator's timeout now is the one that counts
+            request = dataclasses.replace(request, timeout=current)
         saver = saver or context.saver()
         saver.set_budget(options.async_staging_bytes)
         saver.submit(request.prefix, plan, lambda staged: _log_stats(run_save(staged, request, background)),
@@ -103,7 +108,28 @@ def _describe(exc: BaseException) -> str:
 
 
 def run_save(plan: SavePlan, request: SaveRequest, coordinator: Coordinator) -> SaveStats:
-    """Write ``plan`` (this client's shards) and commit the checkpoint, collectively (see the module docstring)."""
+    """Write ``plan`` (this client's shards) and commit the checkpoint, collectively (see the module docstring).
+
+    A :class:`CoordinationError` (or timeout) of the coordinator's names the save it failed
+    (``the save of <prefix>: ...``), with the same type, ``missing`` and ``elsewhere``.
+    """
+    try:
+        return _run_save(plan, request, coordinator)
+    except CoordinationError as exc:
+        named = _naming_save(exc, request.prefix)
+        if named is exc:
+            raise
+        raise named from exc
+
+
+def _naming_save(exc: CoordinationError, prefix: str) -> CoordinationError:
+    """``exc``, or the same error whose message starts with the save's name when it does not name it."""
+    if f"the save of {prefix}" in str(exc) or type(exc) not in (CoordinationError, CoordinationTimeout):
+        return exc
+    return type(exc)(f"the save of {prefix} failed: {exc}", missing=exc.missing, elsewhere=exc.elsewhere)
+
+
+def _run_save(plan: SavePlan, request: SaveRequest, coordinator: Coordinator) -> SaveStats:
     started = time.perf_counter()
     prefix, io, timeout = request.prefix, request.io_rank, request.timeout
     is_io = coordinator.rank == io

@@ -41,7 +41,8 @@ class CheckpointOptions:
         copies: the snapshot then streams (the call returns once the last value is copied).
       timeout: seconds each collective step of a multi-client save may wait for the
         other clients (a client that does not arrive is named in the error). ``None``:
-        the coordinator's timeout (600 s, or the ``SHARDCKPT_TIMEOUT`` environment variable).
+        the coordinator's timeout (``get_coordinator(timeout=)``, else the
+        ``SHARDCKPT_TIMEOUT`` environment variable, else 600 s). This option wins over both.
 
     TensorFlow's ``experimental_`` spellings are accepted as aliases, and are
     readable as attributes.
