@@ -1,0 +1,351 @@
+"""``JaxCoordinator``: the coordinator over JAX's own distributed runtime.
+
+After ``jax.distributed.initialize(...)`` every process holds a client of JAX's
+coordination service, with a key-value store (``key_value_set``,
+``blocking_key_value_get``, ``key_value_dir_get``, ``key_value_delete``). Everything
+this coordinator does is written on that store, under a namespace of its own:
+``shardckpt/jax/<n>/``, where ``n`` counts the coordinators a process has made
+(constructing one, or a :meth:`~JaxCoordinator.clone`, is collective: every process
+does it in the same order). Collectives are numbered in call order, alike on every
+process; collective ``s`` uses the keys under ``<namespace><s>/``:
+
+* ``all_gather``: every rank sets ``<s>/g/<rank>`` to its JSON value, then reads
+  every rank's (``blocking_key_value_get`` until the deadline). A rank whose key
+  is missing at the deadline is named (:class:`CoordinationTimeout`, ``missing``).
+* ``broadcast``: the root sets ``<s>/c``; the others read it until the deadline
+  (a timeout names the root).
+* ``barrier``: an arrival protocol with one verdict. Every rank sets
+  ``<s>/a/<rank>`` to the barrier's name; rank 0 reads the arrivals
+  (``key_value_dir_get``) until all are there or its deadline passes, and
+  proposes the verdict (ok, the missing ranks, or the ranks at a barrier of
+  another name) by setting ``<s>/v`` without overwrite: the first verdict written
+  wins and everyone obeys that one. A non-root rank waits for the verdict until
+  its deadline plus a grace period (longer once rank 0 has arrived), then
+  proposes its own (naming rank 0, or whoever has not arrived). So either every
+  rank passes or every rank raises with the same ``missing`` list. JAX's own
+  ``wait_at_barrier`` is not used: its error text is the runtime's, and a barrier
+  that timed out there cannot be told apart from one that failed elsewhere.
+* ``send_bytes`` / ``recv_bytes``: the bytes as one value ``p/<src>-<dst>-<tag>/<k>``
+  (the k-th message on that channel), deleted by the receiver. Funnelled saves
+  (``io_device``) move every value this way; meant for small data.
+
+After each barrier, rank 0 deletes the keys of every collective before it (every
+rank arrived, so every rank is done with them). A failed collective other than a
+barrier leaves the numbering unsure, so the coordinator is then unusable (later
+calls raise :class:`CoordinationError`; make a new one).
+
+JAX's runtime watches its processes too: a process that dies may make the
+runtime end the others (its heartbeat timeout); a process that is alive but does
+not arrive is named by these timeouts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..errors import InvalidArgumentError
+from .coordinator import (
+    DEFAULT_TIMEOUT,
+    CoordinationError,
+    CoordinationTimeout,
+    EngineCoordinator,
+    decode,
+    encode,
+)
+
+__all__ = ["JaxCoordinator"]
+
+_GRACE_MIN = 1.0
+_GRACE_FRACTION = 0.1
+_NAMESPACES = itertools.count()
+_NAMESPACE_LOCK = threading.Lock()
+
+
+def _client() -> Any:
+    try:
+        import jax
+        from jax._src import distributed
+    except ImportError as e:  # pragma: no cover - exercised only without jax
+        raise CoordinationError(f"the JAX coordinator needs JAX (pip install 'shardckpt[jax]'): {e}") from e
+    client = distributed.global_state.client
+    if client is None:
+        raise CoordinationError("JAX's distributed runtime is not initialized: call jax.distributed.initialize() "
+                                "in every process first")
+    return jax, client
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+class JaxCoordinator(EngineCoordinator):
+    """Coordinate the processes of a JAX job over its distributed runtime's key-value store.
+
+    ``timeout`` (seconds): the default of every call. Collective: every process
+    constructs its coordinators (and clones) in the same order.
+    """
+
+    _engine = "jax"
+
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+        jax, client = _client()
+        if not timeout or timeout <= 0:
+            raise InvalidArgumentError(f"coordinator timeout must be positive, got {timeout!r}")
+        self._client = client
+        self._timeout = float(timeout)
+        self._failed: Optional[str] = None
+        self._rank = int(jax.process_index())
+        self._size = int(jax.process_count())
+        with _NAMESPACE_LOCK:
+            self._namespace = f"shardckpt/jax/{next(_NAMESPACES)}/"
+        self._seq = 0
+        self._cleaned = 0
+        self._sent: Dict[Tuple[int, int], int] = {}
+        self._received: Dict[Tuple[int, int], int] = {}
+
+    @property
+    def backend(self) -> str:
+        return "jax"
+
+    def clone(self) -> "JaxCoordinator":
+        """The same processes under a namespace of their own (collective: same order everywhere)."""
+        return JaxCoordinator(timeout=self._timeout)
+
+    # -- store helpers ----------------------------------------------------------------------------------------
+
+    def _next(self) -> str:
+        seq = self._seq
+        self._seq += 1
+        return f"{self._namespace}{seq}/"
+
+    def _get(self, key: str, deadline: float) -> Optional[str]:
+        """The value of ``key`` once it is set, or ``None`` at the deadline."""
+        try:
+            return str(self._client.blocking_key_value_get(key, _ms(deadline - time.monotonic())))
+        except Exception as e:  # the runtime raises one error type for every failure; tell a timeout apart
+            text = str(e)
+            if "DEADLINE_EXCEEDED" in text or "timed out" in text.lower() or time.monotonic() >= deadline:
+                return None
+            raise CoordinationError(f"rank {self._rank}: JAX's key-value store failed reading {key!r}: "
+                                    f"{text.strip().splitlines()[0] if text.strip() else type(e).__name__}") from e
+
+    def _dir(self, directory: str) -> Dict[str, str]:
+        return {k.rsplit("/", 1)[-1]: v for k, v in self._client.key_value_dir_get(directory)}
+
+    def _fail(self, what: str) -> None:
+        self._failed = what
+
+    # -- collectives ------------------------------------------------------------------------------------------
+
+    def all_gather(self, obj: Any, timeout: Optional[float] = None) -> List[Any]:
+        self._check()
+        deadline = self._deadline(timeout)
+        payload = encode(obj).decode("ascii")
+        if self._size == 1:
+            return [decode(payload.encode("ascii"))]
+        base = self._next() + "g/"
+        self._client.key_value_set(base + str(self._rank), payload)
+        raw: List[Optional[str]] = []
+        for r in range(self._size):
+            raw.append(payload if r == self._rank else self._get(base + str(r), deadline))
+            if raw[-1] is None:
+                break
+        if len(raw) < self._size or raw[-1] is None:
+            present = self._dir(base)
+            missing = [r for r in range(self._size) if str(r) not in present]
+            shown = self._timeout if timeout is None else float(timeout)
+            self._fail("all_gather timed out")
+            raise CoordinationTimeout(f"rank {self._rank}: all_gather did not complete within {shown:g} s: "
+                                      f"rank(s) {missing} did not arrive", missing=missing)
+        out = []
+        for r, text in enumerate(raw):
+            try:
+                out.append(decode(str(text).encode("utf-8")))
+            except ValueError as e:
+                self._fail("all_gather received undecodable data")
+                raise CoordinationError(f"all_gather: rank {r} sent data that is not JSON: {e}") from e
+        return out
+
+    def broadcast(self, obj: Any, root: int = 0, timeout: Optional[float] = None) -> Any:
+        self._check()
+        self._check_peer(root, "broadcast root")
+        deadline = self._deadline(timeout)
+        if self._size == 1:
+            return decode(encode(obj))
+        key = self._next() + "c"
+        if self._rank == root:
+            payload = encode(obj)
+            self._client.key_value_set(key, payload.decode("ascii"))
+            return decode(payload)
+        text = self._get(key, deadline)
+        if text is None:
+            shown = self._timeout if timeout is None else float(timeout)
+            self._fail(f"broadcast from rank {root} timed out")
+            raise CoordinationTimeout(f"rank {self._rank}: broadcast from rank {root} did not arrive within "
+                                      f"{shown:g} s: rank(s) [{root}] did not arrive", missing=[root])
+        try:
+            return decode(text.encode("utf-8"))
+        except ValueError as e:
+            self._fail("broadcast received undecodable data")
+            raise CoordinationError(f"broadcast: rank {root} sent data that is not JSON: {e}") from e
+
+    # -- point to point ---------------------------------------------------------------------------------------
+
+    def _channel(self, src: int, dst: int, tag: int) -> str:
+        return f"{self._namespace}p/{src}-{dst}-{tag}/"
+
+    def send_bytes(self, data: memoryview, dst: int, tag: int = 0) -> None:
+        self._check()
+        self._check_peer(dst, "send destination")
+        mv = memoryview(data).cast("B") if memoryview(data).format != "B" else memoryview(data)
+        n = self._sent.get((dst, tag), 0)
+        self._sent[(dst, tag)] = n + 1
+        if mv.nbytes == 0:
+            return
+        try:
+            self._client.key_value_set_bytes(self._channel(self._rank, dst, tag) + str(n), bytes(mv))
+        except Exception as e:
+            self._fail(f"send to rank {dst} failed")
+            raise CoordinationError(f"rank {self._rank}: sending {mv.nbytes} bytes to rank {dst} failed: {e}") from e
+
+    def recv_bytes(self, src: int, nbytes: int, out: Optional[memoryview] = None, tag: int = 0,
+                   timeout: Optional[float] = None) -> memoryview:
+        self._check()
+        self._check_peer(src, "receive source")
+        if nbytes < 0:
+            raise InvalidArgumentError(f"nbytes must be >= 0, got {nbytes}")
+        deadline = self._deadline(timeout)
+        mv = memoryview(out if out is not None else bytearray(nbytes))
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        if mv.nbytes < nbytes:
+            raise InvalidArgumentError(f"receive buffer holds {mv.nbytes} bytes, {nbytes} expected")
+        mv = mv[:nbytes]
+        n = self._received.get((src, tag), 0)
+        self._received[(src, tag)] = n + 1
+        if nbytes == 0:
+            return mv
+        key = self._channel(src, self._rank, tag) + str(n)
+        try:
+            data = self._client.blocking_key_value_get_bytes(key, _ms(deadline - time.monotonic()))
+        except Exception as e:
+            shown = self._timeout if timeout is None else float(timeout)
+            self._fail(f"receive from rank {src} failed")
+            raise CoordinationTimeout(f"rank {self._rank}: {nbytes} bytes from rank {src} did not arrive within "
+                                      f"{shown:g} s", missing=[src]) from e
+        if len(data) != nbytes:
+            self._fail(f"receive from rank {src} failed")
+            raise CoordinationError(f"rank {self._rank}: rank {src} sent {len(data)} bytes, {nbytes} expected")
+        mv[:] = data
+        try:
+            self._client.key_value_delete(key)
+        except Exception:  # pragma: no cover - cleanup only
+            pass
+        return mv
+
+    # -- barrier ----------------------------------------------------------------------------------------------
+
+    def barrier(self, name: str = "barrier", timeout: Optional[float] = None) -> None:
+        self._check()
+        deadline = self._deadline(timeout)
+        shown = self._timeout if timeout is None else float(timeout)
+        base = self._next()
+        seq = self._seq - 1
+        if self._size == 1:
+            return
+        try:
+            self._client.key_value_set(f"{base}a/{self._rank}", name)
+            if self._rank == 0:
+                verdict = self._judge(base, name, deadline)
+            else:
+                verdict = self._await_verdict(base, deadline, shown)
+            verdict = self._propose(base + "v", verdict)  # the first verdict written wins
+        except CoordinationError:
+            raise
+        except Exception as e:
+            raise CoordinationError(f"rank {self._rank}: barrier {name!r} failed: JAX's key-value store did not "
+                                    f"answer: {e}") from e
+        self._raise_verdict(verdict, name, seq, shown)
+        if self._rank == 0:  # every rank arrived here, so every rank is done with the earlier collectives
+            try:
+                for old in range(self._cleaned, seq):
+                    self._client.key_value_delete(f"{self._namespace}{old}")
+                self._cleaned = seq
+            except Exception:  # pragma: no cover - cleanup only
+                pass
+
+    def _propose(self, key: str, verdict: Dict[str, Any]) -> Dict[str, Any]:
+        try:
+            self._client.key_value_set(key, encode(verdict).decode("ascii"))
+            return verdict
+        except Exception:  # already set: someone's verdict came first
+            text = self._client.blocking_key_value_get(key, _ms(self._timeout))
+            return dict(decode(str(text).encode("utf-8")))
+
+    def _judge(self, base: str, name: str, deadline: float) -> Dict[str, Any]:
+        """Rank 0: wait for every arrival until ``deadline``; the verdict to propose."""
+        delay = 0.0005
+        while True:
+            arrived = self._dir(base + "a/")
+            if len(arrived) >= self._size:
+                break
+            verdict = self._written_verdict(base)
+            if verdict is not None:  # a rank gave up on us: obey it
+                return verdict
+            if time.monotonic() >= deadline:
+                missing = [r for r in range(self._size) if str(r) not in arrived]
+                return {"ok": False, "by": 0, "missing": missing}
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+        wrong = {r: n for r, n in arrived.items() if n != name}
+        if wrong:
+            return {"ok": False, "by": 0, "missing": [], "names": wrong, "expected": name}
+        return {"ok": True, "by": 0}
+
+    def _written_verdict(self, base: str) -> Optional[Dict[str, Any]]:
+        try:
+            text = self._client.key_value_try_get(base + "v")
+        except Exception:  # not set
+            return None
+        return dict(decode(str(text).encode("utf-8")))
+
+    def _await_verdict(self, base: str, deadline: float, timeout: float) -> Dict[str, Any]:
+        """Non-root: the verdict once written, or (after waiting in vain) this rank's proposal."""
+        grace = max(_GRACE_MIN, _GRACE_FRACTION * timeout)
+        limit = deadline + grace
+        extended = False
+        while True:
+            text = self._get(base + "v", limit)
+            if text is not None:
+                return dict(decode(text.encode("utf-8")))
+            arrived = self._dir(base + "a/")
+            if not extended and "0" in arrived:
+                # Rank 0 is here and judging, by a deadline up to `timeout` after ours: give it that.
+                extended = True
+                limit = deadline + timeout + grace
+                continue
+            missing = [r for r in range(self._size) if str(r) not in arrived]
+            return {"ok": False, "by": self._rank, "missing": missing or [0], "stalled": not missing}
+
+    def _raise_verdict(self, verdict: Dict[str, Any], name: str, seq: int, timeout: float) -> None:
+        if verdict.get("ok"):
+            return
+        by = verdict.get("by", 0)
+        if verdict.get("names"):
+            names = sorted(verdict["names"].items(), key=lambda x: int(x[0]))
+            detail = ", ".join(f"rank {r} at {n!r}" for r, n in names)
+            raise CoordinationError(f"barrier #{seq}: clients are at different barriers: expected "
+                                    f"{verdict.get('expected')!r}, but {detail}",
+                                    elsewhere={int(r): str(n) for r, n in names})
+        missing = [int(r) for r in verdict.get("missing", [])]
+        if verdict.get("stalled"):
+            why = f"rank 0 arrived but gave no verdict (reported by rank {by})"
+        else:
+            who = "rank 0" if by == 0 else f"rank {by}, which got no verdict from rank 0"
+            why = f"rank(s) {missing} did not arrive within {timeout:g} s (decided by {who})"
+        if self._rank in missing:
+            why += "; this rank arrived too late"
+        raise CoordinationTimeout(f"barrier {name!r} (#{seq}) timed out: {why}", missing=missing)
