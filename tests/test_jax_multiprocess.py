@@ -82,3 +82,16 @@ def test_a_process_that_does_not_arrive_is_named_and_nothing_is_committed(tmp_pa
     assert results[2].get("ok") and results[2]["returncode"] == 0, results[2]
     assert not (tmp_path / "ckpt-2.index").exists()
     assert (tmp_path / "ckpt-1.index").exists()
+
+
+def test_a_killed_process_is_named_and_nothing_is_committed(tmp_path: Path) -> None:
+    """Rank 2 exits (``os._exit``) while the others save ckpt-2. They name it within their 4 s timeout and
+    commit nothing. (At exit, JAX's own runtime then aborts the survivors' shutdown, since a task of its job
+    is gone: their exit status is JAX's, so only the results they wrote before are checked.)"""
+    results = launch("die", 3, tmp_path)
+    assert results[2]["returncode"] == 3 and results[2].get("missing_result"), results[2]
+    for r in results[:2]:
+        assert r.get("ok") is False and r["missing"] == [2] and r["seconds"] < 30, r
+        assert "[2]" in r["error"], r
+        assert r["latest"] == str(tmp_path / "ckpt-1")
+    assert not (tmp_path / "ckpt-2.index").exists() and (tmp_path / "ckpt-1.index").exists()
