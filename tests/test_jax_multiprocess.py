@@ -64,6 +64,12 @@ def test_four_processes_save_and_two_restore_onto_another_mesh(tmp_path: Path) -
         # w on P("x", "y") over (2, 4): 8 pieces written by 4 processes; r replicated: written once
         assert len(reader.pieces("params/w")) == 8 and len(reader.pieces("params/r")) == 1
     assert len(list(tmp_path.glob("ck.data-*"))) == 8
+    with BundleReader(str(tmp_path / "ck")) as reader:
+        for other in ("ck_funnel", "ck_async"):  # the same values, whichever way they were written
+            with BundleReader(str(tmp_path / other)) as copy:
+                assert sorted(copy.keys()) == sorted(reader.keys())
+                for key in reader.keys():
+                    assert copy.read(key).tobytes() == reader.read(key).tobytes(), (other, key)
     restored = launch("restore", 2, tmp_path)
     assert all(r.get("ok") and r["returncode"] == 0 for r in restored), restored
     for r in restored:

@@ -4,7 +4,8 @@
 ``jax.distributed.initialize`` on loopback (2 CPU devices per process) and:
 
 * ``save``: saves the state below (global mesh (2, 4) over 4 processes, or whatever
-  SIZE gives) at ``DIR/ck`` through ``shardckpt.jax.save``;
+  SIZE gives) at ``DIR/ck`` through ``shardckpt.jax.save``, then again funnelled to
+  process 0 (``DIR/ck_funnel``) and asynchronously (``DIR/ck_async``);
 * ``restore``: restores ``DIR/ck`` onto a mesh of SIZE*2 devices with other specs,
   checks every addressable shard against the global values, and counts the bytes
   this process read (``LocalFileSystem.pread_into``) against what its shards need;
@@ -76,7 +77,14 @@ def write(result: dict) -> None:
 def main() -> None:
     result: dict = {"rank": RANK, "devices": len(jax.devices()), "local": len(jax.local_devices())}
     if MODE == "save":
-        sj.save(os.path.join(DIR, "ck"), save_state(), timeout=60)
+        state = save_state()
+        sj.save(os.path.join(DIR, "ck"), state, timeout=60)
+        # funnelled to process 0 (send_bytes / recv_bytes over the store), and in the background (a clone)
+        sj.save(os.path.join(DIR, "ck_funnel"), state, options=shardckpt.CheckpointOptions(io_device="/task:0"),
+                timeout=60)
+        sj.save(os.path.join(DIR, "ck_async"), state, options=shardckpt.CheckpointOptions(enable_async=True),
+                timeout=60)
+        sj.wait_until_finished()
         result["ok"] = True
     elif MODE == "restore":
         counter = {"bytes": 0}
