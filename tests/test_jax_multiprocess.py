@@ -79,6 +79,22 @@ def test_four_processes_save_and_two_restore_onto_another_mesh(tmp_path: Path) -
         assert r["bytes_needed"] < 0.6 * r["bytes_total"]  # each of the 2 processes needs about half
 
 
+def test_the_jax_coordinator_over_three_processes(tmp_path: Path) -> None:
+    results = launch("coord", 3, tmp_path)
+    assert all(r.get("ok") and r["returncode"] == 0 for r in results), results
+    for r in results:
+        assert r["gathered"] == [{"rank": i, "text": "é" * i} for i in range(3)]
+        assert r["broadcast"] == {"from": "root"}
+    assert results[0]["received"] is True
+    by_case = [{o["case"]: o for o in r["outcomes"]} for r in results]
+    for rank, outcome in enumerate(by_case):
+        late_last, late_root, other = outcome["late last"], outcome["late root"], outcome["other name"]
+        assert late_last["ok"] is False and late_last["missing"] == [2], (rank, late_last)
+        assert ("arrived too late" in late_last["error"]) == (rank == 2), (rank, late_last)
+        assert late_root["ok"] is False and 0 in late_root["missing"], (rank, late_root)
+        assert other["ok"] is False and other["elsewhere"] == {"1": "elsewhere"}, (rank, other)
+
+
 def test_a_process_that_does_not_arrive_is_named_and_nothing_is_committed(tmp_path: Path) -> None:
     results = launch("hang", 3, tmp_path)
     for r in results[:2]:

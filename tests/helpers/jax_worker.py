@@ -9,6 +9,10 @@
 * ``restore``: restores ``DIR/ck`` onto a mesh of SIZE*2 devices with other specs,
   checks every addressable shard against the global values, and counts the bytes
   this process read (``LocalFileSystem.pread_into``) against what its shards need;
+* ``coord``: exercises :class:`~shardckpt.distributed.jax_backend.JaxCoordinator` directly:
+  barrier, all_gather, broadcast, send/recv, then a barrier the last rank reaches late,
+  one rank 0 reaches late, and a barrier of another name on rank 1 (each must fail
+  alike on every rank naming the right ranks, and leave the coordinator usable);
 * ``hang`` / ``die``: all processes save ``ckpt-1`` through a ``CheckpointManager``,
   then the last rank sleeps past the others' timeout (``hang``) or exits at once
   (``die``) instead of saving ``ckpt-2``; the others report the error they got.
@@ -117,6 +121,30 @@ def main() -> None:
                     need += shard.data.size * 4
         result.update(ok=True, step=got["step"], name=got["name"], bytes_read=counter["bytes"], bytes_needed=need,
                       bytes_total=sum(int(np.prod(s)) * 4 for s in SHAPES.values()))
+    elif MODE == "coord":
+        from shardckpt.distributed.jax_backend import JaxCoordinator
+
+        c = JaxCoordinator(timeout=30)
+        c.barrier("start")
+        result["gathered"] = c.all_gather({"rank": RANK, "text": "é" * RANK})
+        result["broadcast"] = c.broadcast({"from": "root"} if RANK == 1 else None, root=1)
+        if RANK == 1:
+            c.send_bytes(memoryview(bytes(range(200)) * 3), dst=0, tag=7)
+        if RANK == 0:
+            result["received"] = bytes(c.recv_bytes(1, 600, tag=7)) == bytes(range(200)) * 3
+        outcomes = []
+        for case, late in (("late last", SIZE - 1), ("late root", 0), ("other name", None)):
+            if RANK == late:
+                time.sleep(3.5)
+            name = "elsewhere" if case == "other name" and RANK == 1 else case
+            try:
+                c.barrier(name, timeout=1.5)
+                outcomes.append({"case": case, "ok": True})
+            except CoordinationError as e:
+                outcomes.append({"case": case, "ok": False, "missing": list(e.missing),
+                                 "elsewhere": {str(k): v for k, v in e.elsewhere.items()}, "error": str(e)})
+            c.barrier(f"after {case}", timeout=30)  # still usable
+        result.update(ok=True, outcomes=outcomes)
     elif MODE in ("hang", "die"):
         state = save_state()
         ckpt = sj.PyTreeCheckpoint(state)

@@ -14,24 +14,21 @@ process; collective ``s`` uses the keys under ``<namespace><s>/``:
   is missing at the deadline is named (:class:`CoordinationTimeout`, ``missing``).
 * ``broadcast``: the root sets ``<s>/c``; the others read it until the deadline
   (a timeout names the root).
-* ``barrier``: an arrival protocol with one verdict. Every rank sets
-  ``<s>/a/<rank>`` to the barrier's name; rank 0 reads the arrivals
-  (``key_value_dir_get``) until all are there or its deadline passes, and
-  proposes the verdict (ok, the missing ranks, or the ranks at a barrier of
-  another name) by setting ``<s>/v`` without overwrite: the first verdict written
-  wins and everyone obeys that one. A non-root rank waits for the verdict until
-  its deadline plus a grace period (longer once rank 0 has arrived), then
-  proposes its own (naming rank 0, or whoever has not arrived). So either every
-  rank passes or every rank raises with the same ``missing`` list. JAX's own
-  ``wait_at_barrier`` is not used: its error text is the runtime's, and a barrier
-  that timed out there cannot be told apart from one that failed elsewhere.
+* ``barrier``: the arrival protocol of :mod:`.barrier` (written once, in
+  :class:`~.engine.EngineCoordinator`); this backend only carries its notices, each
+  under a key of its own, since a notice is named by ``(barrier, sender, kind)``:
+  ``b<seq>/to0/<from>.<kind>`` (to rank 0) and ``b<seq>/all/<kind>`` (from rank 0 to
+  everyone). ``_take`` lists the receiver's folder (``key_value_dir_get``) and returns
+  the notices it has not returned before, in key order (a sender's ``arrive`` sorts
+  before its ``withdraw``, ``here`` before ``verdict``). JAX's own ``wait_at_barrier``
+  is not used: it names nobody.
 * ``send_bytes`` / ``recv_bytes``: the bytes as one value ``p/<src>-<dst>-<tag>/<k>``
   (the k-th message on that channel), deleted by the receiver. Funnelled saves
   (``io_device``) move every value this way; meant for small data.
 
-After each barrier, rank 0 deletes the keys of every collective before it (every
-rank arrived, so every rank is done with them). A failed collective other than a
-barrier leaves the numbering unsure, so the coordinator is then unusable (later
+After each barrier, rank 0 deletes the keys of every barrier and collective before
+it (every rank arrived, so every rank is done with them). A failed collective other
+than a barrier leaves the numbering unsure, so the coordinator is then unusable (later
 calls raise :class:`CoordinationError`; make a new one).
 
 JAX's runtime watches its processes too: a process that dies may make the
@@ -44,22 +41,14 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..errors import InvalidArgumentError
-from .coordinator import (
-    DEFAULT_TIMEOUT,
-    CoordinationError,
-    CoordinationTimeout,
-    EngineCoordinator,
-    decode,
-    encode,
-)
+from .coordinator import DEFAULT_TIMEOUT, CoordinationError, CoordinationTimeout, decode, encode
+from .engine import EngineCoordinator
 
 __all__ = ["JaxCoordinator"]
 
-_GRACE_MIN = 1.0
-_GRACE_FRACTION = 0.1
 _NAMESPACES = itertools.count()
 _NAMESPACE_LOCK = threading.Lock()
 
@@ -101,8 +90,10 @@ class JaxCoordinator(EngineCoordinator):
         self._size = int(jax.process_count())
         with _NAMESPACE_LOCK:
             self._namespace = f"shardckpt/jax/{next(_NAMESPACES)}/"
-        self._seq = 0
-        self._cleaned = 0
+        self._seq = 0  # collectives other than barriers, alike on every rank
+        self._cleaned = 0  # collectives whose keys are deleted
+        self._barriers_cleaned = 0
+        self._taken: Tuple[int, Set[str]] = (-1, set())  # (barrier, names of the notices taken so far)
         self._sent: Dict[Tuple[int, int], int] = {}
         self._received: Dict[Tuple[int, int], int] = {}
 
@@ -194,7 +185,7 @@ class JaxCoordinator(EngineCoordinator):
 
     # -- point to point ---------------------------------------------------------------------------------------
 
-    def _channel(self, src: int, dst: int, tag: int) -> str:
+    def _p2p_key(self, src: int, dst: int, tag: int) -> str:
         return f"{self._namespace}p/{src}-{dst}-{tag}/"
 
     def send_bytes(self, data: memoryview, dst: int, tag: int = 0) -> None:
@@ -206,7 +197,7 @@ class JaxCoordinator(EngineCoordinator):
         if mv.nbytes == 0:
             return
         try:
-            self._client.key_value_set_bytes(self._channel(self._rank, dst, tag) + str(n), bytes(mv))
+            self._client.key_value_set_bytes(self._p2p_key(self._rank, dst, tag) + str(n), bytes(mv))
         except Exception as e:
             self._fail(f"send to rank {dst} failed")
             raise CoordinationError(f"rank {self._rank}: sending {mv.nbytes} bytes to rank {dst} failed: {e}") from e
@@ -228,7 +219,7 @@ class JaxCoordinator(EngineCoordinator):
         self._received[(src, tag)] = n + 1
         if nbytes == 0:
             return mv
-        key = self._channel(src, self._rank, tag) + str(n)
+        key = self._p2p_key(src, self._rank, tag) + str(n)
         try:
             data = self._client.blocking_key_value_get_bytes(key, _ms(deadline - time.monotonic()))
         except Exception as e:
@@ -246,106 +237,32 @@ class JaxCoordinator(EngineCoordinator):
             pass
         return mv
 
-    # -- barrier ----------------------------------------------------------------------------------------------
+    # -- barrier transport (the protocol is in .barrier) ------------------------------------------------------
 
-    def barrier(self, name: str = "barrier", timeout: Optional[float] = None) -> None:
-        self._check()
-        deadline = self._deadline(timeout)
-        shown = self._timeout if timeout is None else float(timeout)
-        base = self._next()
-        seq = self._seq - 1
-        if self._size == 1:
-            return
-        try:
-            self._client.key_value_set(f"{base}a/{self._rank}", name)
-            if self._rank == 0:
-                verdict = self._judge(base, name, deadline)
-            else:
-                verdict = self._await_verdict(base, deadline, shown)
-            verdict = self._propose(base + "v", verdict)  # the first verdict written wins
-        except CoordinationError:
-            raise
-        except Exception as e:
-            raise CoordinationError(f"rank {self._rank}: barrier {name!r} failed: JAX's key-value store did not "
-                                    f"answer: {e}") from e
-        self._raise_verdict(verdict, name, seq, shown)
-        if self._rank == 0:  # every rank arrived here, so every rank is done with the earlier collectives
-            try:
-                for old in range(self._cleaned, seq):
-                    self._client.key_value_delete(f"{self._namespace}{old}")
-                self._cleaned = seq
-            except Exception:  # pragma: no cover - cleanup only
-                pass
+    _channel = "JAX's key-value store"
 
-    def _propose(self, key: str, verdict: Dict[str, Any]) -> Dict[str, Any]:
-        try:
-            self._client.key_value_set(key, encode(verdict).decode("ascii"))
-            return verdict
-        except Exception:  # already set: someone's verdict came first
-            text = self._client.blocking_key_value_get(key, _ms(self._timeout))
-            return dict(decode(str(text).encode("utf-8")))
+    def _post(self, seq: int, notice: Dict[str, Any], to: Optional[int]) -> None:
+        kind = str(notice["k"])
+        key = f"{self._namespace}b{seq}/all/{kind}" if to is None else \
+            f"{self._namespace}b{seq}/to{to}/{self._rank}.{kind}"
+        self._client.key_value_set(key, encode(notice).decode("ascii"))
 
-    def _judge(self, base: str, name: str, deadline: float) -> Dict[str, Any]:
-        """Rank 0: wait for every arrival until ``deadline``; the verdict to propose."""
-        delay = 0.0005
-        while True:
-            arrived = self._dir(base + "a/")
-            if len(arrived) >= self._size:
-                break
-            verdict = self._written_verdict(base)
-            if verdict is not None:  # a rank gave up on us: obey it
-                return verdict
-            if time.monotonic() >= deadline:
-                missing = [r for r in range(self._size) if str(r) not in arrived]
-                return {"ok": False, "by": 0, "missing": missing}
-            time.sleep(delay)
-            delay = min(delay * 2, 0.01)
-        wrong = {r: n for r, n in arrived.items() if n != name}
-        if wrong:
-            return {"ok": False, "by": 0, "missing": [], "names": wrong, "expected": name}
-        return {"ok": True, "by": 0}
+    def _take(self, seq: int) -> List[Dict[str, Any]]:
+        # The protocol posts only to rank 0 and to everyone: rank 0 reads its folder, the others the shared one.
+        folder = f"{self._namespace}b{seq}/" + ("to0/" if self._rank == 0 else "all/")
+        seen = self._taken[1] if self._taken[0] == seq else set()
+        notices = []
+        for name, text in sorted(self._dir(folder).items()):
+            if name not in seen:
+                seen.add(name)
+                notices.append(dict(decode(text.encode("utf-8"))))
+        self._taken = (seq, seen)
+        return notices
 
-    def _written_verdict(self, base: str) -> Optional[Dict[str, Any]]:
-        try:
-            text = self._client.key_value_try_get(base + "v")
-        except Exception:  # not set
-            return None
-        return dict(decode(str(text).encode("utf-8")))
-
-    def _await_verdict(self, base: str, deadline: float, timeout: float) -> Dict[str, Any]:
-        """Non-root: the verdict once written, or (after waiting in vain) this rank's proposal."""
-        grace = max(_GRACE_MIN, _GRACE_FRACTION * timeout)
-        limit = deadline + grace
-        extended = False
-        while True:
-            text = self._get(base + "v", limit)
-            if text is not None:
-                return dict(decode(text.encode("utf-8")))
-            arrived = self._dir(base + "a/")
-            if not extended and "0" in arrived:
-                # Rank 0 is here and judging, by a deadline up to `timeout` after ours: give it that.
-                extended = True
-                limit = deadline + timeout + grace
-                continue
-            missing = [r for r in range(self._size) if str(r) not in arrived]
-            return {"ok": False, "by": self._rank, "missing": missing or [0], "stalled": not missing}
-
-    def _raise_verdict(self, verdict: Dict[str, Any], name: str, seq: int, timeout: float) -> None:
-        if verdict.get("ok"):
-            return
-        by = verdict.get("by", 0)
-        if verdict.get("names"):
-            names = sorted(verdict["names"].items(), key=lambda x: int(x[0]))
-            detail = ", ".join(f"rank {r} at {n!r}" for r, n in names)
-            raise CoordinationError(f"barrier #{seq}: clients are at different barriers: expected "
-                                    f"{verdict.get('expected')!r}, but {detail}",
-                                    elsewhere={int(r): str(n) for r, n in names})
-        missing = [int(r) for r in verdict.get("missing", [])]
-        if verdict.get("stalled"):
-            why = f"rank 0 arrived but gave no verdict (reported by rank {by})"
-        else:
-            who = "rank 0" if by == 0 else f"rank {by}, which got no verdict from rank 0"
-            why = f"rank(s) {missing} did not arrive within {timeout:g} s (decided by {who})"
-        if self._rank in missing:
-            why += "; this rank arrived too late"
-        raise CoordinationTimeout(f"barrier {name!r} (#{seq}) timed out: {why}", missing=missing)
+    def _retire(self, seq: int) -> None:
+        for old in range(self._barriers_cleaned, seq):
+            self._client.key_value_delete(f"{self._namespace}b{old}")
+        self._barriers_cleaned = seq
+        for old in range(self._cleaned, self._seq):  # every rank made these collectives before this barrier
+            self._client.key_value_delete(f"{self._namespace}{old}")
+        self._cleaned = self._seq
