@@ -98,6 +98,7 @@ def test_state_restores_bit_exact_onto_other_meshes_and_specs(tmp_path: Path, la
     prefix = sj.save(tmp_path / "ck", state)
     target = as_target(state, LAYOUTS[layout])
     assert_same(sj.restore(prefix, target), state, target)
+    assert_same(sj.restore(prefix, target, memory_budget=1, max_workers=1), state, target)  # one leaf at a time
 
 
 def test_keys_are_readable_paths_and_each_piece_is_written_once(tmp_path: Path) -> None:
