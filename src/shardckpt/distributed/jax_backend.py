@@ -31,9 +31,12 @@ it (every rank arrived, so every rank is done with them). A failed collective ot
 than a barrier leaves the numbering unsure, so the coordinator is then unusable (later
 calls raise :class:`CoordinationError`; make a new one).
 
-JAX's runtime watches its processes too: a process that dies may make the
-runtime end the others (its heartbeat timeout); a process that is alive but does
-not arrive is named by these timeouts.
+JAX's runtime watches its processes too: once a process has died (and at the
+latest after ``jax.distributed.initialize(heartbeat_timeout_seconds=...)``, 100 s by
+default) it ends the others, at the latest when they shut down. A save's timeout
+(``CheckpointOptions(timeout=...)``) shorter than that names the dead process and
+leaves nothing committed first; a process that is alive but does not arrive is
+named by these timeouts whatever their length.
 """
 
 from __future__ import annotations
