@@ -47,7 +47,7 @@ import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..errors import InvalidArgumentError
-from .coordinator import DEFAULT_TIMEOUT, CoordinationError, CoordinationTimeout, decode, encode
+from .coordinator import CoordinationError, CoordinationTimeout, check_timeout, decode, encode
 from .engine import EngineCoordinator
 
 __all__ = ["JaxCoordinator"]
@@ -76,18 +76,16 @@ def _ms(seconds: float) -> int:
 class JaxCoordinator(EngineCoordinator):
     """Coordinate the processes of a JAX job over its distributed runtime's key-value store.
 
-    ``timeout`` (seconds): the default of every call. Collective: every process
-    constructs its coordinators (and clones) in the same order.
+    ``timeout`` (seconds): the default of every call (``None``: ``$SHARDCKPT_TIMEOUT``, else
+    600 s). Collective: every process constructs its coordinators (and clones) in the same order.
     """
 
     _engine = "jax"
 
-    def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, timeout: Optional[float] = None) -> None:
         jax, client = _client()
-        if not timeout or timeout <= 0:
-            raise InvalidArgumentError(f"coordinator timeout must be positive, got {timeout!r}")
         self._client = client
-        self._timeout = float(timeout)
+        self._timeout = check_timeout(timeout)
         self._failed: Optional[str] = None
         self._rank = int(jax.process_index())
         self._size = int(jax.process_count())
