@@ -28,7 +28,7 @@ def detect_backend() -> str:
 
 
 def get_coordinator(backend: Optional[str] = None, timeout: Optional[float] = None) -> Coordinator:
-    """The process-wide coordinator, created on first use (``backend``: torch, mpi, single, or detected).
+    """The process-wide coordinator, created on first use (``backend``: torch, mpi, jax, single, or detected).
 
     ``timeout`` (seconds): the coordinator's default timeout for every collective step, used
     where a save's ``CheckpointOptions(timeout=)`` is not set; given for a coordinator that
@@ -53,8 +53,12 @@ def get_coordinator(backend: Optional[str] = None, timeout: Optional[float] = No
         from .mpi_backend import MPICoordinator
 
         coordinator = MPICoordinator(timeout=seconds)
+    elif name == "jax":
+        from .jax_backend import JaxCoordinator
+
+        coordinator = JaxCoordinator(timeout=seconds)
     else:
-        raise InvalidArgumentError(f"unknown coordination backend {name!r} (torch, mpi, single)")
+        raise InvalidArgumentError(f"unknown coordination backend {name!r} (torch, mpi, jax, single)")
     _CURRENT = coordinator
     return coordinator
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable, List, Optional, Tuple, Union
 
 import numpy as np
@@ -160,15 +161,15 @@ class ShardableTensor:
         """The task this tensor is saved by (its device with ``CPU:0``); callbacks run once per task."""
         return task_of(self.device)
 
-    @property
+    @cached_property
     def full_shape(self) -> Tuple[int, ...]:
         """Shape of the whole tensor this value belongs to."""
         if not self.slice_spec:
             return self.shape
         return parse_shape_and_slice(self.slice_spec)[0]
 
-    @property
-    def box(self) -> Box:
+    @cached_property
+    def box(self) -> Box:  # parsed once: validation asks for every piece's box once per item of its key
         """Where this value lies in the whole tensor."""
         if not self.slice_spec:
             return full_box(self.shape)

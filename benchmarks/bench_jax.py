@@ -1,0 +1,218 @@
+"""Benchmark ``shardckpt.jax`` against Orbax's ``StandardCheckpointer`` on the same pytree, one process, 8 CPU devices.
+
+The state: ``--size`` bytes of float32 in 16 arrays of ``(rows, 1024)`` on a (2, 4) mesh
+(``XLA_FLAGS=--xla_force_host_platform_device_count=8``), alternating
+``PartitionSpec("x", "y")`` and ``PartitionSpec("y", None)`` (the latter replicated twice: each
+distinct piece is written once by both systems). Every measurement is a fresh worker
+process; per system and repeat:
+
+* ``save`` worker: builds the state, then times a save to a new path until it is committed
+  (shardckpt: ``save`` returns committed, fsynced; Orbax: ``save`` + ``wait_until_finished``),
+  then two async saves: the blocking part (shardckpt: ``CheckpointOptions(enable_async=True)``;
+  Orbax: ``save``, async by default) and the time until committed. The first allocates
+  shardckpt's staging buffers; the second reuses them, as every later save of a training
+  loop does (both are reported).
+* ``restore`` worker (state not in memory): restores the first checkpoint onto the saved
+  shardings (``ShapeDtypeStruct`` targets), then deletes it and restores onto a (4, 2) mesh
+  with transposed specs (resharded); each phase until ``block_until_ready``, with its peak
+  extra resident memory (``VmHWM`` after ``clear_refs``, see ``common.Probe``). Values are
+  checked after timing. The files are hot in the page cache for both systems.
+
+Medians over ``--repeats``; ratios are Orbax time / shardckpt time (> 1: shardckpt faster).
+
+    .venv/bin/python benchmarks/bench_jax.py --size 256MiB --repeats 3
+    .venv/bin/python benchmarks/bench_jax.py --size 64MiB --repeats 1     # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from common import MIB, Probe, emit, fmt_size, median, parse_result, parse_size  # noqa: E402
+
+COUNT = 16
+COLS = 1024
+
+
+def _state(size: int, reshard: bool = False) -> Any:
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rows = max(8, (size // (COUNT * COLS * 4)) // 8 * 8)
+    if reshard:
+        mesh = jax.make_mesh((4, 2), ("a", "b"))
+        specs = [P("b", "a"), P(None, "a")]
+    else:
+        mesh = jax.make_mesh((2, 4), ("x", "y"))
+        specs = [P("x", "y"), P("y", None)]
+    return {f"layer{i:02d}": {"w": jax.ShapeDtypeStruct((rows, COLS), np.float32,
+                                                         sharding=NamedSharding(mesh, specs[i % 2]))}
+            for i in range(COUNT)}
+
+
+def _values(target: Any) -> Any:
+    import jax
+    import numpy as np
+
+    def make(path: Any, s: Any) -> Any:
+        seed = int(jax.tree_util.keystr(path).split("layer")[1][:2])
+        value = np.random.default_rng(seed).standard_normal(s.shape, dtype=np.float32)
+        return jax.make_array_from_callback(s.shape, s.sharding, lambda index: value[index])
+
+    return jax.tree_util.tree_map_with_path(make, target)
+
+
+def _check(restored: Any, target: Any) -> bool:
+    import jax
+    import numpy as np
+
+    ok = True
+    for (path, got), tgt in zip(jax.tree_util.tree_flatten_with_path(restored)[0], jax.tree.leaves(target)):
+        seed = int(jax.tree_util.keystr(path).split("layer")[1][:2])
+        value = np.random.default_rng(seed).standard_normal(tgt.shape, dtype=np.float32)
+        ok = ok and got.sharding == tgt.sharding and np.array_equal(np.asarray(got), value)
+    return ok
+
+
+def worker(args: argparse.Namespace) -> None:
+    import jax
+
+    system, op, folder = args.system, args.op, Path(args.folder)
+    out: Dict[str, Any] = {"system": system, "op": op, "devices": len(jax.devices())}
+    if system == "orbax":
+        import orbax.checkpoint as ocp
+
+        checkpointer = ocp.StandardCheckpointer()
+    else:  # imported before any timing, as Orbax is
+        import shardckpt
+        import shardckpt.jax as sj
+    if op == "save":
+        state = _values(_state(args.size))
+        jax.block_until_ready(state)
+        # the first async save allocates its staging buffers; the second (timed as "async") reuses them,
+        # as every later save of a training loop does
+        for phase, path in (("save", folder / "a"), ("async_first", folder / "b"), ("async", folder / "c")):
+            probe = Probe().start()
+            if system == "shardckpt":
+                opts = shardckpt.CheckpointOptions(enable_async=phase == "async")
+                sj.save(str(path), state, options=opts)
+                blocking = probe.sample()["seconds"]
+                sj.wait_until_finished()
+            else:
+                checkpointer.save(path, state)
+                blocking = probe.sample()["seconds"]
+                checkpointer.wait_until_finished()
+            sample = probe.sample()
+            out[phase] = {"seconds": sample["seconds"], "blocking": blocking, "peak_extra": sample["peak_extra"]}
+    else:
+        for phase, reshard in (("restore", False), ("reshard", True)):
+            target = _state(args.size, reshard)
+            probe = Probe().start()
+            if system == "shardckpt":
+                restored = sj.restore(str(folder / "a"), target)
+            else:
+                restored = checkpointer.restore(folder / "a", target)
+            jax.block_until_ready(restored)
+            sample = probe.sample()
+            out[phase] = {"seconds": sample["seconds"], "peak_extra": sample["peak_extra"],
+                          "ok": _check(restored, target)}
+            del restored
+    if system == "orbax":
+        checkpointer.close()
+    emit(out)
+
+
+def launch(system: str, op: str, size: int, folder: Path) -> Dict[str, Any]:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["JAX_PLATFORMS"] = "cpu"
+    src = str(HERE.parent / "src")
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, __file__, "--worker", "--system", system, "--op", op, "--size", str(size),
+           "--folder", str(folder)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    if done.returncode != 0:
+        raise RuntimeError(f"{system} {op} worker failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return parse_result(done.stdout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="256MiB")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="folder for the checkpoints (default: a temporary one)")
+    parser.add_argument("--json", action="store_true", help="print the medians as JSON")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--system", help=argparse.SUPPRESS)
+    parser.add_argument("--op", help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.size = parse_size(str(args.size))
+    if args.worker:
+        worker(args)
+        return
+    base = Path(args.dir or tempfile.mkdtemp(prefix="bench_jax_"))
+    runs: Dict[str, List[Dict[str, Any]]] = {"shardckpt": [], "orbax": []}
+    try:
+        for r in range(args.repeats):
+            for system in runs:  # interleaved, so both see the same machine
+                folder = base / f"{system}-{r}"
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir(parents=True)
+                saved = launch(system, "save", args.size, folder)
+                restored = launch(system, "restore", args.size, folder)
+                if not (restored["restore"]["ok"] and restored["reshard"]["ok"]):
+                    raise RuntimeError(f"{system}: restored values differ")
+                runs[system].append({**saved, **restored})
+                shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+    table: Dict[str, Dict[str, float]] = {}
+    for system, results in runs.items():
+        table[system] = {
+            "save_s": median([x["save"]["seconds"] for x in results]),
+            "async_blocking_s": median([x["async"]["blocking"] for x in results]),
+            "async_first_blocking_s": median([x["async_first"]["blocking"] for x in results]),
+            "async_total_s": median([x["async"]["seconds"] for x in results]),
+            "restore_s": median([x["restore"]["seconds"] for x in results]),
+            "reshard_s": median([x["reshard"]["seconds"] for x in results]),
+            "restore_peak_extra": median([x["restore"]["peak_extra"] or 0 for x in results]),
+            "reshard_peak_extra": median([x["reshard"]["peak_extra"] or 0 for x in results]),
+        }
+    ours, theirs = table["shardckpt"], table["orbax"]
+    if args.json:
+        print(json.dumps({"size": args.size, "repeats": args.repeats, "table": table}, indent=1))
+        return
+    size = args.size
+    print(f"pytree of {fmt_size(size)} (16 float32 arrays), one process, 8 CPU devices; "
+          f"medians of {args.repeats}; ratio = Orbax / shardckpt")
+    print(f"{'':28}{'shardckpt':>14}{'Orbax':>14}{'ratio':>8}")
+    for label, key in (("save (committed)", "save_s"), ("async: blocking (first)", "async_first_blocking_s"),
+                       ("async: blocking (later)", "async_blocking_s"),
+                       ("async: until committed", "async_total_s"), ("restore", "restore_s"),
+                       ("resharded restore", "reshard_s")):
+        a, b = ours[key], theirs[key]
+        print(f"{label:28}{a:>11.3f} s {b:>11.3f} s {b / a:>7.2f}x   "
+              f"({size / MIB / a:.0f} vs {size / MIB / b:.0f} MiB/s)")
+    for label, key in (("restore peak extra RSS", "restore_peak_extra"),
+                       ("reshard peak extra RSS", "reshard_peak_extra")):
+        a, b = ours[key], theirs[key]
+        print(f"{label:28}{fmt_size(a):>14}{fmt_size(b):>14}{(b / a if a else float('nan')):>7.2f}x")
+
+
+if __name__ == "__main__":
+    main()

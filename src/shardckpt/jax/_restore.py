@@ -1,0 +1,201 @@
+"""``restore``: a checkpoint read onto a target pytree's shardings, reading only the needed bytes.
+
+The target decides everything about the result: its structure, and for each leaf
+what comes back. A ``jax.Array`` or ``jax.ShapeDtypeStruct(shape, dtype,
+sharding=...)`` leaf comes back as a new ``jax.Array`` with exactly that sharding
+(a struct without one: on this process's first device), built with
+``jax.make_array_from_callback``; a NumPy leaf as a NumPy array; a ``bool``,
+``int``, ``float``, ``str`` or ``bytes`` leaf as a value of that type. ``None`` and
+empty containers stay as they are; a target holding a sub-tree of what was saved
+restores just that sub-tree.
+
+Steps, all on one :class:`~shardckpt.format.bundle_reader.BundleReader`:
+
+1. Every leaf's checkpoint key is found (its path key, through ``key_map`` when
+   given; a key written by ``Checkpoint``/``DTensorCheckpoint``'s object graph,
+   ``<key>/.ATTRIBUTES/VARIABLE_VALUE``, is found too) and its stored dtype and
+   shape are checked against the target's, for every leaf before anything is read.
+2. Scalars and NumPy leaves are read whole.
+3. For each array leaf, this process's distinct regions (each region of the
+   target sharding's addressable devices, once however many local devices
+   replicate it) are read by a pool of threads, straight from the overlapping
+   stored bytes (:meth:`BundleReader.read_region`). Leaves are read ahead in order
+   while the host bytes in flight stay within ``memory_budget`` (a leaf larger
+   than the budget is read alone); each leaf's array is made as soon as its
+   regions are in, and its host buffers are dropped.
+
+Nothing is written; a failed restore returns nothing and leaves the target alone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple, Union
+
+import jax
+import numpy as np
+
+from ..checkpoint.reader import resolve_prefix
+from ..errors import InvalidArgumentError, NotFoundError
+from ..format.bundle_reader import BundleReader
+from ..format.dtypes import as_dtype
+from ..format.tensor_slice import Box
+from ..storage.base import FileSystem
+from ._tree import METADATA_KEY, decode_metadata, leaves_with_keys, python_value, rebuild
+from ._values import distinct_boxes, read_onto, region_bytes
+
+__all__ = ["restore", "DEFAULT_MEMORY_BUDGET"]
+
+DEFAULT_MEMORY_BUDGET = 1 << 30  # host bytes read ahead of the array being made
+_OBJECT_GRAPH_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+
+KeyMap = Union[None, Mapping[str, str], Callable[[str], str]]
+
+
+@dataclass
+class _ArrayJob:
+    index: int  # position among the target's leaves
+    key: str  # checkpoint key
+    shape: Tuple[int, ...]
+    dtype: Any
+    sharding: Any
+    boxes: Dict[Box, List[Any]]
+    nbytes: int
+
+
+def _checkpoint_key(reader: BundleReader, key: str, key_map: KeyMap) -> str:
+    if key_map is None:
+        mapped = key
+    elif callable(key_map):
+        mapped = key_map(key)
+    else:
+        mapped = key_map.get(key, key)
+    if mapped in reader:
+        return mapped
+    if mapped + _OBJECT_GRAPH_SUFFIX in reader:
+        return mapped + _OBJECT_GRAPH_SUFFIX
+    via = f" (mapped to {mapped!r})" if mapped != key else ""
+    raise NotFoundError(f"the target's leaf {key!r}{via} is not in the checkpoint", path=reader.prefix, key=mapped)
+
+
+def _check(reader: BundleReader, key: str, shape: Tuple[int, ...], dtype: Any) -> None:
+    stored_dtype, stored_shape = reader.dtype(key), tuple(reader.shape(key))
+    want = as_dtype(dtype)
+    if stored_dtype.enum != want.enum:
+        raise InvalidArgumentError(f"dtype mismatch: the checkpoint holds {stored_dtype.name}, the target has "
+                                   f"{want.name}", path=reader.prefix, key=key)
+    if stored_shape != tuple(shape):
+        raise InvalidArgumentError(f"shape mismatch: the checkpoint holds {list(stored_shape)}, the target has "
+                                   f"{list(shape)}", path=reader.prefix, key=key)
+
+
+def _kind_of_target(leaf: Any) -> str:
+    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+        return "jax"
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        return "numpy"
+    for kind, types in (("bool", bool), ("int", int), ("float", float), ("str", str), ("bytes", bytes)):
+        if isinstance(leaf, types):
+            return kind
+    raise InvalidArgumentError(f"cannot restore into a target leaf of type {type(leaf).__name__} (jax.Array, "
+                               "jax.ShapeDtypeStruct, NumPy arrays, bool, int, float, str, bytes)")
+
+
+def restore(path: "str | os.PathLike[str]", target: Any = None, *, key_map: KeyMap = None,
+            memory_budget: int = DEFAULT_MEMORY_BUDGET, max_workers: Optional[int] = None,
+            fs: Optional[FileSystem] = None) -> Any:
+    """Read the checkpoint at ``path`` (a prefix, or a folder with a ``checkpoint`` file) onto ``target``.
+
+    See the module docstring. ``key_map`` maps a leaf's path key (``params/dense/kernel``) to
+    the checkpoint's key (a mapping, or a function), for checkpoints written under other
+    names (TensorFlow, ``Checkpoint``). Without a ``target``, a checkpoint saved by
+    :func:`~shardckpt.jax.save` comes back in its saved structure with NumPy arrays
+    (registered pytree nodes as dicts). ``memory_budget`` bounds the host bytes read
+    ahead; ``max_workers`` the reading threads; ``fs`` the store (default: from the path).
+    """
+    if int(memory_budget) <= 0:
+        raise InvalidArgumentError(f"memory_budget must be positive, got {memory_budget!r}")
+    prefix = resolve_prefix(os.fspath(path))
+    with BundleReader(prefix, fs=fs) as reader:
+        if target is None:
+            return _restore_saved_structure(reader)
+        return _restore_onto(reader, target, key_map, int(memory_budget), max_workers)
+
+
+def _restore_saved_structure(reader: BundleReader) -> Any:
+    if METADATA_KEY not in reader:
+        raise InvalidArgumentError("the checkpoint was not saved by shardckpt.jax.save: pass a target pytree "
+                                   "(and a key_map for other names)", path=reader.prefix)
+    meta = decode_metadata(reader.read(METADATA_KEY), reader.prefix)
+    kinds: Dict[str, str] = meta["kinds"]
+
+    def value_of(key: str) -> Any:
+        if key not in reader:
+            raise NotFoundError("the saved structure names a value that is not in the checkpoint",
+                                path=reader.prefix, key=key)
+        array = reader.read(key)
+        kind = kinds.get(key, "numpy")
+        return array if kind in ("jax", "numpy") else python_value(key, kind, array)
+
+    return rebuild(meta["tree"], value_of)
+
+
+def _restore_onto(reader: BundleReader, target: Any, key_map: KeyMap, budget: int,
+                  max_workers: Optional[int]) -> Any:
+    leaves = leaves_with_keys(target)
+    treedef = jax.tree_util.tree_structure(target)
+    values: List[Any] = [None] * len(leaves)
+    jobs: List[_ArrayJob] = []
+    small: List[Tuple[int, str, str, Any]] = []
+    for i, (path_key, leaf) in enumerate(leaves):  # 1. find and check everything first
+        kind = _kind_of_target(leaf)
+        key = _checkpoint_key(reader, path_key, key_map)
+        if kind == "jax":
+            shape = tuple(int(d) for d in leaf.shape)
+            _check(reader, key, shape, leaf.dtype)
+            sharding = getattr(leaf, "sharding", None)
+            if sharding is None:
+                sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            boxes = distinct_boxes(sharding, shape)
+            itemsize = int(np.dtype(leaf.dtype).itemsize)
+            jobs.append(_ArrayJob(i, key, shape, leaf.dtype, sharding, boxes,
+                                  sum(region_bytes(b, itemsize) for b in boxes)))
+        elif kind == "numpy":
+            _check(reader, key, tuple(np.shape(leaf)), np.asarray(leaf).dtype)
+            small.append((i, key, kind, leaf))
+        else:
+            small.append((i, key, kind, leaf))
+    for i, key, kind, _ in small:  # 2. the small ones
+        array = reader.read(key)
+        values[i] = array if kind == "numpy" else python_value(key, kind, array)
+    if jobs:  # 3. the arrays, read ahead within the budget
+        workers = max_workers or max(2, min(16, 2 * (os.cpu_count() or 1)))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardckpt-jax-read") as pool:
+            try:
+                _read_arrays(reader, jobs, values, pool, budget)
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+    return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def _read_arrays(reader: BundleReader, jobs: List[_ArrayJob], values: List[Any], pool: ThreadPoolExecutor,
+                 budget: int) -> None:
+    pending: Deque[Tuple[_ArrayJob, Dict[Box, "Future[np.ndarray]"]]] = deque()
+    upcoming = iter(jobs)
+    following: Optional[_ArrayJob] = next(upcoming, None)
+    in_flight = 0
+    for _ in jobs:
+        while following is not None and (not pending or in_flight + following.nbytes <= budget):
+            job = following
+            pending.append((job, {box: pool.submit(reader.read_region, job.key, box) for box in job.boxes}))
+            in_flight += job.nbytes
+            following = next(upcoming, None)
+        job, futures = pending.popleft()
+        regions = {box: future.result() for box, future in futures.items()}
+        values[job.index] = read_onto(reader, job.key, job.shape, job.dtype, job.sharding, regions)
+        in_flight -= job.nbytes
+        del regions, futures

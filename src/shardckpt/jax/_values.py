@@ -1,0 +1,122 @@
+"""A ``jax.Array`` as a :class:`~shardckpt.saving.pieces.DistributedValue`.
+
+Saving: the distinct pieces of the array are its shards with ``replica_id == 0``
+(exactly one device in the whole job holds each such shard); a process lists the
+ones among its ``addressable_shards``, each as a :class:`ShardableTensor` on its
+device (``/job:localhost/replica:0/task:<process>/device:<PLATFORM>:<id>``) with
+the shard's slice of the global shape (``""`` when one shard holds everything).
+The bytes are taken (``np.asarray`` of the shard's data) only when the engine
+writes or stages them.
+
+Restoring: :func:`read_onto` builds a new array of the wanted shape, dtype and
+sharding with ``jax.make_array_from_callback``; each distinct region among this
+process's devices is read once from the checkpoint (only the overlapping stored
+bytes) and placed on every local device that holds it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import jax
+import numpy as np
+
+from ..errors import InvalidArgumentError
+from ..format.bundle_reader import BundleReader
+from ..format.dtypes import as_dtype
+from ..format.tensor_slice import FULL, Box, TensorSlice, box_shape, box_volume, format_shape_and_slice, full_box
+from ..sharding.shardable import ShardableTensor
+
+__all__ = ["JaxValue", "device_name", "box_of", "distinct_boxes", "read_onto"]
+
+
+def device_name(device: Any) -> str:
+    """A JAX device as a full device string (its process is the task)."""
+    platform = str(getattr(device, "platform", "cpu")).upper()
+    return f"/job:localhost/replica:0/task:{int(device.process_index)}/device:{platform}:{int(device.id)}"
+
+
+def box_of(index: Tuple[slice, ...], shape: Sequence[int]) -> Box:
+    """The box of a shard index (a tuple of slices, ``None`` bounds for whole dimensions)."""
+    box = []
+    for s, dim in zip(index, shape):
+        start, stop, step = s.indices(int(dim))
+        if step != 1:
+            raise InvalidArgumentError(f"a shard index with step {step} is not a box")
+        box.append((start, stop))
+    return tuple(box) + full_box(shape[len(index):])
+
+
+def distinct_boxes(sharding: Any, shape: Tuple[int, ...]) -> Dict[Box, List[Any]]:
+    """This process's distinct regions of an array of ``shape`` laid out by ``sharding`` -> its devices holding it."""
+    out: Dict[Box, List[Any]] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        out.setdefault(box_of(index, shape), []).append(device)
+    return out
+
+
+class JaxValue:
+    """A ``jax.Array`` offered to the engine (:class:`~shardckpt.saving.pieces.DistributedValue`)."""
+
+    def __init__(self, array: jax.Array) -> None:
+        self.array = array
+
+    def shardable_pieces(self, key: str, *, clients: int = 1, replica_writer: str = "lowest"
+                         ) -> List[ShardableTensor]:
+        """The shards with ``replica_id == 0`` that this process holds (``replica_writer`` is ignored:
+        JAX's replica numbering decides)."""
+        del replica_writer
+        count = jax.process_count()
+        if clients != count:
+            raise InvalidArgumentError(f"the array lies on {count} processes, but {clients} clients are saving",
+                                       key=key)
+        shape = tuple(int(d) for d in self.array.shape)
+        dtype = as_dtype(self.array.dtype)
+        out = []
+        for shard in self.array.addressable_shards:
+            if shard.replica_id != 0:
+                continue
+            box = box_of(shard.index, shape)
+            if box == full_box(shape):
+                spec = ""
+            else:
+                extents = tuple((0, FULL) if (a, b) == (0, d) else (a, b - a) for (a, b), d in zip(box, shape))
+                spec = format_shape_and_slice(shape, TensorSlice(extents))
+            out.append(ShardableTensor(checkpoint_key=key, tensor=_host(shard.data), dtype=dtype,
+                                       shape=box_shape(box), slice_spec=spec, device=device_name(shard.device)))
+        return out
+
+    def restore_from(self, reader: Any, key: str) -> None:
+        """Replace ``array`` with checkpoint ``key`` read onto the same sharding (JAX arrays are immutable)."""
+        self.array = read_onto(reader, key, self.array.shape, self.array.dtype, self.array.sharding)
+
+
+def _host(data: jax.Array) -> Callable[[], np.ndarray]:
+    def get() -> np.ndarray:
+        return np.asarray(data)
+
+    return get
+
+
+def read_onto(reader: BundleReader, key: str, shape: Tuple[int, ...], dtype: Any, sharding: Any,
+              regions: Any = None) -> jax.Array:
+    """A new array of checkpoint ``key`` laid out by ``sharding``; ``regions`` (box -> host array), when given,
+    are the already read regions (see :func:`distinct_boxes`); the others are read here."""
+    shape = tuple(int(d) for d in shape)
+    host: Dict[Box, np.ndarray] = dict(regions or {})
+
+    def fetch(index: Optional[Tuple[slice, ...]]) -> np.ndarray:
+        box = box_of(index or (), shape)
+        got = host.get(box)
+        if got is None:
+            got = reader.read_region(key, box)
+            host[box] = got
+        return got
+
+    del dtype  # the reads return the stored dtype, checked by the caller
+    return jax.make_array_from_callback(shape, sharding, fetch)
+
+
+def region_bytes(box: Box, itemsize: int) -> int:
+    """Bytes of one region."""
+    return box_volume(box) * itemsize

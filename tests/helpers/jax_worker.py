@@ -1,0 +1,171 @@
+"""One process of a multi-process JAX job on CPU (tests/test_jax_multiprocess.py).
+
+``python jax_worker.py MODE RANK SIZE PORT DIR`` joins the job with
+``jax.distributed.initialize`` on loopback (2 CPU devices per process) and:
+
+* ``save``: saves the state below (global mesh (2, 4) over 4 processes, or whatever
+  SIZE gives) at ``DIR/ck`` through ``shardckpt.jax.save``, then again funnelled to
+  process 0 (``DIR/ck_funnel``) and asynchronously (``DIR/ck_async``);
+* ``restore``: restores ``DIR/ck`` onto a mesh of SIZE*2 devices with other specs,
+  checks every addressable shard against the global values, and counts the bytes
+  this process read (``LocalFileSystem.pread_into``) against what its shards need;
+* ``coord``: exercises :class:`~shardckpt.distributed.jax_backend.JaxCoordinator` directly:
+  barrier, all_gather, broadcast, send/recv, then a barrier the last rank reaches late,
+  one rank 0 reaches late, and a barrier of another name on rank 1 (each must fail
+  alike on every rank naming the right ranks, and leave the coordinator usable);
+* ``hang`` / ``die``: all processes save ``ckpt-1`` through a ``CheckpointManager``,
+  then the last rank sleeps past the others' timeout (``hang``) or exits at once
+  (``die``) instead of saving ``ckpt-2``; the others report the error they got.
+
+Each process writes ``DIR/result-<rank>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+MODE, RANK, SIZE, PORT, DIR = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{PORT}", num_processes=SIZE, process_id=RANK,
+                           initialization_timeout=60)
+
+import shardckpt  # noqa: E402
+import shardckpt.jax as sj  # noqa: E402
+from shardckpt.distributed.coordinator import CoordinationError  # noqa: E402
+from shardckpt.storage.local import LocalFileSystem  # noqa: E402
+
+# rows of column-sharded pieces are at least a page, so region reads are not coalesced with their neighbours
+SHAPES = {"params/w": (512, 384), "params/b": (4224,), "params/r": (64, 4096), "opt/mu": (384, 512)}  # 3 and 4 divide
+
+
+def global_values() -> dict:
+    rng = np.random.default_rng(42)
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in SHAPES.items()}
+
+
+def build(specs: dict, mesh_shape, names) -> dict:
+    mesh = jax.make_mesh(mesh_shape, names)
+    values = global_values()
+    out: dict = {"params": {}, "opt": {}, "step": 5, "name": "run"}
+    for name, spec in specs.items():
+        value = values[name]
+        group, leaf = name.split("/")
+        out[group][leaf] = jax.make_array_from_callback(value.shape, NamedSharding(mesh, spec),
+                                                        lambda index, v=value: v[index])
+    return out
+
+
+SAVE_SPECS = {"params/w": P("x", "y"), "params/b": P("y"), "params/r": P(), "opt/mu": P("y", "x")}
+
+
+def save_state() -> dict:
+    n = len(jax.devices())
+    return build(SAVE_SPECS, (2, n // 2), ("x", "y"))
+
+
+def write(result: dict) -> None:
+    with open(os.path.join(DIR, f"result-{RANK}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def main() -> None:
+    result: dict = {"rank": RANK, "devices": len(jax.devices()), "local": len(jax.local_devices())}
+    if MODE == "save":
+        state = save_state()
+        sj.save(os.path.join(DIR, "ck"), state, timeout=60)
+        # funnelled to process 0 (send_bytes / recv_bytes over the store), and in the background (a clone)
+        sj.save(os.path.join(DIR, "ck_funnel"), state, options=shardckpt.CheckpointOptions(io_device="/task:0"),
+                timeout=60)
+        sj.save(os.path.join(DIR, "ck_async"), state, options=shardckpt.CheckpointOptions(enable_async=True),
+                timeout=60)
+        sj.wait_until_finished()
+        result["ok"] = True
+    elif MODE == "restore":
+        counter = {"bytes": 0}
+        original = LocalFileSystem.pread_into
+
+        def counting(self, fd, buf, offset, path=""):
+            counter["bytes"] += memoryview(buf).nbytes
+            return original(self, fd, buf, offset, path)
+
+        LocalFileSystem.pread_into = counting  # type: ignore[method-assign]
+        mesh = jax.make_mesh((len(jax.devices()),), ("d",))
+        specs = {"params/w": P("d", None), "params/b": P(), "params/r": P(None, "d"), "opt/mu": P("d", None)}
+        target: dict = {"params": {}, "opt": {}, "step": 0, "name": ""}
+        for name, spec in specs.items():
+            group, leaf = name.split("/")
+            target[group][leaf] = jax.ShapeDtypeStruct(SHAPES[name], np.float32, sharding=NamedSharding(mesh, spec))
+        got = sj.restore(os.path.join(DIR, "ck"), target)
+        values = global_values()
+        need = 0
+        for name in specs:
+            group, leaf = name.split("/")
+            array = got[group][leaf]
+            assert array.sharding == target[group][leaf].sharding, name
+            seen = set()
+            for shard in array.addressable_shards:
+                assert np.array_equal(np.asarray(shard.data), values[name][shard.index]), (name, shard.index)
+                key = tuple((s.start, s.stop) for s in shard.index)
+                if key not in seen:
+                    seen.add(key)
+                    need += shard.data.size * 4
+        result.update(ok=True, step=got["step"], name=got["name"], bytes_read=counter["bytes"], bytes_needed=need,
+                      bytes_total=sum(int(np.prod(s)) * 4 for s in SHAPES.values()))
+    elif MODE == "coord":
+        from shardckpt.distributed.jax_backend import JaxCoordinator
+
+        c = JaxCoordinator(timeout=30)
+        c.barrier("start")
+        result["gathered"] = c.all_gather({"rank": RANK, "text": "é" * RANK})
+        result["broadcast"] = c.broadcast({"from": "root"} if RANK == 1 else None, root=1)
+        if RANK == 1:
+            c.send_bytes(memoryview(bytes(range(200)) * 3), dst=0, tag=7)
+        if RANK == 0:
+            result["received"] = bytes(c.recv_bytes(1, 600, tag=7)) == bytes(range(200)) * 3
+        outcomes = []
+        for case, late in (("late last", SIZE - 1), ("late root", 0), ("other name", None)):
+            if RANK == late:
+                time.sleep(3.5)
+            name = "elsewhere" if case == "other name" and RANK == 1 else case
+            try:
+                c.barrier(name, timeout=1.5)
+                outcomes.append({"case": case, "ok": True})
+            except CoordinationError as e:
+                outcomes.append({"case": case, "ok": False, "missing": list(e.missing),
+                                 "elsewhere": {str(k): v for k, v in e.elsewhere.items()}, "error": str(e)})
+            c.barrier(f"after {case}", timeout=30)  # still usable
+        result.update(ok=True, outcomes=outcomes)
+    elif MODE in ("hang", "die"):
+        state = save_state()
+        ckpt = sj.PyTreeCheckpoint(state)
+        manager = shardckpt.CheckpointManager(ckpt, DIR, max_to_keep=3)
+        manager.save(options=shardckpt.CheckpointOptions(timeout=30))
+        if RANK == SIZE - 1:
+            if MODE == "die":
+                os._exit(3)
+            time.sleep(15)
+            result["ok"] = True
+        else:
+            started = time.monotonic()
+            try:
+                manager.save(options=shardckpt.CheckpointOptions(timeout=4))
+                result["ok"] = True
+            except CoordinationError as e:
+                result.update(ok=False, error=str(e), missing=list(e.missing),
+                              seconds=time.monotonic() - started)
+            result["latest"] = shardckpt.latest_checkpoint(DIR)
+    write(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""``shardckpt.jax`` across real processes: ``jax.distributed.initialize`` on loopback, 2 CPU devices each.
+
+Each test launches its processes with tests/helpers/jax_worker.py (see its docstring)
+and reads the JSON each one writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+from helpers.launchers import clean_env
+
+from shardckpt.format.bundle_reader import BundleReader
+
+WORKER = Path(__file__).parent / "helpers" / "jax_worker.py"
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(mode: str, size: int, folder: Path, timeout: float = 150) -> List[dict]:
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
+    env.pop("XLA_FLAGS", None)
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(WORKER), mode, str(rank), str(size), str(port), str(folder)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(size)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = []
+    for rank, p in enumerate(procs):
+        path = folder / f"result-{rank}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else {"rank": rank, "missing_result": True})
+        results[-1]["returncode"] = p.returncode
+        results[-1]["output"] = outputs[rank][-3000:] if rank < len(outputs) else ""
+        if path.exists():
+            path.unlink()
+    return results
+
+
+def test_four_processes_save_and_two_restore_onto_another_mesh(tmp_path: Path) -> None:
+    saved = launch("save", 4, tmp_path)
+    assert all(r.get("ok") and r["returncode"] == 0 for r in saved), saved
+    assert saved[0]["devices"] == 8 and saved[0]["local"] == 2
+    with BundleReader(str(tmp_path / "ck")) as reader:
+        # w on P("x", "y") over (2, 4): 8 pieces written by 4 processes; r replicated: written once
+        assert len(reader.pieces("params/w")) == 8 and len(reader.pieces("params/r")) == 1
+    assert len(list(tmp_path.glob("ck.data-*"))) == 8
+    with BundleReader(str(tmp_path / "ck")) as reader:
+        for other in ("ck_funnel", "ck_async"):  # the same values, whichever way they were written
+            with BundleReader(str(tmp_path / other)) as copy:
+                assert sorted(copy.keys()) == sorted(reader.keys())
+                for key in reader.keys():
+                    a, b = copy.read(key), reader.read(key)
+                    assert (a.tolist() == b.tolist()) if a.dtype == object else a.tobytes() == b.tobytes(), key
+    restored = launch("restore", 2, tmp_path)
+    assert all(r.get("ok") and r["returncode"] == 0 for r in restored), restored
+    for r in restored:
+        assert r["step"] == 5 and r["name"] == "run"
+        assert r["bytes_needed"] <= r["bytes_read"] <= 1.1 * r["bytes_needed"], r
+        assert r["bytes_needed"] < 0.6 * r["bytes_total"]  # each of the 2 processes needs about half
+
+
+def test_the_jax_coordinator_over_three_processes(tmp_path: Path) -> None:
+    results = launch("coord", 3, tmp_path)
+    assert all(r.get("ok") and r["returncode"] == 0 for r in results), results
+    for r in results:
+        assert r["gathered"] == [{"rank": i, "text": "é" * i} for i in range(3)]
+        assert r["broadcast"] == {"from": "root"}
+    assert results[0]["received"] is True
+    by_case = [{o["case"]: o for o in r["outcomes"]} for r in results]
+    for rank, outcome in enumerate(by_case):
+        late_last, late_root, other = outcome["late last"], outcome["late root"], outcome["other name"]
+        assert late_last["ok"] is False and late_last["missing"] == [2], (rank, late_last)
+        assert ("arrived too late" in late_last["error"]) == (rank == 2), (rank, late_last)
+        assert late_root["ok"] is False and 0 in late_root["missing"], (rank, late_root)
+        assert other["ok"] is False and other["elsewhere"] == {"1": "elsewhere"}, (rank, other)
+
+
+def test_a_process_that_does_not_arrive_is_named_and_nothing_is_committed(tmp_path: Path) -> None:
+    results = launch("hang", 3, tmp_path)
+    for r in results[:2]:
+        assert r.get("ok") is False and r["returncode"] == 0, r
+        assert r["missing"] == [2], r
+        assert "2" in r["error"] and r["seconds"] < 30, r
+        assert r["latest"] == str(tmp_path / "ckpt-1")  # the previous checkpoint stays latest
+    assert results[2].get("ok") and results[2]["returncode"] == 0, results[2]
+    assert not (tmp_path / "ckpt-2.index").exists()
+    assert (tmp_path / "ckpt-1.index").exists()
+
+
+def test_a_killed_process_is_named_and_nothing_is_committed(tmp_path: Path) -> None:
+    """Rank 2 exits (``os._exit``) while the others save ckpt-2. They name it within their 4 s timeout and
+    commit nothing. (At exit, JAX's own runtime then aborts the survivors' shutdown, since a task of its job
+    is gone: their exit status is JAX's, so only the results they wrote before are checked.)"""
+    results = launch("die", 3, tmp_path)
+    assert results[2]["returncode"] == 3 and results[2].get("missing_result"), results[2]
+    for r in results[:2]:
+        assert r.get("ok") is False and r["missing"] == [2] and r["seconds"] < 30, r
+        assert "[2]" in r["error"], r
+        assert r["latest"] == str(tmp_path / "ckpt-1")
+    assert not (tmp_path / "ckpt-2.index").exists() and (tmp_path / "ckpt-1.index").exists()
