@@ -248,7 +248,7 @@ def load_fixture_dtensors() -> None:
 
 def mode_kill2(data: Path) -> None:
     prefix = data / "kill" / "ck"
-    first = {"w": torch.arange(1 << 20, dtype=torch.float32) + 1000 * rank(), "step": 1}
+    first = {"w": torch.arange(1 << 20, dtype=torch.float32) + 1000, "step": 1}  # the same on every rank
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import itertools
 from bisect import bisect_left, bisect_right
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
 
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
@@ -37,43 +39,44 @@ __all__ = ["read_items_for_chunks", "TFBundleLoadPlanner"]
 class _Grid:
     """Stored chunks that tile a tensor as a grid: per-dimension cut points and cell -> chunk index."""
 
-    def __init__(self, cuts: List[List[int]], cells: Dict[Tuple[int, ...], int]) -> None:
+    def __init__(self, cuts: List[List[int]], strides: List[int], cells: List[int]) -> None:
         self.cuts = cuts  # per dimension: starts of the cells, then the dimension's size
-        self.cells = cells
+        self.strides = strides  # row-major strides of the cell numbering
+        self.cells = cells  # flat cell number -> index of the stored chunk
 
 
 def _grid(chunks: Sequence[ChunkStorageMetadata]) -> Optional[_Grid]:
-    if not chunks:
+    """The grid the chunks form, or ``None``; O(C) with NumPy doing the per-chunk work."""
+    if not chunks or len(chunks[0].offsets) == 0:
         return None
-    rank = len(chunks[0].offsets)
-    if rank == 0:
+    rank, count = len(chunks[0].offsets), len(chunks)
+    if any(len(c.offsets) != rank or len(c.sizes) != rank for c in chunks):
         return None
-    starts: List[Dict[int, int]] = [{} for _ in range(rank)]  # dim -> start -> size (must agree)
-    for c in chunks:
-        for d in range(rank):
-            o, s = int(c.offsets[d]), int(c.sizes[d])
-            if s == 0 or starts[d].setdefault(o, s) != s:
-                return None
+    offsets = np.fromiter(itertools.chain.from_iterable(c.offsets for c in chunks), np.int64,
+                          count * rank).reshape(count, rank)
+    sizes = np.fromiter(itertools.chain.from_iterable(c.sizes for c in chunks), np.int64,
+                        count * rank).reshape(count, rank)
+    if (sizes <= 0).any():
+        return None
     cuts: List[List[int]] = []
-    for d in range(rank):
-        ordered = sorted(starts[d])
-        for a, b in zip(ordered, ordered[1:]):
-            if a + starts[d][a] != b:  # gaps or overlaps along this dimension: not a grid
-                return None
-        cuts.append(ordered + [ordered[-1] + starts[d][ordered[-1]]])
-    total = 1
-    for c_ in cuts:
-        total *= len(c_) - 1
-    if total != len(chunks):
+    positions = []
+    for d in range(offsets.shape[1]):
+        starts, first, inverse = np.unique(offsets[:, d], return_index=True, return_inverse=True)
+        widths = sizes[first, d]
+        if not np.array_equal(sizes[:, d], widths[inverse]) or not np.array_equal(starts[1:], starts[:-1] + widths[:-1]):
+            return None  # sizes differ along a cut, or gaps / overlaps: not a grid
+        cuts.append(starts.tolist() + [int(starts[-1] + widths[-1])])
+        positions.append(inverse.reshape(-1))
+    shape = tuple(len(c) - 1 for c in cuts)
+    if int(np.prod(shape, dtype=np.int64)) != len(chunks):
         return None
-    position = [{o: i for i, o in enumerate(c_[:-1])} for c_ in cuts]
-    cells: Dict[Tuple[int, ...], int] = {}
-    for index, c in enumerate(chunks):
-        cell = tuple(position[d][int(c.offsets[d])] for d in range(rank))
-        if cell in cells:
-            return None
-        cells[cell] = index
-    return _Grid(cuts, cells)
+    flat = np.ravel_multi_index(tuple(positions), shape)
+    cells = np.full(len(chunks), -1, dtype=np.int64)
+    cells[flat] = np.arange(len(chunks))
+    if (cells < 0).any():
+        return None  # two chunks in one cell
+    strides = [int(np.prod(shape[d + 1:], dtype=np.int64)) for d in range(len(shape))]
+    return _Grid(cuts, strides, cells.tolist())
 
 
 def read_items_for_chunks(fqn: str, md: TensorStorageMetadata, local_chunks: Sequence[ChunkStorageMetadata]
@@ -83,33 +86,36 @@ def read_items_for_chunks(fqn: str, md: TensorStorageMetadata, local_chunks: Seq
     grid = _grid(saved)
     if grid is None:
         return create_read_items_for_chunk_list(fqn, md, list(local_chunks))
+    import torch
+
+    size = torch.Size
     items: List[ReadItem] = []
     rank = len(grid.cuts)
+    storage_indices: Dict[int, MetadataIndex] = {}  # one (frozen) MetadataIndex per stored chunk read
     for local_index, local in enumerate(local_chunks):
         lo = [int(o) for o in local.offsets]
         hi = [int(o) + int(s) for o, s in zip(local.offsets, local.sizes)]
         if any(a >= b for a, b in zip(lo, hi)):
             continue
-        ranges = []
+        per_dim = []  # per dimension: (cell, offset in the stored chunk, offset in the local chunk, length)
         for d in range(rank):
             cuts = grid.cuts[d]
-            first = bisect_right(cuts, lo[d]) - 1
-            last = bisect_left(cuts, hi[d])  # cells first .. last-1 overlap
-            ranges.append(range(max(first, 0), min(last, len(cuts) - 1)))
+            first = max(bisect_right(cuts, lo[d]) - 1, 0)
+            last = min(bisect_left(cuts, hi[d]), len(cuts) - 1)  # cells first .. last-1 overlap
+            segments = []
+            for c in range(first, last):
+                start, stop = max(lo[d], cuts[c]), min(hi[d], cuts[c + 1])
+                segments.append((c, start - cuts[c], start - lo[d], stop - start))
+            per_dim.append(segments)
         dest_index = MetadataIndex(fqn, local.offsets, local_index)
-        for cell in itertools.product(*ranges):
-            storage_index = grid.cells[cell]
-            chunk = saved[storage_index]
-            storage_offsets, dest_offsets, lengths = [], [], []
-            for d in range(rank):
-                start = max(lo[d], grid.cuts[d][cell[d]])
-                stop = min(hi[d], grid.cuts[d][cell[d] + 1])
-                storage_offsets.append(start - int(chunk.offsets[d]))
-                dest_offsets.append(start - lo[d])
-                lengths.append(stop - start)
-            items.append(ReadItem(type=LoadItemType.TENSOR, dest_index=dest_index, dest_offsets=_size(dest_offsets),
-                                  storage_index=MetadataIndex(fqn, chunk.offsets, storage_index),
-                                  storage_offsets=_size(storage_offsets), lengths=_size(lengths)))
+        for combo in itertools.product(*per_dim):
+            stored = grid.cells[sum(s[0] * k for s, k in zip(combo, grid.strides))]
+            storage_index = storage_indices.get(stored)
+            if storage_index is None:
+                storage_index = storage_indices[stored] = MetadataIndex(fqn, saved[stored].offsets, stored)
+            items.append(ReadItem(type=LoadItemType.TENSOR, dest_index=dest_index,
+                                  dest_offsets=size([s[2] for s in combo]), storage_index=storage_index,
+                                  storage_offsets=size([s[1] for s in combo]), lengths=size([s[3] for s in combo])))
     return items
 
 
