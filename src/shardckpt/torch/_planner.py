@@ -21,7 +21,6 @@ from bisect import bisect_left, bisect_right
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
-
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -63,7 +62,8 @@ def _grid(chunks: Sequence[ChunkStorageMetadata]) -> Optional[_Grid]:
     for d in range(offsets.shape[1]):
         starts, first, inverse = np.unique(offsets[:, d], return_index=True, return_inverse=True)
         widths = sizes[first, d]
-        if not np.array_equal(sizes[:, d], widths[inverse]) or not np.array_equal(starts[1:], starts[:-1] + widths[:-1]):
+        if not np.array_equal(sizes[:, d], widths[inverse]) or \
+                not np.array_equal(starts[1:], starts[:-1] + widths[:-1]):
             return None  # sizes differ along a cut, or gaps / overlaps: not a grid
         cuts.append(starts.tolist() + [int(starts[-1] + widths[-1])])
         positions.append(inverse.reshape(-1))
