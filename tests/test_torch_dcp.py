@@ -5,7 +5,8 @@ Launches of tests/helpers/torch_dcp_worker.py under ``torchrun --standalone`` (g
 * ``save4``: 4 ranks on a 2x2 mesh save a small transformer-like model and its AdamW state
   (``get_state_dict``) with ``[Shard(0), Shard(1)]``, ``[Replicate(), Shard(0)]``,
   ``[Shard(0), Replicate()]`` and replicated placements, with ``dcp.save`` and
-  ``dcp.async_save`` (training goes on while it writes); a bad state dict is refused;
+  ``dcp.async_save`` (training goes on while it writes), and an FSDP2 ``fully_shard`` (HSDP)
+  model with its optimizer; a bad state dict is refused;
 * ``load2`` / ``load3`` / ``load1`` (one process, no torch.distributed): other placements,
   uneven chunks; every value bit-exact and the training continues exactly as the
   uninterrupted run; ``load2`` also loads a TensorFlow fixture into DTensors;
@@ -96,6 +97,7 @@ def test_load_other_layouts_and_continue(saved: Path, tmp_path: Path, mode: str,
         for which in ("sync", "async"):  # the sync and the async checkpoint, default and grid planner
             for check in ("keys", "values", "extra", "losses", "continues"):
                 assert res["checks"][f"{which}_{check}"] is True
+        assert res["checks"]["fsdp_values"] and res["checks"]["fsdp_set"]  # the FSDP2 (HSDP) checkpoint
         if mode == "load2":
             assert res["checks"]["fixture_embed.weight"] and res["checks"]["fixture_dense.weight"]
 

@@ -18,13 +18,16 @@ uninterrupted run.
   (``get_state_dict``) at ``DATADIR/sync/ck``; ``dcp.async_save`` of the same state at
   ``DATADIR/async/ck`` while the next training step already runs; write the values as
   saved (``saved.npz``) and, after :data:`STEPS_AFTER` more steps, the losses and final
-  parameters of this uninterrupted run (``reference.npz``); then a bad state dict
+  parameters of this uninterrupted run (``reference.npz``); an FSDP2 ``fully_shard`` model
+  (HSDP on the 2x2 mesh: ``[Replicate(), Shard(0)]``) and its AdamW state at
+  ``DATADIR/fsdp/ck`` (values in ``saved_fsdp.npz``); then a bad state dict
   (an ``object()``, a ``uint16`` tensor) is refused at ``DATADIR/bad/ck``.
 * ``load2`` / ``load3`` (2 / 3 ranks, 1-D meshes, other placements, uneven chunks on 3):
   a model with other initial values loads ``sync`` (default planner) and ``async``
   (``TFBundleLoadPlanner``): every value must equal ``saved.npz``; then the training goes on
   and must equal ``reference.npz``. ``load2`` also loads the TensorFlow fixture
-  ``08_tf1_saver_partitioned`` into DTensors (``key_map``).
+  ``08_tf1_saver_partitioned`` into DTensors (``key_map``). Every load mode also loads the
+  FSDP2 checkpoint onto its own ``fully_shard`` model (plain in one process).
 * ``load1`` (one process, no torch.distributed): the same with plain tensors.
 * ``kill2`` (2 ranks): ``DATADIR/kill/ck`` is saved, then saved again with other values while
   rank 1 SIGKILLs itself as soon as the save's first file appears in its temporary folder.
@@ -193,6 +196,7 @@ def mode_save4(data: Path) -> None:
         np.savez(data / "saved.npz", **saved)
         np.savez(data / "reference.npz", losses=np.array(losses, dtype=np.float64), **final)
     dist.barrier()
+    fsdp_save(data)
     # a bad state dict: refused on every rank, nothing written
     for what, bad in (("object", {"w": torch.zeros(4), "o": object()}),
                       ("uint16", {"w": torch.zeros(4), "u": torch.zeros(3, dtype=torch.uint16)})):
@@ -206,6 +210,52 @@ def mode_save4(data: Path) -> None:
             check(f"bad_{what}_refused", False, "no error")
     dist.barrier()
     check("bad_nothing_written", not glob.glob(str(data / "bad" / "*")), str(os.listdir(data)))
+
+
+def fsdp_model(mode: str, seed: int) -> Tiny:
+    """The model wrapped by FSDP2's ``fully_shard``: HSDP on the 2x2 mesh, plain FSDP on 1-D meshes."""
+    torch.manual_seed(seed)
+    model = Tiny()
+    if mode == "load1":
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    size = dist.get_world_size()
+    if mode == "save4":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (size,))
+    for blk in model.layers:
+        fully_shard(blk, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def fsdp_save(data: Path) -> None:
+    """FSDP2 (HSDP, ``[Replicate(), Shard(0)]``) model + AdamW state after two steps, at ``DATADIR/fsdp/ck``."""
+    model = fsdp_model("save4", 5)
+    opt = optimizer(model)
+    train(model, opt, 0, 2)
+    sd = state(model, opt, 2)
+    dcp.save(sd, storage_writer=TFBundleWriter(data / "fsdp" / "ck"))
+    values = flat_values(sd)
+    if rank() == 0:
+        np.savez(data / "saved_fsdp.npz", **values)
+
+
+def fsdp_load(mode: str, data: Path) -> None:
+    saved = dict(np.load(data / "saved_fsdp.npz"))
+    model = fsdp_model(mode, 9)
+    opt = optimizer(model)
+    sd = state(model, opt, -1)
+    dcp.load(sd, storage_reader=TFBundleReader(data / "fsdp" / "ck"))
+    got = flat_values(sd)
+    check("fsdp_values", set(got) == set(saved) and all(np.array_equal(got[k], saved[k]) for k in saved),
+          str(set(got) ^ set(saved)))
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    after = flat_values({"model": get_state_dict(model, opt)[0]})
+    check("fsdp_set", all(np.array_equal(v, saved[k]) for k, v in after.items()))
 
 
 def load_and_continue(mode: str, data: Path) -> None:
@@ -287,6 +337,7 @@ def main() -> None:
             mode_save4(data)
         elif mode in ("load1", "load2", "load3"):
             load_and_continue(mode, data)
+            fsdp_load(mode, data)
             if mode == "load2":
                 load_fixture_dtensors()
         elif mode == "kill2":
