@@ -153,6 +153,18 @@ def _gather(value: float) -> List[float]:
     return out
 
 
+def _check_resharded(sd: Dict[str, Any], target: Dict[str, Any], rank: int, system: str) -> None:
+    """The values loaded onto 2 ranks (``Shard(1)``) are the 4-rank save's."""
+    import torch
+
+    for i in range(TENSORS):
+        got = target[f"layers.{i}.weight"].to_local()
+        rows, cols = sd[f"layers.{i}.weight"].shape
+        full = torch.cat([torch.randn((rows // 4, cols), generator=torch.Generator().manual_seed(i * 16 + r))
+                          for r in range(4)])
+        assert torch.equal(got, full[:, rank * cols // 2:(rank + 1) * cols // 2]), (system, i)
+
+
 def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
     import torch
     import torch.distributed as dist
@@ -180,11 +192,12 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
                 if rank == 0:
                     shutil.rmtree(path, ignore_errors=True)
                     path.mkdir(parents=True)
-                saves.append(_timed(lambda: dcp.save(sd, storage_writer=_writer(system, path))))
+                saves.append(_timed(lambda system=system, path=path: dcp.save(
+                    sd, storage_writer=_writer(system, path))))
                 target = _zeros_like(sd)
                 with _PeakRSS() as mem:
-                    loads.append(_timed(lambda: dcp.load(target, storage_reader=_reader(system, path),
-                                                         planner=_planner(system))))
+                    loads.append(_timed(lambda system=system, path=path, target=target: dcp.load(
+                        target, storage_reader=_reader(system, path), planner=_planner(system))))
                 peaks.append(max(_gather(mem.peak - mem.base)))
                 apath = folder / system / f"async{rep}"
                 if rank == 0:
@@ -206,24 +219,23 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
         sd = _state(size, 1)
         nbytes = sum(v.numel() * 4 for v in sd.values() if hasattr(v, "numel"))
         result["bytes"] = nbytes
-        for system in SYSTEMS:
-            loads, reads, peaks = [], [], []
-            for _ in range(repeats):
+        figures: Dict[str, Dict[str, List[float]]] = {s: {"load_s": [], "bytes_read": [], "load_peak_extra": []}
+                                                      for s in SYSTEMS}
+        for rep in range(repeats + 1):  # round 0 warms up (untimed); the systems take turns going first
+            for system in (SYSTEMS if rep % 2 else SYSTEMS[::-1]):
                 target = _zeros_like(sd)
                 before = _rchar()
                 with _PeakRSS() as mem:
-                    loads.append(_timed(lambda: dcp.load(target, storage_reader=_reader(system, folder / system /
-                                                                                         "final"),
-                                                         planner=_planner(system))))
-                reads.append(sum(_gather(_rchar() - before)))
-                peaks.append(max(_gather(mem.peak - mem.base)))
-                for i in range(TENSORS):  # the values are the 4-rank save's, resharded
-                    got = target[f"layers.{i}.weight"].to_local()
-                    rows, cols = sd[f"layers.{i}.weight"].shape
-                    full = torch.cat([torch.randn((rows // 4, cols), generator=torch.Generator().manual_seed(i * 16 + r))
-                                      for r in range(4)])
-                    assert torch.equal(got, full[:, rank * cols // 2:(rank + 1) * cols // 2]), (system, i)
-            result[system] = {"load_s": loads, "bytes_read": reads, "load_peak_extra": peaks}
+                    seconds = _timed(lambda system=system, target=target: dcp.load(
+                        target, storage_reader=_reader(system, folder / system / "final"), planner=_planner(system)))
+                read = sum(_gather(_rchar() - before))
+                peak = max(_gather(mem.peak - mem.base))
+                _check_resharded(sd, target, rank, system)
+                if rep:
+                    figures[system]["load_s"].append(seconds)
+                    figures[system]["bytes_read"].append(read)
+                    figures[system]["load_peak_extra"].append(peak)
+        result.update(figures)
     if rank == 0:
         print("BENCH-RESULT " + json.dumps(result), flush=True)
     dist.barrier()

@@ -361,3 +361,23 @@ def test_reader_reads_only_overlapping_bytes(tmp_path: Path) -> None:
         LocalFileSystem.pread_into = original  # type: ignore[method-assign]
     assert torch.equal(dest, w[256:384])
     assert counted[0] == 128 * 512 * 4
+
+
+def test_stager_reuses_buffers_only_when_released() -> None:
+    from shardckpt.torch._staging import HostStager
+
+    stager = HostStager()
+    sd = {"w": torch.arange(6.0), "inner": {"b": torch.ones(2, dtype=torch.bfloat16)}, "n": [1, 2]}
+    first, ticket = stager.stage(sd)
+    sd["w"].add_(1)  # training goes on: the staged copy keeps the old values
+    assert torch.equal(first["w"], torch.arange(6.0)) and first["n"] == [1, 2] and first["n"] is not sd["n"]
+    second, ticket2 = stager.stage(sd)  # the first save still writes: new buffers
+    assert second["w"].data_ptr() != first["w"].data_ptr() and torch.equal(first["w"], torch.arange(6.0))
+    stager.release(ticket)  # an old ticket frees nothing
+    third, ticket3 = stager.stage(sd)
+    assert third["w"].data_ptr() != second["w"].data_ptr()
+    stager.release(ticket3)
+    fourth, _ = stager.stage(sd)  # released: the same buffers, refilled
+    assert fourth["w"].data_ptr() == third["w"].data_ptr() and torch.equal(fourth["w"], sd["w"])
+    assert fourth["inner"]["b"].dtype == torch.bfloat16
+    del ticket2

@@ -9,20 +9,22 @@ same buffers, so the steady state allocates nothing. Buffers of CUDA tensors are
 pinned and filled with non-blocking copies, then one synchronize; CPU tensors get
 plain buffers. Non-tensor values are deep-copied.
 
-A save still writing the previous copy owns its buffers: ``stage`` then makes new
-ones (it never waits, never overwrites bytes a writer may still read). The writer
-calls :meth:`release` once its save finished, successfully or not.
+Writers share the process's :func:`default_stager` (a writer is usually made per
+save, its buffers should outlive it). A save still writing the previous copy owns its buffers: ``stage`` then makes new
+ones (it never waits, never overwrites bytes a writer may still read). ``stage``
+returns a ticket; the writer calls :meth:`release` with it once its save finished,
+successfully or not.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["HostStager"]
+__all__ = ["HostStager", "default_stager"]
 
 _Slot = Tuple[Any, ...]
 
@@ -33,25 +35,28 @@ class HostStager:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._buffers: Dict[_Slot, torch.Tensor] = {}
-        self._busy = False
+        self._owner: Optional[int] = None  # the staging whose save still reads the buffers
+        self._count = 0
 
-    def stage(self, state_dict: Any) -> Any:
-        """A copy of ``state_dict`` whose tensors live in this stager's host buffers."""
+    def stage(self, state_dict: Any) -> Tuple[Any, int]:
+        """A copy of ``state_dict`` whose tensors live in this stager's host buffers, and its ticket."""
         with self._lock:
-            if self._busy:  # the previous copy is still being written: leave its buffers alone
+            if self._owner is not None:  # a save still writes the buffers' bytes: leave them to it
                 self._buffers = {}
-            self._busy = True
+            self._count += 1
+            ticket = self._owner = self._count
             buffers = self._buffers
         cuda = [False]
         staged = self._copy(state_dict, (), buffers, cuda)
         if cuda[0]:
             torch.cuda.synchronize()
-        return staged
+        return staged, ticket
 
-    def release(self) -> None:
-        """The save of the last staged copy is over: its buffers may be refilled."""
+    def release(self, ticket: int) -> None:
+        """The save of staging ``ticket`` is over: if its buffers are the current ones, they may be refilled."""
         with self._lock:
-            self._busy = False
+            if self._owner == ticket:
+                self._owner = None
 
     def _buffer(self, slot: _Slot, like: torch.Tensor, buffers: Dict[_Slot, torch.Tensor]) -> torch.Tensor:
         key = slot + (tuple(like.shape), like.dtype, like.device.type)
@@ -84,3 +89,15 @@ class HostStager:
         if isinstance(value, tuple) and not hasattr(value, "_fields"):
             return tuple(self._copy(v, path + (i,), buffers, cuda) for i, v in enumerate(value))
         return copy.deepcopy(value)
+
+
+_LOCK = threading.Lock()
+_DEFAULT: "list[HostStager]" = []
+
+
+def default_stager() -> HostStager:
+    """The process's stager, shared by every writer (made once, under a lock)."""
+    with _LOCK:
+        if not _DEFAULT:
+            _DEFAULT.append(HostStager())
+        return _DEFAULT[0]

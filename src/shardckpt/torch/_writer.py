@@ -64,7 +64,7 @@ from ..sharding.shardable import ShardableTensor
 from ..storage.location import Location
 from ._dtypes import numpy_view, to_bundle_dtype
 from ._objects import encode_object
-from ._staging import HostStager
+from ._staging import default_stager
 
 __all__ = ["TFBundleWriter"]
 
@@ -125,10 +125,10 @@ class TFBundleWriter(StorageWriter):
             coordinator = _world_coordinator()
         self._coordinator = coordinator
         self._background: Optional[Coordinator] = None
-        self._next_is_staged = False
+        self._ticket: Optional[int] = None  # the staging of the next write_data (dcp.async_save)
         self._rank = 0
         self._collective = coordinator is not None and coordinator.size > 1
-        self._stager = HostStager()
+        self._stager = default_stager()
 
     # -- StorageWriter ------------------------------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -158,12 +158,12 @@ class TFBundleWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> "Future[List[WriteResult]]":
         """Convert the items, agree that every rank could, run the save engine (which commits)."""
-        staged, self._next_is_staged = self._next_is_staged, False
+        ticket, self._ticket = self._ticket, None
         try:
-            return self._write(plan, planner, staged)
+            return self._write(plan, planner, ticket is not None)
         finally:
-            if staged:
-                self._stager.release()
+            if ticket is not None:
+                self._stager.release(ticket)
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
         """Nothing left to do: the checkpoint was committed by ``write_data``; DCP's Metadata is not stored."""
@@ -186,14 +186,14 @@ class TFBundleWriter(StorageWriter):
         """Copy ``state_dict`` into reusable host buffers; runs on the caller's thread, before the background save."""
         if self._collective and self._coordinator is not None:
             self._background = default_context().background(self._coordinator)  # collective the first time
-        self._next_is_staged = True
-        return self._stager.stage(state_dict)
+        staged, self._ticket = self._stager.stage(state_dict)
+        return staged
 
     def synchronize_staging(self) -> None:
         """Nothing: :meth:`stage` returns once the copy is complete."""
 
     def close(self) -> None:
-        """Nothing to close (buffers are freed with the writer)."""
+        """Nothing to close (the staging buffers belong to the process's stager and are reused)."""
 
     # -- the write ---------------------------------------------------------------------------------------
     def _write(self, plan: SavePlan, planner: SavePlanner, staged: bool) -> "Future[List[WriteResult]]":
