@@ -407,3 +407,12 @@ def test_reads_shardckpt_checkpoints(tmp_path: Path) -> None:
     sd = {"layer.w": torch.zeros(6, 10), "count": torch.zeros((), dtype=torch.int64)}
     dcp.load(sd, storage_reader=TFBundleReader(tmp_path / "ck", key_map={"layer/w": "layer.w"}))
     assert np.array_equal(sd["layer.w"].numpy(), full) and int(sd["count"]) == 5
+
+
+def test_load_casts_into_other_dtypes(tmp_path: Path) -> None:
+    """A destination of another dtype is filled through a temporary and ``copy_`` (as DCP's reader casts)."""
+    w = _value(torch.bfloat16, (16, 8))
+    dcp.save({"w": w}, storage_writer=TFBundleWriter(tmp_path / "ck"))
+    target = {"w": torch.zeros(16, 8, dtype=torch.float32)}
+    dcp.load(target, storage_reader=TFBundleReader(tmp_path / "ck"))
+    assert torch.equal(target["w"], w.to(torch.float32))

@@ -22,9 +22,9 @@ DCP's call sequence, and what each step does here::
                            read and where it goes: only that part's byte runs are read
                            (BundleReader.read_piece_region), straight into the
                            destination tensor's memory when it is a CPU tensor of the
-                           stored dtype (else into a temporary, then copy_, which
-                           casts as DCP's own reader does); whole chunks are
-                           checksummed. Non-tensors are handed to the planner the way
+                           stored dtype (else into a temporary of that one item, then
+                           copy_, which casts as DCP's own reader does); whole chunks
+                           are checksummed. Non-tensors are handed to the planner the way
                            DCP's API requires (torch.save of the JSON-decoded plain
                            value into an in-memory buffer).
 
@@ -142,23 +142,15 @@ class TFBundleReader(StorageReader):
                 planner.load_bytes(item, buf)
             else:
                 tensor_items.append(item)
-        pending: List[Tuple[ReadItem, torch.Tensor, Optional[np.ndarray]]] = []
+        done_items: List[Tuple[ReadItem, torch.Tensor]] = []
         with bundle.session(defer=True) as session:  # whole-chunk checksums complete when the block ends
             if self._workers == 1 or len(tensor_items) <= 1:
-                pending = [self._read_item(bundle, session, item, planner) for item in tensor_items]
+                done_items = [self._read_item(bundle, session, item, planner) for item in tensor_items]
             else:
                 with ThreadPoolExecutor(self._workers, thread_name_prefix="shardckpt-dcp-read") as pool:
-                    pending = list(pool.map(lambda it: self._read_item(bundle, session, it, planner),
-                                            tensor_items))
-        for item, target, temp in pending:
-            if temp is not None:
-                source = torch.from_numpy(temp.view(_numpy_carrier(temp))) if temp.dtype.kind == "V" \
-                    else torch.from_numpy(temp)
-                stored = self._tensors[item.storage_index.fqn].dtype
-                torch_dtype = to_torch_dtype(stored)
-                if torch_dtype is not None and source.dtype != torch_dtype:
-                    source = source.view(torch_dtype)
-                target.copy_(source)
+                    done_items = list(pool.map(lambda it: self._read_item(bundle, session, it, planner),
+                                               tensor_items))
+        for item, target in done_items:  # every byte is in place and checked
             planner.commit_tensor(item, target)
         done: "Future[None]" = Future()
         done.set_result(None)
@@ -232,7 +224,7 @@ class TFBundleReader(StorageReader):
 
     # -- reads --------------------------------------------------------------------------------------------
     def _read_item(self, bundle: BundleReader, session: ReadSession, item: ReadItem, planner: LoadPlanner
-                   ) -> Tuple[ReadItem, torch.Tensor, Optional[np.ndarray]]:
+                   ) -> Tuple[ReadItem, torch.Tensor]:
         fqn = item.storage_index.fqn
         stored = self._tensors.get(fqn)
         if stored is None:
@@ -246,16 +238,18 @@ class TFBundleReader(StorageReader):
         if tuple(target.shape) != box_shape(local):
             raise InvalidArgumentError(f"the planner's destination has shape {list(target.shape)}, the read item "
                                        f"{list(box_shape(local))}", path=self._path, key=fqn)
-        if target.device.type == "cpu" and target.dtype == to_torch_dtype(stored.dtype):
+        torch_dtype = to_torch_dtype(stored.dtype)
+        if target.device.type == "cpu" and target.dtype == torch_dtype:
             view = numpy_view(target, stored.dtype, contiguous=False)  # the destination's own memory
             bundle.read_piece_region(piece, local, view, verify=self._verify, session=session)
-            return item, target, None
-        temp = np.empty(box_shape(local), dtype=stored.dtype.numpy)
-        bundle.read_piece_region(piece, local, temp, verify=self._verify, session=session)
-        return item, target, temp
+            return item, target
+        # another device or dtype: through a temporary of this item only, read and checked now, then copy_
+        temp = bundle.read_piece_region(piece, local, None, verify=self._verify)
+        source = torch.from_numpy(temp.view(_CARRIERS[temp.dtype.itemsize]) if temp.dtype.kind == "V" else temp)
+        if torch_dtype is not None and source.dtype != torch_dtype:
+            source = source.view(torch_dtype)
+        target.copy_(source)
+        return item, target
 
 
-def _numpy_carrier(array: np.ndarray) -> Any:
-    return {1: np.uint8, 2: np.int16}[array.dtype.itemsize]
-
-
+_CARRIERS = {1: np.uint8, 2: np.int16}  # NumPy views of ml_dtypes values that torch.from_numpy accepts
