@@ -416,3 +416,13 @@ def test_load_casts_into_other_dtypes(tmp_path: Path) -> None:
     target = {"w": torch.zeros(16, 8, dtype=torch.float32)}
     dcp.load(target, storage_reader=TFBundleReader(tmp_path / "ck"))
     assert torch.equal(target["w"], w.to(torch.float32))
+
+
+def test_key_map_drops_and_refuses_collisions(tf_fixtures_dir: Path) -> None:
+    prefix = tf_fixtures_dir / "01_basic_float32_int64" / "ckpt"
+    md = TFBundleReader(prefix, key_map=lambda k: "v" if k.startswith("vec_f32") else None).read_metadata()
+    assert list(md.state_dict_metadata) == ["v"] and tuple(md.state_dict_metadata["v"].size) == (7,)
+    with pytest.raises(ValueError, match="maps both"):
+        TFBundleReader(prefix, key_map=lambda k: "same").read_metadata()
+    with pytest.raises(ValueError, match="callable or a dict"):
+        TFBundleReader(prefix, key_map=["not", "a", "map"])  # type: ignore[arg-type]
