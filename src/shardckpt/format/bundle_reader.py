@@ -432,6 +432,33 @@ class BundleReader:
             self._read_piece(piece, dt, local, dest, verify, session)
         return out
 
+    def read_piece_region(self, piece: StoredPiece, local: Box, out: Optional[np.ndarray] = None, *,
+                          verify: bool = True, session: Optional["ReadSession"] = None) -> np.ndarray:
+        """Read the box ``local`` (relative to the piece) of one stored piece into ``out``.
+
+        For callers that already hold the piece (a DCP read item names the stored
+        chunk it reads from): no search over the tensor's other slices. ``out``
+        (allocated when omitted; may be a strided view) must have the box's shape
+        and the stored dtype. Only the byte runs of the box are read; a piece read
+        whole has its checksum verified (within a deferring ``session``, when the
+        session ends), a part has its file's identity checked after the read.
+        """
+        dt = from_enum(piece.entry.dtype, self.index_path, _key_str(piece.tensor_key))
+        stored = box_shape(piece.box)
+        local = tuple((int(a), int(b)) for a, b in local)
+        if len(local) != len(stored) or any(not 0 <= a <= b <= d for (a, b), d in zip(local, stored)):
+            raise InvalidArgumentError(f"region {list(local)} does not fit the stored piece's shape {list(stored)}",
+                                       path=self.prefix, **piece.where())
+        self._locate(piece, dt)
+        if out is None:
+            out = np.empty(box_shape(local), dtype=dt.numpy)
+        elif tuple(out.shape) != box_shape(local) or out.dtype != dt.numpy:
+            raise InvalidArgumentError(f"destination has shape {list(out.shape)} and dtype {out.dtype}; expected "
+                                       f"{list(box_shape(local))} and {dt.numpy}", path=self.prefix, **piece.where())
+        if box_volume(local) > 0:
+            self._read_piece(piece, dt, local, out, verify, session)
+        return out
+
     def verify(self, key: KeyLike) -> None:
         """Check the checksum of every stored piece of ``key`` (raises :class:`DataLossError`)."""
         for piece in self.pieces(key):

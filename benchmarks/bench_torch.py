@@ -1,0 +1,351 @@
+"""shardckpt's DCP storage backend (``shardckpt.torch``) against DCP's ``FileSystemWriter`` / ``FileSystemReader``.
+
+One run, the same processes, the same bytes, medians over ``--repeats``::
+
+    .venv/bin/python benchmarks/bench_torch.py --size 256MiB --repeats 3
+
+* launch 1 (``torchrun``, 4 ranks, a 1-D CPU mesh, every tensor ``Shard(0)``): for each system
+  ``dcp.save`` (throughput), ``dcp.load`` onto the same layout (throughput, peak extra
+  host memory), ``dcp.async_save`` (time until the call returns);
+* launch 2 (2 ranks, every tensor ``Shard(1)``): the resharded load 4 -> 2 of both
+  checkpoints (throughput, bytes read by the processes' read calls (``/proc/self/io``
+  ``rchar``) against the bytes the ranks need, peak extra host memory);
+* this process: planning a rank's read items for an 80x80-chunk tensor (its chunk an
+  eighth of the rows; and 80x80 local chunks) with ``read_items_for_chunks`` against
+  DCP's ``create_read_items_for_chunk_list``.
+
+Files are read from the page cache (no cache drop without root). Peak extra memory is
+the largest resident set sampled every millisecond during the load, minus the resident
+set before it, the largest over the ranks. The table goes to stdout; the raw figures to
+``--json`` when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import fmt_size, parse_size  # noqa: E402
+
+SYSTEMS = ("shardckpt", "dcp")
+TENSORS = 16
+
+
+# -- worker side (under torchrun) --------------------------------------------------------------------------
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    return 0
+
+
+class _PeakRSS:
+    """The largest resident set seen while the block runs, sampled every millisecond."""
+
+    def __enter__(self) -> "_PeakRSS":
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *_: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+
+def _state(size: int, shard_dim: int) -> Dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    cols = 4096  # a hidden size; half a row (the 4 -> 2 reads) is 8 KiB
+    rows = max(24, size // (TENSORS * cols * 4) // 24 * 24)  # divisible by 2, 3, 4
+    sd = {}
+    for i in range(TENSORS):
+        shape = [rows, cols]
+        local = list(shape)
+        local[shard_dim] //= world
+        g = torch.Generator().manual_seed(i * 16 + rank)
+        t = torch.randn(local, generator=g)
+        sd[f"layers.{i}.weight"] = DTensor.from_local(t, mesh, [Shard(shard_dim)], run_check=False,
+                                                      shape=torch.Size(shape), stride=(cols, 1))
+    sd["step"] = 7
+    return sd
+
+
+def _zeros_like(sd: Dict[str, Any]) -> Dict[str, Any]:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    out: Dict[str, Any] = {}
+    for k, v in sd.items():
+        if isinstance(v, DTensor):
+            out[k] = DTensor.from_local(torch.zeros_like(v.to_local()), v.device_mesh, v.placements,
+                                        run_check=False, shape=v.shape, stride=v.stride())
+        else:
+            out[k] = 0
+    return out
+
+
+def _writer(system: str, path: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from shardckpt.torch import TFBundleWriter
+
+    return TFBundleWriter(path / "ck") if system == "shardckpt" else FileSystemWriter(str(path))
+
+
+def _reader(system: str, path: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from shardckpt.torch import TFBundleReader
+
+    return TFBundleReader(path / "ck") if system == "shardckpt" else FileSystemReader(str(path))
+
+
+def _planner(system: str) -> Any:
+    from shardckpt.torch import TFBundleLoadPlanner
+
+    return TFBundleLoadPlanner() if system == "shardckpt" else None
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    started = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - started
+
+
+def _gather(value: float) -> List[float]:
+    import torch.distributed as dist
+
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _check_resharded(sd: Dict[str, Any], target: Dict[str, Any], rank: int, system: str) -> None:
+    """The values loaded onto 2 ranks (``Shard(1)``) are the 4-rank save's."""
+    import torch
+
+    for i in range(TENSORS):
+        got = target[f"layers.{i}.weight"].to_local()
+        rows, cols = sd[f"layers.{i}.weight"].shape
+        full = torch.cat([torch.randn((rows // 4, cols), generator=torch.Generator().manual_seed(i * 16 + r))
+                          for r in range(4)])
+        assert torch.equal(got, full[:, rank * cols // 2:(rank + 1) * cols // 2]), (system, i)
+
+
+def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    result: Dict[str, Any] = {}
+    if phase == "four":
+        sd = _state(size, 0)
+        nbytes = sum(v.numel() * 4 for v in sd.values() if hasattr(v, "numel"))
+        result["bytes"] = nbytes
+        pg = dist.new_group(backend="gloo")
+        for system in SYSTEMS:  # warm-up, untimed: the coordinator's gloo group, the code paths
+            warm = folder / system / "warm"
+            if rank == 0:
+                warm.mkdir(parents=True)
+            dist.barrier()
+            dcp.save({"x": torch.ones(4), "n": 1}, storage_writer=_writer(system, warm))
+        for system in SYSTEMS:
+            saves, loads, blocks, peaks = [], [], [], []
+            for rep in range(repeats):
+                path = folder / system / f"rep{rep}"
+                if rank == 0:
+                    shutil.rmtree(path, ignore_errors=True)
+                    path.mkdir(parents=True)
+                saves.append(_timed(lambda system=system, path=path: dcp.save(
+                    sd, storage_writer=_writer(system, path))))
+                target = _zeros_like(sd)
+                with _PeakRSS() as mem:
+                    loads.append(_timed(lambda system=system, path=path, target=target: dcp.load(
+                        target, storage_reader=_reader(system, path), planner=_planner(system))))
+                peaks.append(max(_gather(mem.peak - mem.base)))
+                apath = folder / system / f"async{rep}"
+                if rank == 0:
+                    shutil.rmtree(apath, ignore_errors=True)
+                    apath.mkdir(parents=True)
+                dist.barrier()
+                started = time.perf_counter()
+                future = dcp.async_save(sd, storage_writer=_writer(system, apath), process_group=pg)
+                blocks.append(max(_gather(time.perf_counter() - started)))
+                future.result()
+                dist.barrier()
+                if rank == 0 and rep < repeats - 1:
+                    shutil.rmtree(path)
+                    shutil.rmtree(apath)
+            if rank == 0:
+                os.replace(folder / system / f"rep{repeats - 1}", folder / system / "final")
+            result[system] = {"save_s": saves, "load_s": loads, "async_block_s": blocks, "load_peak_extra": peaks}
+    else:  # "two": resharded load 4 -> 2, other placements
+        sd = _state(size, 1)
+        nbytes = sum(v.numel() * 4 for v in sd.values() if hasattr(v, "numel"))
+        result["bytes"] = nbytes
+        figures: Dict[str, Dict[str, List[float]]] = {s: {"load_s": [], "bytes_read": [], "load_peak_extra": []}
+                                                      for s in SYSTEMS}
+        for rep in range(repeats + 1):  # round 0 warms up (untimed); the systems take turns going first
+            for system in (SYSTEMS if rep % 2 else SYSTEMS[::-1]):
+                target = _zeros_like(sd)
+                before = _rchar()
+                with _PeakRSS() as mem:
+                    seconds = _timed(lambda system=system, target=target: dcp.load(
+                        target, storage_reader=_reader(system, folder / system / "final"), planner=_planner(system)))
+                read = sum(_gather(_rchar() - before))
+                peak = max(_gather(mem.peak - mem.base))
+                _check_resharded(sd, target, rank, system)
+                if rep:
+                    figures[system]["load_s"].append(seconds)
+                    figures[system]["bytes_read"].append(read)
+                    figures[system]["load_peak_extra"].append(peak)
+        result.update(figures)
+    if rank == 0:
+        print("BENCH-RESULT " + json.dumps(result), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- driver side -----------------------------------------------------------------------------------------
+def _launch(phase: str, nproc: int, folder: Path, size: int, repeats: int) -> Dict[str, Any]:
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "RANK", "WORLD_SIZE"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")]))
+    cmd = [str(torchrun), "--standalone", f"--nproc-per-node={nproc}", __file__, "--worker", phase,
+           "--dir", str(folder), "--size", str(size), "--repeats", str(repeats)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    for line in done.stdout.splitlines():
+        if line.startswith("BENCH-RESULT "):
+            return json.loads(line[len("BENCH-RESULT "):])  # type: ignore[no-any-return]
+    raise SystemExit(f"{phase} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+
+
+def _planning(repeats: int) -> Dict[str, Dict[str, float]]:
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    sys.path.insert(0, str(HERE.parent / "src"))
+    from shardckpt.torch import read_items_for_chunks
+
+    size, n = 6400, 80
+    step = size // n
+    chunks = [ChunkStorageMetadata(offsets=torch.Size([i * step, j * step]), sizes=torch.Size([step, step]))
+              for i in range(n) for j in range(n)]
+    md = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size([size, size]),
+                               chunks=chunks)
+    cases = {
+        "one chunk (an eighth of the rows)": [ChunkStorageMetadata(offsets=torch.Size([840, 0]),
+                                                                   sizes=torch.Size([800, size]))],
+        "80x80 chunks, shifted": [ChunkStorageMetadata(offsets=torch.Size([i * 80 + 40 * (i > 0), j * 80]),
+                                                       sizes=torch.Size([80 - 40 * (i > 0) + 40 * (i < 79), 80]))
+                                  for i in range(80) for j in range(80)],
+    }
+    out = {}
+    for name, local in cases.items():
+        figures = {}
+        for system, fn in (("shardckpt", read_items_for_chunks), ("dcp", create_read_items_for_chunk_list)):
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                fn("w", md, local)
+                times.append(time.perf_counter() - started)
+            figures[system] = statistics.median(times)
+        out[name] = figures
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="256MiB", help="bytes of state (default 256MiB)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default="/tmp/shardckpt-bench-torch")
+    ap.add_argument("--json", default=None, help="write the raw figures here")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    size = parse_size(args.size)
+    folder = Path(args.dir)
+    if args.worker:
+        worker(args.worker, folder, size, args.repeats)
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    try:
+        four = _launch("four", 4, folder, size, args.repeats)
+        two = _launch("two", 2, folder, size, args.repeats)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    planning = _planning(max(3, args.repeats))
+    nbytes = four["bytes"]
+    med = statistics.median
+    rows = []
+
+    def row(what: str, ours: float, theirs: float, unit: str, better: str) -> None:
+        ratio = (ours / theirs if better == "higher" else theirs / ours) if ours and theirs else float("nan")
+        rows.append((what, ours, theirs, unit, ratio))
+
+    s, d = four["shardckpt"], four["dcp"]
+    row("save throughput (4 ranks)", nbytes / med(s["save_s"]) / 2**20, nbytes / med(d["save_s"]) / 2**20, "MiB/s",
+        "higher")
+    row("load throughput (4 -> 4)", nbytes / med(s["load_s"]) / 2**20, nbytes / med(d["load_s"]) / 2**20, "MiB/s",
+        "higher")
+    s2, d2 = two["shardckpt"], two["dcp"]
+    row("resharded load (4 -> 2, Shard(0) -> Shard(1))", nbytes / med(s2["load_s"]) / 2**20,
+        nbytes / med(d2["load_s"]) / 2**20, "MiB/s", "higher")
+    row("bytes read / bytes needed (4 -> 2)", med(s2["bytes_read"]) / nbytes, med(d2["bytes_read"]) / nbytes, "x",
+        "lower")
+    row("async_save blocking time", med(s["async_block_s"]) * 1e3, med(d["async_block_s"]) * 1e3, "ms", "lower")
+    row("peak extra host memory, load 4 -> 4 (per rank, % of state)", 100 * med(s["load_peak_extra"]) / nbytes,
+        100 * med(d["load_peak_extra"]) / nbytes, "%", "lower")
+    row("peak extra host memory, load 4 -> 2 (per rank, % of state)", 100 * med(s2["load_peak_extra"]) / nbytes,
+        100 * med(d2["load_peak_extra"]) / nbytes, "%", "lower")
+    for name, figures in planning.items():
+        row(f"planning, 80x80 stored chunks, {name}", figures["shardckpt"] * 1e3, figures["dcp"] * 1e3, "ms",
+            "lower")
+    print(f"state: {fmt_size(nbytes)} in {TENSORS} float32 tensors, medians of {args.repeats}; "
+          "ratio > 1: shardckpt better")
+    print(f"{'':62} {'shardckpt':>11} {'DCP':>11}        ratio")
+    for what, ours, theirs, unit, ratio in rows:
+        print(f"{what:62} {ours:11.3f} {theirs:11.3f} {unit:6} {ratio:6.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"four": four, "two": two, "planning": planning}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

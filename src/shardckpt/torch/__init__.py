@@ -1,0 +1,23 @@
+"""PyTorch's face: shardckpt as a storage backend of ``torch.distributed.checkpoint`` (DCP).
+
+::
+
+    import torch.distributed.checkpoint as dcp
+    from shardckpt.torch import TFBundleWriter, TFBundleReader
+    dcp.save(state_dict, storage_writer=TFBundleWriter("/ckpt/step-100"))
+    dcp.load(state_dict, storage_reader=TFBundleReader("/ckpt/step-100"))  # any world size, any placements
+
+The checkpoint is a TensorFlow tensor bundle (``<prefix>.index`` +
+``<prefix>.data-*``): TensorFlow, ``shardckpt inspect`` / ``verify`` read it without
+PyTorch; no pickle is written. The writer only translates DCP's write items into
+the save engine's plan (:mod:`shardckpt.saving.engine`); the reader translates read
+items into region reads (:mod:`shardckpt.format.bundle_reader`).
+:class:`TFBundleLoadPlanner` plans resharded loads in time linear in the chunks read.
+Needs the ``[torch]`` extra.
+"""
+
+from ._planner import TFBundleLoadPlanner, read_items_for_chunks
+from ._reader import KeyMap, TFBundleReader
+from ._writer import TFBundleWriter
+
+__all__ = ["TFBundleWriter", "TFBundleReader", "TFBundleLoadPlanner", "KeyMap", "read_items_for_chunks"]

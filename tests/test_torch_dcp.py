@@ -1,0 +1,428 @@
+"""shardckpt as a storage backend of torch.distributed.checkpoint (DCP), in real processes.
+
+Launches of tests/helpers/torch_dcp_worker.py under ``torchrun --standalone`` (gloo, CPU):
+
+* ``save4``: 4 ranks on a 2x2 mesh save a small transformer-like model and its AdamW state
+  (``get_state_dict``) with ``[Shard(0), Shard(1)]``, ``[Replicate(), Shard(0)]``,
+  ``[Shard(0), Replicate()]`` and replicated placements, with ``dcp.save`` and
+  ``dcp.async_save`` (training goes on while it writes), and an FSDP2 ``fully_shard`` (HSDP)
+  model with its optimizer; a bad state dict is refused;
+* ``load2`` / ``load3`` / ``load1`` (one process, no torch.distributed): other placements,
+  uneven chunks; every value bit-exact and the training continues exactly as the
+  uninterrupted run; ``load2`` also loads a TensorFlow fixture into DTensors;
+* ``kill2``: a rank SIGKILLed in the middle of a save leaves the previous checkpoint loadable.
+
+This process checks what is on disk: TensorFlow (the oracle) reads every key and sees the
+global values, ``shardckpt verify`` passes, no pickle anywhere, async == sync; TensorFlow
+fixtures load through ``dcp.load`` into plain tensors; dtypes round-trip; the grid planner's
+plans equal DCP's and take well under 50 ms for an 80x80-chunk tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Dict, Tuple
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from helpers.launchers import clean_env, tool
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from shardckpt.cli.main import main as cli_main
+from shardckpt.errors import UnsupportedError
+from shardckpt.format.bundle_reader import BundleReader
+from shardckpt.torch import TFBundleReader, TFBundleWriter, read_items_for_chunks
+from shardckpt.torch._objects import MAGIC, decode_object
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "helpers" / "torch_dcp_worker.py"
+LAUNCH_TIMEOUT = 300
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+
+
+def launch(mode: str, nproc: int, data: Path, tmp: Path) -> Tuple[Any, Dict[int, Dict[str, Any]], str]:
+    """Run one mode of the worker; returns the launcher's exit status, each rank's results, the log's tail."""
+    out = tmp / f"{mode}-out"
+    if mode == "load1":
+        cmd = [sys.executable, str(WORKER)]
+    else:
+        cmd = [str(tool("torchrun")), "--standalone", f"--nproc-per-node={nproc}", str(WORKER)]
+    log = tmp / f"{mode}.log"
+    with open(log, "wb") as f:
+        try:
+            rc: Any = subprocess.run(cmd + [mode, str(out), str(data)], stdout=f, stderr=subprocess.STDOUT,
+                                     env=clean_env(), cwd=str(HERE.parent), timeout=LAUNCH_TIMEOUT).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    tail = log.read_text(errors="replace")[-6000:]
+    results = {}
+    for r in range(nproc):
+        path = out / f"rank{r}.json"
+        assert path.exists(), f"rank {r} wrote no result (launcher exit {rc}); log:\n{tail}"
+        results[r] = json.loads(path.read_text())
+    return rc, results, tail
+
+
+def assert_done(rc: Any, results: Dict[int, Dict[str, Any]], tail: str) -> None:
+    for r, res in results.items():
+        assert "fatal" not in res, f"rank {r} failed:\n{res['fatal']}\nlog:\n{tail}"
+        assert res.get("done") and all(res["checks"].values()), (r, res, tail)
+    assert rc == 0, f"launcher exit {rc}; log:\n{tail}"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``save4`` launch; its data folder (checkpoints ``sync/ck``, ``async/ck``, ``saved.npz``, ...)."""
+    tmp = tmp_path_factory.mktemp("torch_dcp")
+    data = tmp / "data"
+    rc, results, tail = launch("save4", 4, data, tmp)
+    assert_done(rc, results, tail)
+    assert set(results[0]["checks"]) == {"bad_object_refused", "bad_uint16_refused", "bad_nothing_written"}
+    return data
+
+
+@pytest.mark.parametrize("mode,nproc", [("load2", 2), ("load3", 3), ("load1", 1)])
+def test_load_other_layouts_and_continue(saved: Path, tmp_path: Path, mode: str, nproc: int) -> None:
+    rc, results, tail = launch(mode, nproc, saved, tmp_path)
+    assert_done(rc, results, tail)
+    for res in results.values():
+        for which in ("sync", "async"):  # the sync and the async checkpoint, default and grid planner
+            for check in ("keys", "values", "extra", "losses", "continues"):
+                assert res["checks"][f"{which}_{check}"] is True
+        assert res["checks"]["fsdp_values"] and res["checks"]["fsdp_set"]  # the FSDP2 (HSDP) checkpoint
+        if mode == "load2":
+            assert res["checks"]["fixture_embed.weight"] and res["checks"]["fixture_dense.weight"]
+
+
+def _stored(prefix: Path) -> Dict[str, Any]:
+    with BundleReader(str(prefix)) as reader:
+        return {k.decode(): reader.read(k) for k in reader.keys()}
+
+
+def test_async_checkpoint_equals_sync(saved: Path) -> None:
+    sync, asyn = _stored(saved / "sync" / "ck"), _stored(saved / "async" / "ck")
+    assert sync.keys() == asyn.keys()
+    for key in sync:
+        assert sync[key].dtype == asyn[key].dtype and np.array_equal(sync[key], asyn[key]), key
+
+
+def test_no_pickle_on_disk(saved: Path) -> None:
+    files = [p for p in saved.rglob("*") if p.is_file() and p.suffix != ".npz"]  # .npz: this test's own values
+    assert files and not [p for p in files if p.name.endswith(".metadata") or "__" in p.name]
+    for p in files:
+        with open(p, "rb") as f:
+            head = f.read(2)
+        assert not (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")), p
+    names = sorted(p.name for p in (saved / "sync").iterdir())
+    assert names == ["ck.data-00000-of-00004", "ck.data-00001-of-00004", "ck.data-00002-of-00004",
+                     "ck.data-00003-of-00004", "ck.index"]
+
+
+def test_tensorflow_reads_every_key(saved: Path, tf_oracle: Any) -> None:
+    values = dict(np.load(saved / "saved.npz"))
+    got, errors, dtypes = tf_oracle.load_checkpoint(saved / "sync" / "ck")
+    assert not errors
+    tensors = {k: v for k, v in got.items() if dtypes[k] != "string"}
+    assert set(tensors) == set(values)
+    for key, expected in values.items():  # the global values, as bytes (bfloat16-safe)
+        assert np.ascontiguousarray(tensors[key]).view(np.uint8).reshape(-1).tobytes() == expected.tobytes(), key
+    objects = {k: v for k, v in got.items() if dtypes[k] == "string"}
+    groups = {k for k in objects if k.startswith("optim.param_groups.0.")}  # DCP flattens the param groups
+    assert set(objects) - groups == {"extra.step", "extra.note", "extra.sched.warmup"}
+    assert all(bytes(v.reshape(()).item()).startswith(MAGIC) for v in objects.values())
+
+    def obj(key: str) -> Any:
+        return decode_object(bytes(objects[key].reshape(()).item()))
+    assert obj("extra.step") == 3 and obj("extra.sched.warmup") == (1, 2.5)
+    assert obj("optim.param_groups.0.betas") == (0.9, 0.99) and obj("optim.param_groups.0.lr") == 1e-2
+    assert "emb" in obj("optim.param_groups.0.params")
+
+
+def test_shardckpt_verify(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for which in ("sync", "async"):
+        assert cli_main(["verify", str(saved / which / "ck")]) == 0
+    capsys.readouterr()
+
+
+def test_sharded_keys_are_tf_slices(saved: Path) -> None:
+    with BundleReader(str(saved / "sync" / "ck")) as reader:
+        # layers.0.q: [Shard(0), Shard(1)] on 2x2 -> four distinct slices, each written once
+        specs = sorted(str(p.slice) for p in reader.pieces("model.layers.0.q"))
+        assert specs == ["0,8:0,8", "0,8:8,8", "8,8:0,8", "8,8:8,8"]
+        # emb: [Shard(0), Shard(1)] is index 0; head is replicated everywhere: one plain entry
+        assert [p.slice for p in reader.pieces("model.emb")] != [None]
+        entries = {k.decode() for k in reader.keys()}
+        assert "optim.state.emb.exp_avg" in entries and "optim.state.emb.step" in entries
+
+
+def test_kill_mid_save_keeps_previous(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    rc, results, tail = launch("kill2", 2, data, tmp_path)
+    assert rc not in (0, "timeout"), tail
+    assert results[0].get("first_saved") and results[1].get("first_saved") and "second_saved" not in results[0]
+    assert list((data / "kill").glob("ck_temp_*")), "the second save never started writing"
+    sd = {"big": torch.zeros(1 << 23), "w": torch.zeros(1 << 20), "step": 0}
+    dcp.load(sd, storage_reader=TFBundleReader(data / "kill" / "ck"))
+    assert torch.equal(sd["big"], torch.arange(1 << 23, dtype=torch.float32))
+    assert torch.equal(sd["w"], torch.arange(1 << 20, dtype=torch.float32) + 1000) and sd["step"] == 1
+    assert cli_main(["verify", str(data / "kill" / "ck")]) == 0
+
+
+# -- one process ------------------------------------------------------------------------------------------
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
+          torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn,
+          torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
+
+
+def _value(dtype: Any, shape: Tuple[int, ...] = (5, 3)) -> Any:
+    g = torch.Generator().manual_seed(3)
+    if dtype is torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, generator=g)
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) * 3).to(dtype)
+    return torch.randint(-100 if dtype is not torch.uint8 else 0, 100, shape, generator=g).to(dtype)
+
+
+def _bits(t: Any) -> bytes:
+    return bytes(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+
+def test_dtypes_round_trip_one_process(tmp_path: Path) -> None:
+    sd = {str(dt).replace("torch.", ""): _value(dt) for dt in DTYPES}
+    sd["scalar"] = torch.tensor(2.5)
+    sd["empty"] = torch.zeros(0, 3)
+    sd["plain"] = {"i": 3, "f": float("inf"), "s": "x", "none": None, "t": [(1, 2), {"b": b"\x00", "k": [1.5]}]}
+    prefix = tmp_path / "ck"
+    dcp.save(sd, storage_writer=TFBundleWriter(prefix))
+    target = {k: torch.zeros_like(v) for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    # DCP flattens containers: the target has the same ones
+    target["plain"] = {"i": 0, "f": 0, "s": "", "none": 1, "t": [None, {"b": None, "k": None}]}
+    dcp.load(target, storage_reader=TFBundleReader(prefix))
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            assert target[k].dtype == v.dtype and _bits(target[k]) == _bits(v), k
+    assert target["plain"] == sd["plain"]
+    with BundleReader(str(prefix)) as reader:
+        assert {k: reader.dtype(k).name for k in ("bfloat16", "float8_e4m3fn", "complex128", "bool")} == {
+            "bfloat16": "bfloat16", "float8_e4m3fn": "float8_e4m3fn", "complex128": "complex128", "bool": "bool"}
+
+
+def test_objects_round_trip_exactly() -> None:
+    from shardckpt.torch._objects import encode_object
+
+    value = {"lr": 1e-3, "betas": (0.9, 0.999), 3: [None, True, float("nan"), -float("inf"), b"\x00\xff"],
+             (1, "a"): {"__tuple__": "not a tag"}, "s": "\u00e9"}
+    back = decode_object(encode_object(value, "k"))
+    assert back.keys() == value.keys() and back["betas"] == (0.9, 0.999) and isinstance(back["betas"], tuple)
+    assert back[3][:2] == [None, True] and np.isnan(back[3][2]) and back[3][3:] == [-float("inf"), b"\x00\xff"]
+    assert back[(1, "a")] == {"__tuple__": "not a tag"} and back["s"] == "\u00e9"
+
+
+def test_writer_uses_tensor_memory(tmp_path: Path) -> None:
+    """A CPU tensor's bytes go to storage from its own memory (the NumPy view shares the pointer)."""
+    from shardckpt.format.dtypes import as_dtype
+    from shardckpt.torch._dtypes import numpy_view
+
+    for dt in (torch.float32, torch.bfloat16, torch.float8_e5m2):
+        t = _value(dt, (64, 8))
+        assert numpy_view(t, as_dtype(str(dt).replace("torch.", ""))).ctypes.data == t.data_ptr()
+
+
+@pytest.mark.parametrize("bad,key,words", [
+    ({"w": torch.zeros(2), "u": torch.zeros(2, dtype=torch.uint32)}, "'u'", "uint32"),
+    ({"w": torch.zeros(2), "o": {"inner": [1, object()]}}, "'o.inner'", "pickle"),
+    ({"w": torch.zeros(2), "s": {1, 2}}, "'s'", "pickle"),
+])
+def test_bad_state_dict_refused_nothing_written(tmp_path: Path, bad: Dict[str, Any], key: str, words: str) -> None:
+    with pytest.raises(BaseException) as info:  # DCP wraps errors in CheckpointException (a BaseException)
+        dcp.save(bad, storage_writer=TFBundleWriter(tmp_path / "ck"))
+    assert key in str(info.value) and words in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(UnsupportedError, match="uint32"):
+        from shardckpt.torch._dtypes import to_bundle_dtype
+        to_bundle_dtype(torch.uint32, "k")
+
+
+def _tf_key(key: str) -> str:
+    return key.replace("/.ATTRIBUTES/VARIABLE_VALUE", "").replace("/", ".")
+
+
+def test_tensorflow_fixtures_load_into_torch(tf_fixtures_dir: Path) -> None:
+    case = tf_fixtures_dir / "01_basic_float32_int64"
+    expected = np.load(case / "expected.npz")
+    sd = {_tf_key(k): torch.zeros(tuple(expected[k].shape), dtype=torch.from_numpy(expected[k]).dtype)
+          for k in expected.files}
+    dcp.load(sd, storage_reader=TFBundleReader(case / "ckpt", key_map=_tf_key))
+    for k in expected.files:
+        assert np.array_equal(sd[_tf_key(k)].numpy(), expected[k]), k
+    # a TF1 Saver checkpoint with partitioned (sliced) variables, names mapped by a dict
+    case = tf_fixtures_dir / "08_tf1_saver_partitioned"
+    expected = np.load(case / "expected.npz")
+    names = {"embedding/table": "embed.weight", "lookup/ids": "ids", "global_step": "step"}
+    sd = {fqn: torch.zeros(tuple(expected[k].shape), dtype=torch.from_numpy(expected[k]).dtype)
+          for k, fqn in names.items()}
+    dcp.load(sd, storage_reader=TFBundleReader(case / "model.ckpt-100", key_map=names))
+    for k, fqn in names.items():
+        assert np.array_equal(sd[fqn].numpy(), expected[k]), k
+
+
+def _grid(n: int, size: int) -> Any:
+    step = size // n
+    return [ChunkStorageMetadata(offsets=torch.Size([i * step, j * step]), sizes=torch.Size([step, step]))
+            for i in range(n) for j in range(n)]
+
+
+def test_grid_planner_matches_dcp_and_is_fast() -> None:
+    size = 6400
+    md = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size([size, size]),
+                               chunks=_grid(80, size))
+    local = [ChunkStorageMetadata(offsets=torch.Size([i * 1600 + 7 * (i > 0), 0]),
+                                  sizes=torch.Size([1600 - 7 * (i > 0) + 7 * (i < 3), size])) for i in range(4)]
+    ours = read_items_for_chunks("w", md, local)
+    theirs = create_read_items_for_chunk_list("w", md, local)
+
+    def norm(items: Any) -> Any:
+        return sorted((tuple(i.dest_index.offset), tuple(i.dest_offsets), tuple(i.storage_index.offset),
+                       tuple(i.storage_offsets), tuple(i.lengths)) for i in items)
+    assert norm(ours) == norm(theirs)
+    # a rank of a resharded load: 80x80 stored chunks, its chunk an eighth of the rows, off the cuts
+    md80 = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size([size, size]),
+                                 chunks=_grid(80, size))
+    eighth = [ChunkStorageMetadata(offsets=torch.Size([840, 0]), sizes=torch.Size([800, size]))]
+    best = min(_timed(lambda: read_items_for_chunks("w", md80, eighth)) for _ in range(7))
+    assert best < 0.05, f"planning took {best * 1e3:.1f} ms"
+    assert len(read_items_for_chunks("w", md80, eighth)) == 11 * 80
+    # many local chunks (another 80x80 grid, shifted by half a chunk): the same reads as DCP's planner
+    shifted = [ChunkStorageMetadata(offsets=torch.Size([i * 80 + 40 * (i > 0), j * 80]),
+                                    sizes=torch.Size([80 - 40 * (i > 0) + 40 * (i < 79), 80]))
+               for i in range(80) for j in range(80)]
+    assert norm(read_items_for_chunks("w", md80, shifted)) == norm(create_read_items_for_chunk_list(
+        "w", md80, shifted))
+
+
+def _timed(fn: Any) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+class _RegionPlanner:
+    """The two planner calls ``read_data`` makes, serving one destination tensor."""
+
+    def __init__(self, dest: Any) -> None:
+        self.dest = dest
+
+    def resolve_tensor(self, item: Any) -> Any:
+        out = self.dest
+        for d, (o, n) in enumerate(zip(item.dest_offsets, item.lengths)):
+            out = out.narrow(d, o, n)
+        return out
+
+    def commit_tensor(self, item: Any, tensor: Any) -> None:
+        pass
+
+
+def test_reader_reads_only_overlapping_bytes(tmp_path: Path) -> None:
+    """Reading rows 256..383 of a stored 512x512 tensor reads those rows' bytes and no others."""
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    from shardckpt.storage.local import LocalFileSystem
+
+    prefix = tmp_path / "ck"
+    w = torch.randn(512, 512)
+    dcp.save({"w": w}, storage_writer=TFBundleWriter(prefix))
+    counted = [0]
+    original = LocalFileSystem.pread_into
+
+    def counting(self: Any, fd: Any, buf: Any, offset: int, path: str) -> Any:
+        counted[0] += memoryview(buf).nbytes
+        return original(self, fd, buf, offset, path)
+
+    reader = TFBundleReader(prefix)
+    md = reader.read_metadata()
+    items = read_items_for_chunks("w", md.state_dict_metadata["w"], [
+        ChunkStorageMetadata(offsets=torch.Size([256, 0]), sizes=torch.Size([128, 512]))])
+    dest = torch.zeros(128, 512)
+    LocalFileSystem.pread_into = counting  # type: ignore[method-assign]
+    try:
+        reader.read_data(LoadPlan(items), _RegionPlanner(dest)).wait()  # type: ignore[arg-type]
+    finally:
+        LocalFileSystem.pread_into = original  # type: ignore[method-assign]
+    assert torch.equal(dest, w[256:384])
+    assert counted[0] == 128 * 512 * 4
+
+
+def test_stager_reuses_buffers_only_when_released() -> None:
+    from shardckpt.torch._staging import HostStager
+
+    stager = HostStager()
+    sd = {"w": torch.arange(6.0), "inner": {"b": torch.ones(2, dtype=torch.bfloat16)}, "n": [1, 2]}
+    first, ticket = stager.stage(sd)
+    sd["w"].add_(1)  # training goes on: the staged copy keeps the old values
+    assert torch.equal(first["w"], torch.arange(6.0)) and first["n"] == [1, 2] and first["n"] is not sd["n"]
+    second, ticket2 = stager.stage(sd)  # the first save still writes: new buffers
+    assert second["w"].data_ptr() != first["w"].data_ptr() and torch.equal(first["w"], torch.arange(6.0))
+    stager.release(ticket)  # an old ticket frees nothing
+    third, ticket3 = stager.stage(sd)
+    assert third["w"].data_ptr() != second["w"].data_ptr()
+    stager.release(ticket3)
+    fourth, _ = stager.stage(sd)  # released: the same buffers, refilled
+    assert fourth["w"].data_ptr() == third["w"].data_ptr() and torch.equal(fourth["w"], sd["w"])
+    assert fourth["inner"]["b"].dtype == torch.bfloat16
+    del ticket2
+
+
+def test_object_store_round_trip(s3_server: Any) -> None:
+    """An ``s3://`` prefix: the index-last committer writes, region reads serve the load."""
+    prefix = s3_server.url("torch", "step-1")
+    sd = {"w": _value(torch.bfloat16, (64, 32)), "step": 1}
+    dcp.save(sd, storage_writer=TFBundleWriter(prefix))
+    target = {"w": torch.zeros(64, 32, dtype=torch.bfloat16), "step": 0}
+    dcp.load(target, storage_reader=TFBundleReader(prefix))
+    assert _bits(target["w"]) == _bits(sd["w"]) and target["step"] == 1
+    assert TFBundleReader.validate_checkpoint_id(prefix) and not TFBundleReader.validate_checkpoint_id(prefix + "x")
+
+
+def test_reads_shardckpt_checkpoints(tmp_path: Path) -> None:
+    """What shardckpt's own front doors wrote (here a sliced save_tensors) loads through DCP."""
+    import shardckpt
+    from shardckpt.sharding.shardable import ShardableTensor
+
+    full = np.arange(60, dtype=np.float32).reshape(6, 10)
+    pieces = [ShardableTensor.from_value("layer/w", full[:3], slice_spec="6 10 0,3:-"),
+              ShardableTensor.from_value("layer/w", full[3:], slice_spec="6 10 3,3:-"),
+              ShardableTensor.from_value("count", np.int64(5))]
+    shardckpt.save_tensors(str(tmp_path / "ck"), pieces)
+    sd = {"layer.w": torch.zeros(6, 10), "count": torch.zeros((), dtype=torch.int64)}
+    dcp.load(sd, storage_reader=TFBundleReader(tmp_path / "ck", key_map={"layer/w": "layer.w"}))
+    assert np.array_equal(sd["layer.w"].numpy(), full) and int(sd["count"]) == 5
+
+
+def test_load_casts_into_other_dtypes(tmp_path: Path) -> None:
+    """A destination of another dtype is filled through a temporary and ``copy_`` (as DCP's reader casts)."""
+    w = _value(torch.bfloat16, (16, 8))
+    dcp.save({"w": w}, storage_writer=TFBundleWriter(tmp_path / "ck"))
+    target = {"w": torch.zeros(16, 8, dtype=torch.float32)}
+    dcp.load(target, storage_reader=TFBundleReader(tmp_path / "ck"))
+    assert torch.equal(target["w"], w.to(torch.float32))
+
+
+def test_key_map_drops_and_refuses_collisions(tf_fixtures_dir: Path) -> None:
+    prefix = tf_fixtures_dir / "01_basic_float32_int64" / "ckpt"
+    md = TFBundleReader(prefix, key_map=lambda k: "v" if k.startswith("vec_f32") else None).read_metadata()
+    assert list(md.state_dict_metadata) == ["v"] and tuple(md.state_dict_metadata["v"].size) == (7,)
+    with pytest.raises(ValueError, match="maps both"):
+        TFBundleReader(prefix, key_map=lambda k: "same").read_metadata()
+    with pytest.raises(ValueError, match="callable or a dict"):
+        TFBundleReader(prefix, key_map=["not", "a", "map"])  # type: ignore[arg-type]
