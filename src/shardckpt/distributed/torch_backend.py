@@ -28,9 +28,9 @@ checkpoint collective does not poison the training group.
   group's connections.
 
 Timeouts: the gloo group is created with the coordinator's ``timeout``; a
-per-call ``timeout`` (``None``: the coordinator's) bounds each call, and becomes
-the gloo group's own timeout for that call (gloo ends an operation at its group's
-timeout, so a call could otherwise not wait longer than the default). A
+per-call ``timeout`` (``None``: the coordinator's) bounds each call; a longer one
+becomes the gloo group's own timeout for that call (gloo ends an operation at its
+group's timeout, so a call could otherwise not wait longer than the default). A
 collective or receive that fails or times out leaves gloo work in flight that
 cannot be cancelled, so the coordinator is then marked unusable: every later
 call raises :class:`CoordinationError` (create a new coordinator; the user's
@@ -176,9 +176,13 @@ class TorchCoordinator(EngineCoordinator):
 
 
     def _gloo_timeout(self, timeout: Optional[float]) -> None:
-        """Make the gloo group's own timeout the call's, so a call may wait longer than the coordinator's default
-        (gloo ends an operation at its group's timeout, whatever the wait allows)."""
-        seconds = self._timeout if timeout is None else float(timeout)
+        """Make the gloo group's own timeout the call's when that is longer than the coordinator's, so a call may
+        wait longer than the default (gloo ends an operation at its group's timeout, whatever the wait allows).
+
+        Never shorter than the coordinator's: an operation the caller stopped waiting for stays in flight
+        (a client a little late still completes it), rather than gloo closing the connections at once.
+        """
+        seconds = max(self._timeout, self._timeout if timeout is None else float(timeout))
         if seconds == self._group_timeout:
             return
         try:
