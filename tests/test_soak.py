@@ -23,8 +23,9 @@ if str(HELPERS) not in sys.path:
 
 import soak  # noqa: E402  (tests/helpers)
 
-# local saves are cheap: they get most trials; each launcher and each mode is killed at least twice
-CONFIGS = ["local-sync", "local-async", "mpi-sync", "local-sync", "local-async", "torch-async"]
+# local saves are cheap: they get most trials; every launcher and mode is killed (a torchrun start is the dearest)
+CONFIGS = ["local-sync", "local-async", "mpi-sync", "local-sync", "local-async", "torch-async"] \
+    + ["local-sync", "local-async", "mpi-sync", "local-sync", "local-async", "local-sync"]
 
 
 def _ended(cmd: list) -> "soak._Job":
@@ -39,8 +40,8 @@ def test_short_kill_soak_leaves_a_whole_latest_checkpoint_every_time(tmp_path: P
     print("\n" + table)
     assert soak.ok(stats), table
     assert sum(s.trials for s in stats.values()) == 12
-    assert {name: s.trials for name, s in stats.items()} == {"local-sync": 4, "local-async": 4, "mpi-sync": 2,
-                                                             "torch-async": 2}
+    assert {name: s.trials for name, s in stats.items()} == {"local-sync": 5, "local-async": 4, "mpi-sync": 2,
+                                                             "torch-async": 1}
     assert sum(s.commits_reported for s in stats.values()) >= 12, table  # the runs saved, not only started
     killed = sum(s.killed_whole_job + s.killed_one_client for s in stats.values())
     assert killed >= 6, table  # most trials were killed mid-run, not after their end

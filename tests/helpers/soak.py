@@ -9,7 +9,7 @@ with ``--clients`` processes over gloo; ``mpi``: ``mpiexec -n --clients``) and a
 tests/helpers/soak_worker.py once: it resumes through ``CheckpointManager.restore_or_initialize``
 from ``latest_checkpoint`` (checking every restored value on every client), then saves
 ``--saves`` generations with ``max_to_keep=2``. At a random moment between READY and a bit
-past the run's calibrated length the driver SIGKILLs the local process, one random client,
+past the run's expected length (learnt from the commits seen so far) the driver SIGKILLs the local process, one random client,
 or the whole job (launcher and clients, as a lost node). After every trial, with no process
 of the job left, it checks the directory:
 
@@ -59,6 +59,7 @@ from launchers import clean_env, tool  # noqa: E402
 ALL_CONFIGS = ("local-sync", "local-async", "mpi-sync", "mpi-async", "torch-sync", "torch-async")
 START_LIMIT = 180.0  # seconds for a job to reach READY (torch imports on a busy machine)
 HANG_LIMIT = soak_worker.TIMEOUT + 60.0  # a job with a dead client must end by itself within this
+FIRST_WINDOW = {"local": 0.5, "mpi": 2.0, "torch": 2.0}  # seconds, before any save was timed
 _PREFIX = re.compile(r"ckpt-(\d+)")
 
 
@@ -243,7 +244,7 @@ class ConfigSoak:
         self.directory = os.path.join(root, name)
         os.makedirs(self.directory, exist_ok=True)
         self.stats = ConfigStats()
-        self.window = 0.0
+        self.window = FIRST_WINDOW[self.launcher]  # until a run shows how long its saves take
         self.newest_reported = 0  # the newest generation any run reported committed
         self.pending_leftovers: Dict[Tuple[str, int, int], int] = {}
 
@@ -254,16 +255,13 @@ class ConfigSoak:
         return _command(self.launcher, self.clients, self.directory, self.mode, self.saves)
 
     def run_to_end(self) -> None:
-        """One run without a kill (calibration at the start, the final cleaning run at the end)."""
+        """One run without a kill (the final cleaning run)."""
         job = _Job(self._cmd())
         ready = job.wait_for("READY", START_LIMIT)
         ended = job.end(START_LIMIT)
         if ready is None or not ended or job.proc.returncode != 0:
             self._fail(f"uninterrupted run failed (exit {job.proc.returncode}):\n{job.output()}")
             return
-        # the kill window: READY to the last commit (a launcher's own exit after it is not of interest)
-        last = max((t for t, line in job.lines if line.startswith("COMMITTED")), default=ready)
-        self.window = max(self.window, last - ready)
         self._after(job, committed_in_run=bool(job.committed()))
 
     def trial(self) -> None:
@@ -286,11 +284,14 @@ class ConfigSoak:
             self.stats.killed_whole_job += 1
         else:
             pids = job.pids()
-            victim = self.rng.choice(sorted(pids))
-            try:
-                os.kill(pids[victim], signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            if not pids:
+                self._fail(f"trial {self.stats.trials}: no client announced its pid:\n{job.output()}")
+                job.kill_all()
+            else:
+                try:
+                    os.kill(pids[self.rng.choice(sorted(pids))], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             self.stats.killed_one_client += 1
         if before:
             self.stats.kills_after_a_commit += 1
@@ -299,8 +300,17 @@ class ConfigSoak:
             self._fail(f"trial {self.stats.trials}: the job did not end within {HANG_LIMIT:.0f} s of a kill")
         self._after(job, committed_in_run=bool(job.committed()))
 
+    def _learn_window(self, job: _Job) -> None:
+        """The kill window: READY to the last commit of a whole run, from the commits seen so far."""
+        ready = next((t for t, line in job.lines if line == "READY"), None)
+        commits = [t for t, line in job.lines if line.startswith("COMMITTED")]
+        if ready is not None and commits:
+            per_save = (commits[-1] - ready) / len(commits)
+            self.window = max(self.window, per_save * self.saves)
+
     def _after(self, job: _Job, committed_in_run: bool) -> None:
         """The checks after a run (module docstring), with every process of the job gone."""
+        self._learn_window(job)
         for _, line in job.lines:
             if line.startswith("MISMATCH"):
                 self.stats.corrupt += 1
@@ -372,10 +382,6 @@ def soak(trials: int, configs: List[str], clients: int = 4, saves: int = 4, seed
         print(f"soak: {trials} trials over {', '.join(configs)}; {clients} clients; seed {seed}; in {root}",
               flush=True)
     soaks = {name: ConfigSoak(name, root, clients, saves, rng) for name in dict.fromkeys(configs)}
-    for s in soaks.values():
-        t0 = time.monotonic()
-        s.run_to_end()  # calibration: the kill window covers a whole run
-        s.stats.seconds += time.monotonic() - t0
     for i in range(trials):
         s = soaks[configs[i % len(configs)]]
         t0 = time.monotonic()
