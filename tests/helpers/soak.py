@@ -9,9 +9,9 @@ with ``--clients`` processes over gloo; ``mpi``: ``mpiexec -n --clients``) and a
 tests/helpers/soak_worker.py once: it resumes through ``CheckpointManager.restore_or_initialize``
 from ``latest_checkpoint`` (checking every restored value on every client), then saves
 ``--saves`` generations with ``max_to_keep=2``. At a random moment between READY and a bit
-past the run's expected length (learnt from the commits seen so far) the driver SIGKILLs the local process, one random client,
-or the whole job (launcher and clients, as a lost node). After every trial, with no process
-of the job left, it checks the directory:
+past the run's expected length (learnt from the commits seen so far) the driver SIGKILLs
+the local process, one random client, or the whole job (launcher and clients, as a lost
+node). After every trial, with no process of the job left, it checks the directory:
 
 * **latest**: ``latest_checkpoint`` names a checkpoint once any save was reported committed,
   and never one older than the newest reported (``COMMITTED G`` lines); it holds generation

@@ -23,7 +23,7 @@ from ..saving.commit.leftovers import clean_directory
 from ..saving.options import CheckpointOptions
 from ..storage.base import is_local_path, normalize
 from ..storage.registry import get_fs
-from .state import get_checkpoint_state, update_checkpoint_state
+from .state import STATE_FILENAME, get_checkpoint_state, update_checkpoint_state
 
 __all__ = ["CheckpointManager"]
 
@@ -154,7 +154,10 @@ class CheckpointManager:
 
         Runs under the folder's exclusive lock (``FileSystem.exclusive``), so that two managers
         (or processes) sharing a folder never name a checkpoint the other is deleting: the state
-        file is written only while the checkpoint it names is there.
+        file is written only while the checkpoints it names are there (kept checkpoints another
+        manager deleted are dropped from the list first). Two managers sharing a folder: the
+        last to record names its checkpoint latest (last record wins), and each deletes only
+        what its own list holds.
         """
         fs = get_fs(self._directory)
         with fs.exclusive(self._directory):
@@ -162,6 +165,9 @@ class CheckpointManager:
                 raise NotFoundError("the checkpoint just committed is gone (removed by another process "
                                     "sharing this folder?); the state file was not changed", path=path)
             now = time.time()
+            for kept in [p for p in self._maybe_delete if p != path]:
+                if not fs.exists(index_filename(kept)):  # deleted by another manager sharing this folder
+                    del self._maybe_delete[kept]
             self._maybe_delete.pop(path, None)
             self._maybe_delete[path] = now
             self._latest_checkpoint = path
@@ -175,7 +181,7 @@ class CheckpointManager:
             # manager leaves them (a save killed between its commit and this point leaves one; the
             # next save with the restored counter reuses its number and replaces it).
             clean_directory(fs, self._directory, fs.basename(self._prefix), list(self._maybe_delete),
-                            remove_untracked=False)
+                            remove_untracked=False, state_file=STATE_FILENAME)
 
     def _sweep(self) -> List[str]:
         """Drop checkpoints beyond ``max_to_keep`` (keeping one every N hours); return those to delete."""
