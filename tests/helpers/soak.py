@@ -235,8 +235,10 @@ def inspect_directory(directory: str) -> Tuple[Optional[str], List[str], Dict[Tu
 class ConfigSoak:
     """Trials of one config in its own directory."""
 
-    def __init__(self, name: str, root: str, clients: int, saves: int, rng: random.Random) -> None:
+    def __init__(self, name: str, root: str, clients: int, saves: int, rng: random.Random,
+                 log: bool = False) -> None:
         self.name = name
+        self.log = log
         self.launcher, self.mode = name.split("-")
         self.clients = clients
         self.saves = saves
@@ -250,6 +252,8 @@ class ConfigSoak:
 
     def _fail(self, what: str) -> None:
         self.stats.failures.append(what)
+        if self.log:
+            print(f"FAIL {self.name}: {what}", flush=True)
 
     def _cmd(self) -> List[str]:
         return _command(self.launcher, self.clients, self.directory, self.mode, self.saves)
@@ -381,7 +385,7 @@ def soak(trials: int, configs: List[str], clients: int = 4, saves: int = 4, seed
     if log:
         print(f"soak: {trials} trials over {', '.join(configs)}; {clients} clients; seed {seed}; in {root}",
               flush=True)
-    soaks = {name: ConfigSoak(name, root, clients, saves, rng) for name in dict.fromkeys(configs)}
+    soaks = {name: ConfigSoak(name, root, clients, saves, rng, log) for name in dict.fromkeys(configs)}
     for i in range(trials):
         s = soaks[configs[i % len(configs)]]
         t0 = time.monotonic()
