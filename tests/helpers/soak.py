@@ -21,7 +21,9 @@ node). After every trial, with no process of the job left, it checks the directo
   index uses, checkpoints the state file does not name) is recorded; once a later trial of the
   config has committed a save, every one of them must be gone (else *not cleaned*);
 * **hangs**: a job with one killed client must end by itself within the coordination
-  timeout plus a margin (else a *hang*; the job is then killed).
+  timeout plus a margin (else a *hang*; the job is then killed). Clients still alive after
+  their launcher ended are counted (*orphans*) and killed before the checks, which always
+  run with no process of the job left.
 
 At the end every config runs once to completion (no kill); then its directory must hold
 exactly the state file and the two kept checkpoints: *leaked bytes* counts everything else.
@@ -79,6 +81,7 @@ class ConfigStats:
     missing_latest: int = 0
     not_cleaned: int = 0
     hangs: int = 0
+    survivors_killed: int = 0  # clients still alive after their launcher ended (killed before the checks)
     leaked_bytes: int = 0
     generations: int = 0  # the newest generation reached
     seconds: float = 0.0
@@ -97,6 +100,30 @@ def _command(launcher: str, clients: int, directory: str, mode: str, saves: int)
     raise ValueError(f"unknown launcher {launcher!r}")
 
 
+def _session_members(session: int) -> List[int]:
+    """Live processes of session ``session`` that run the soak worker or a launcher of it.
+
+    A job is started in a session of its own (``start_new_session``); OpenMPI puts every
+    rank in a process group of its own, so the session, not the group, is the whole job.
+    A session id is not reused while any member lives; the command-line check keeps a
+    later, unrelated session out even so.
+    """
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if int(fields[3]) == session and fields[0] != "Z" and WORKER.name.encode() in cmdline:
+            found.append(int(entry))
+    return found
+
+
 class _Job:
     """A launched run, its own process group, its stdout lines with arrival times."""
 
@@ -104,6 +131,7 @@ class _Job:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=clean_env(), cwd=str(HERE.parent.parent), start_new_session=True)
         self.lines: List[Tuple[float, str]] = []
+        self.survivors = 0
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -131,11 +159,15 @@ class _Job:
     def committed(self) -> List[int]:
         return [int(line.split()[1]) for _, line in list(self.lines) if line.startswith("COMMITTED ")]
 
-    def kill_all(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    def kill_all(self) -> int:
+        """SIGKILL every process of the job (the launcher and all clients); return how many were alive."""
+        members = _session_members(self.proc.pid)
+        for pid in members:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return len(members)
 
     def end(self, limit: float) -> bool:
         """Wait up to ``limit`` s for the job to end by itself; True if it did. Nothing of it is left after."""
@@ -144,8 +176,12 @@ class _Job:
             ended = True
         except subprocess.TimeoutExpired:
             ended = False
-        self.kill_all()  # clients a launcher left behind, and the launcher if it hung
+        self.kill_all()  # the launcher if it hung, with its clients
         self.proc.wait()
+        self.survivors = self.kill_all()  # clients a launcher that ended left behind
+        deadline = time.monotonic() + 30
+        while _session_members(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)  # SIGKILLed: gone in a moment
         self._reader.join(timeout=10)
         return ended
 
@@ -302,6 +338,7 @@ class ConfigSoak:
         if not job.end(HANG_LIMIT):
             self.stats.hangs += 1
             self._fail(f"trial {self.stats.trials}: the job did not end within {HANG_LIMIT:.0f} s of a kill")
+        self.stats.survivors_killed += job.survivors
         self._after(job, committed_in_run=bool(job.committed()))
 
     def _learn_window(self, job: _Job) -> None:
@@ -405,9 +442,9 @@ def summary(stats: Dict[str, ConfigStats]) -> str:
     """A table of the counts per config, with a total row."""
     cols = ["trials", "killed_whole_job", "killed_one_client", "finished_before_kill", "commits_reported",
             "kills_after_a_commit", "latest_advanced_unreported", "leftovers_seen", "corrupt", "missing_latest",
-            "not_cleaned", "hangs", "leaked_bytes", "seconds"]
+            "not_cleaned", "hangs", "survivors_killed", "leaked_bytes", "seconds"]
     short = ["trials", "kill-job", "kill-1", "done", "commits", "after-commit", "unreported", "leftovers",
-             "corrupt", "missing", "uncleaned", "hangs", "leaked-B", "s"]
+             "corrupt", "missing", "uncleaned", "hangs", "orphans", "leaked-B", "s"]
     rows = [["config"] + short]
     total = ConfigStats()
     for name, s in stats.items():
