@@ -154,8 +154,8 @@ class CheckpointManager:
 
         Runs under the folder's exclusive lock (``FileSystem.exclusive``), so that two managers
         (or processes) sharing a folder never name a checkpoint the other is deleting: the state
-        file is written only while the checkpoints it names are there (kept checkpoints another
-        manager deleted are dropped from the list first). Two managers sharing a folder: the
+        file is written only while the checkpoints it names are there (locally, kept checkpoints
+        another manager deleted are dropped from the list first). Two managers sharing a folder: the
         last to record names its checkpoint latest (last record wins), and each deletes only
         what its own list holds.
         """
@@ -165,9 +165,10 @@ class CheckpointManager:
                 raise NotFoundError("the checkpoint just committed is gone (removed by another process "
                                     "sharing this folder?); the state file was not changed", path=path)
             now = time.time()
-            for kept in [p for p in self._maybe_delete if p != path]:
-                if not fs.exists(index_filename(kept)):  # deleted by another manager sharing this folder
-                    del self._maybe_delete[kept]
+            if fs.supports_rename:  # local: another manager sharing this folder may have deleted some
+                for kept in [p for p in self._maybe_delete if p != path]:
+                    if not fs.exists(index_filename(kept)):
+                        del self._maybe_delete[kept]
             self._maybe_delete.pop(path, None)
             self._maybe_delete[path] = now
             self._latest_checkpoint = path
