@@ -295,3 +295,42 @@ def test_a_dead_state_file_write_is_removed_by_the_next_manager_save(tmp_path: P
     # a plain Checkpoint.save writes the state file under the same lock, and cleans nothing
     shardckpt.Checkpoint(model=model).save(str(tmp_path / "other"))
     assert shardckpt.latest_checkpoint(str(tmp_path)) == str(tmp_path / "other-1")
+
+
+def test_a_manager_killed_between_the_state_file_and_its_deletions_has_them_finished_by_the_next_save(
+        tmp_path: Path) -> None:
+    """The process dies right after the state file stopped naming ckpt-1 (max_to_keep=2, third save),
+    before ckpt-1 is deleted: the next save of a manager in that folder deletes it, and nothing else."""
+    directory = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(WRITER), "manager", str(directory), "1", "5", "0", "3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, out, err)
+    assert out.split("\n")[:3] == ["READY", "SAVED 1 1", "SAVED 1 2"], out
+    state = shardckpt.get_checkpoint_state(str(directory))
+    assert state is not None and [os.path.basename(p) for p in state.all_model_checkpoint_paths] == \
+        ["ckpt-2", "ckpt-3"]
+    assert (directory / "ckpt-1.index").exists(), "the kill came too late: ckpt-1 is already deleted"
+    assert (directory / "ckpt-1.deleting").exists()
+    kept = {p: _fingerprint(directory, p) for p in ("ckpt-2", "ckpt-3")}
+
+    model = shardckpt.Module()
+    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(model=model), str(directory), max_to_keep=3)
+    for name, value in values(9, 4).items():
+        setattr(model, name, shardckpt.Variable(value, name=name))
+    manager.save(checkpoint_number=4)
+    names = sorted(p.name for p in directory.iterdir())
+    assert not [n for n in names if n.startswith("ckpt-1.") or n.endswith(".deleting")], names
+    assert {p: _fingerprint(directory, p) for p in ("ckpt-2", "ckpt-3")} == kept
+    assert shardckpt.latest_checkpoint(str(directory)) == str(directory / "ckpt-4")
+
+
+def test_a_deletion_marker_of_a_checkpoint_named_again_removes_only_the_marker(tmp_path: Path) -> None:
+    model = shardckpt.Module()
+    model.v = shardckpt.Variable(np.arange(3.0))
+    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(model=model), str(tmp_path), max_to_keep=2)
+    manager.save(checkpoint_number=1)
+    (tmp_path / "ckpt-1.deleting").write_bytes(b"")  # a dead manager's, before ckpt-1 was saved again
+    manager.save(checkpoint_number=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint", "ckpt-1.data-00000-of-00001", "ckpt-1.index", "ckpt-2.data-00000-of-00001", "ckpt-2.index"]
