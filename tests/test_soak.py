@@ -2,11 +2,13 @@
 
 tests/helpers/soak.py kills, at random moments, ``CheckpointManager`` saves (retention
 ``max_to_keep=2``) of one local process and of 2 clients under ``mpiexec`` and ``torchrun``,
-sync and async; after every kill the latest checkpoint must restore bit-exactly to a saved
-generation (on the resuming clients, and read back here with every checksum verified),
-never be older than a save reported committed, every leftover of a dead save must be gone
-after the next committed save, a job with one killed client must end by itself, and a
-final uninterrupted run must leave nothing but the state file and the kept checkpoints.
+sync and async (under ``mpiexec`` every third save is first tried with a client that
+disagrees on a tensor's shape: it must fail on every client and commit nothing); after every
+kill the latest checkpoint must restore bit-exactly to a saved generation (on the resuming
+clients, and read back here with every checksum verified), never be older than a save
+reported committed, every leftover of a dead save must be gone after the next committed
+save, a job with one killed client must end by itself, and a final uninterrupted run must
+leave nothing but the state file and the kept checkpoints.
 The second test shows that the checks catch a torn, stale or missing checkpoint.
 """
 
@@ -24,8 +26,8 @@ if str(HELPERS) not in sys.path:
 import soak  # noqa: E402  (tests/helpers)
 
 # local saves are cheap: they get most trials; every launcher and mode is killed (a torchrun start is the dearest)
-CONFIGS = ["local-sync", "local-async", "mpi-sync", "local-sync", "local-async", "torch-async"] \
-    + ["local-sync", "local-async", "mpi-sync", "local-sync", "local-async", "local-sync"]
+CONFIGS = ["local-sync", "local-async", "mpi-disagree", "local-sync", "local-async", "torch-async"] \
+    + ["local-sync", "local-async", "mpi-disagree", "local-sync", "local-async", "local-sync"]
 
 
 def _ended(cmd: list) -> "soak._Job":
@@ -40,8 +42,9 @@ def test_short_kill_soak_leaves_a_whole_latest_checkpoint_every_time(tmp_path: P
     print("\n" + table)
     assert soak.ok(stats), table
     assert sum(s.trials for s in stats.values()) == 12
-    assert {name: s.trials for name, s in stats.items()} == {"local-sync": 5, "local-async": 4, "mpi-sync": 2,
+    assert {name: s.trials for name, s in stats.items()} == {"local-sync": 5, "local-async": 4, "mpi-disagree": 2,
                                                              "torch-async": 1}
+    assert stats["mpi-disagree"].refused >= 1, table  # the final run's third save, at least
     assert sum(s.commits_reported for s in stats.values()) >= 12, table  # the runs saved, not only started
     killed = sum(s.killed_whole_job + s.killed_one_client for s in stats.values())
     assert killed >= 6, table  # most trials were killed mid-run, not after their end

@@ -5,13 +5,15 @@
 
 Each *config* is a launcher (``local``: one process; ``torch``: ``torchrun --standalone``
 with ``--clients`` processes over gloo; ``mpi``: ``mpiexec -n --clients``) and a mode
-(``sync`` / ``async`` saves). Every config has a directory of its own. A *trial* runs
-tests/helpers/soak_worker.py once: it resumes through ``CheckpointManager.restore_or_initialize``
-from ``latest_checkpoint`` (checking every restored value on every client), then saves
-``--saves`` generations with ``max_to_keep=2``. At a random moment between READY and a bit
-past the run's expected length (learnt from the commits seen so far) the driver SIGKILLs
-the local process, one random client, or the whole job (launcher and clients, as a lost
-node). After every trial, with no process of the job left, it checks the directory:
+(``sync`` / ``async`` saves; ``disagree``: sync saves, every third first tried with one
+client disagreeing on a tensor's shape, which must fail everywhere and commit nothing).
+Every config has a directory of its own. A *trial* runs tests/helpers/soak_worker.py once:
+it resumes through ``CheckpointManager.restore_or_initialize`` from ``latest_checkpoint``
+(checking every restored value on every client), then saves ``--saves`` generations with
+``max_to_keep=2``. At a random moment between READY and a bit past the run's expected length
+(learnt from the commits seen so far) the driver SIGKILLs the local process, one random
+client, or the whole job (launcher and clients, as a lost node). After every trial, with no
+process of the job left, it checks the directory:
 
 * **latest**: ``latest_checkpoint`` names a checkpoint once any save was reported committed,
   and never one older than the newest reported (``COMMITTED G`` lines); it holds generation
@@ -58,7 +60,8 @@ if str(HERE) not in sys.path:
 import soak_worker  # noqa: E402  (tests/helpers)
 from launchers import clean_env, tool  # noqa: E402
 
-ALL_CONFIGS = ("local-sync", "local-async", "mpi-sync", "mpi-async", "torch-sync", "torch-async")
+ALL_CONFIGS = ("local-sync", "local-async", "mpi-sync", "mpi-async", "torch-sync", "torch-async", "mpi-disagree",
+               "torch-disagree")
 START_LIMIT = 180.0  # seconds for a job to reach READY (torch imports on a busy machine)
 HANG_LIMIT = soak_worker.TIMEOUT + 60.0  # a job with a dead client must end by itself within this
 FIRST_WINDOW = {"local": 0.5, "mpi": 2.0, "torch": 2.0}  # seconds, before any save was timed
@@ -74,6 +77,7 @@ class ConfigStats:
     killed_one_client: int = 0
     finished_before_kill: int = 0
     commits_reported: int = 0
+    refused: int = 0  # disagreeing saves that failed on every client, as they must
     kills_after_a_commit: int = 0  # the trial had reported at least one commit when it was killed
     latest_advanced_unreported: int = 0  # latest is newer than the last COMMITTED line (killed after the commit)
     leftovers_seen: int = 0
@@ -358,6 +362,7 @@ class ConfigSoak:
                 self._fail(f"trial {self.stats.trials}: restored values differ: {line}")
         reported = job.committed()
         self.stats.commits_reported += len(reported)
+        self.stats.refused += sum(1 for _, line in job.lines if line.startswith("REFUSED "))
         self.newest_reported = max([self.newest_reported] + reported)
         try:
             latest, kept, leftovers = inspect_directory(self.directory)
@@ -440,10 +445,10 @@ def soak(trials: int, configs: List[str], clients: int = 4, saves: int = 4, seed
 
 def summary(stats: Dict[str, ConfigStats]) -> str:
     """A table of the counts per config, with a total row."""
-    cols = ["trials", "killed_whole_job", "killed_one_client", "finished_before_kill", "commits_reported",
+    cols = ["trials", "killed_whole_job", "killed_one_client", "finished_before_kill", "commits_reported", "refused",
             "kills_after_a_commit", "latest_advanced_unreported", "leftovers_seen", "corrupt", "missing_latest",
             "not_cleaned", "hangs", "survivors_killed", "leaked_bytes", "seconds"]
-    short = ["trials", "kill-job", "kill-1", "done", "commits", "after-commit", "unreported", "leftovers",
+    short = ["trials", "kill-job", "kill-1", "done", "commits", "refused", "after-commit", "unreported", "leftovers",
              "corrupt", "missing", "uncleaned", "hangs", "orphans", "leaked-B", "s"]
     rows = [["config"] + short]
     total = ConfigStats()

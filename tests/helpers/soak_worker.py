@@ -4,7 +4,11 @@
     torchrun ... soak_worker.py DIR MODE SAVES    (several clients: CheckpointManager over DTensorCheckpoint)
     mpiexec  ... soak_worker.py DIR MODE SAVES
 
-``MODE`` is ``sync`` or ``async`` (``CheckpointOptions(enable_async=True)``). The run builds
+``MODE`` is ``sync``, ``async`` (``CheckpointOptions(enable_async=True)``) or, under a
+launcher, ``disagree``: sync saves, where the save of every generation divisible by 3 is
+first tried with the last client holding ``w0`` in another global shape; that save must
+fail on every client (``REFUSED <G>``; one that returns is a ``MISMATCH``) and the same
+generation is then saved by clients that agree. The run builds
 a model, restores ``latest_checkpoint(DIR)`` through ``CheckpointManager.restore_or_initialize``
 and checks every restored value against :func:`values` of the restored generation (the
 checkpoint number ``N`` of ``DIR/ckpt-N`` holds generation ``N``; ``save_counter`` is ``N``).
@@ -15,6 +19,7 @@ the io client (rank 0) only, that the driver reads::
     RESTORED <N>              resumed from ckpt-N, every value checked (0: nothing to resume)
     MISMATCH <message>        a restored value differs (exit status 3)
     READY                     about to save
+    REFUSED <G>               the disagreeing save of generation G failed, as it must
     COMMITTED <G>             ckpt-G is committed and named by the state file (async: the
                               next save's call or the final sync waited for it)
 
@@ -92,7 +97,7 @@ def main(argv: list) -> int:
                 var = getattr(model, name)
                 var.assign(dt.from_global(value, var.layout) if name.startswith("w") else value)
     else:
-        rank = 0
+        rank, size = 0, 1
         print(f"PID 0 {os.getpid()}", flush=True)
         for name, value in start.items():
             setattr(model, name, shardckpt.Variable(value, name=name))
@@ -126,6 +131,9 @@ def main(argv: list) -> int:
     pending = None
     for g in range(generation + 1, generation + 1 + saves):
         set_values(values(g))  # in place (async: the save copied the previous values already)
+        if mode == "disagree" and multi and g % 3 == 0:
+            if not _refused(model, manager, options, rank, size, g):
+                return 3
         path = manager.save(options=options)
         assert path is not None and path.endswith(f"-{g}"), (path, g)
         if pending is not None:  # this save's call waited for the previous background save
@@ -138,6 +146,29 @@ def main(argv: list) -> int:
     if pending is not None:
         _say(rank, f"COMMITTED {pending}")
     return 0
+
+
+def _refused(model: Any, manager: Any, options: Any, rank: int, size: int, g: int) -> bool:
+    """Try generation ``g`` with the last client's ``w0`` in another shape: every client must fail."""
+    from shardckpt import dtensor as dt
+    from shardckpt.errors import ShardckptError
+
+    original = model.w0
+    if rank == size - 1:
+        other = np.zeros((ROWS + size, COLS), np.float32)
+        model.w0 = dt.DVariable.from_global(other, original.layout, name="w0")
+    try:
+        manager.save(options=options)
+    except ShardckptError as exc:
+        if "not committed" not in str(exc):
+            print(f"MISMATCH rank {rank}: the disagreeing save of {g} failed unclearly: {exc}", flush=True)
+            return False
+        _say(rank, f"REFUSED {g}")
+        return True
+    finally:
+        model.w0 = original
+    print(f"MISMATCH rank {rank}: the disagreeing save of generation {g} returned", flush=True)
+    return False
 
 
 if __name__ == "__main__":
