@@ -287,6 +287,7 @@ class ConfigSoak:
         os.makedirs(self.directory, exist_ok=True)
         self.stats = ConfigStats()
         self.window = FIRST_WINDOW[self.launcher]  # until a run shows how long its saves take
+        self.windows: List[float] = []
         self.newest_reported = 0  # the newest generation any run reported committed
         self.pending_leftovers: Dict[Tuple[str, int, int], int] = {}
 
@@ -350,8 +351,8 @@ class ConfigSoak:
         ready = next((t for t, line in job.lines if line == "READY"), None)
         commits = [t for t, line in job.lines if line.startswith("COMMITTED")]
         if ready is not None and commits:
-            per_save = (commits[-1] - ready) / len(commits)
-            self.window = max(self.window, per_save * self.saves)
+            self.windows.append((commits[-1] - ready) / len(commits) * self.saves)
+            self.window = float(np.median(self.windows))  # one slow run on a busy machine does not set it
 
     def _after(self, job: _Job, committed_in_run: bool) -> None:
         """The checks after a run (module docstring), with every process of the job gone."""
