@@ -228,7 +228,12 @@ class Checkpoint(Module):
 
 
 def _update_state(path: str) -> None:
-    update_checkpoint_state(get_fs(path).dirname(path) or ".", path, [path])
+    fs = get_fs(path)
+    directory = fs.dirname(path) or "."
+    # Under the folder's lock, as the manager writes it: a manager's cleaning (which removes
+    # dead state-file writes' .tempstate files under that lock) never takes this one's.
+    with fs.exclusive(directory):
+        update_checkpoint_state(directory, path, [path])
 
 
 def _registered_bundles(graph: SaveableGraph) -> Any:

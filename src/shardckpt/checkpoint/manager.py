@@ -4,6 +4,13 @@ The ``checkpoint`` state file carries what TensorFlow's manager writes: the kept
 paths oldest first, their timestamps and ``last_preserved_timestamp``, so either
 library can continue the other's directory. Old checkpoints are deleted only
 after the new one has committed and the state file names it.
+
+On a local disk, at each moment of recording a save (under the folder's ``flock``):
+an empty ``<old>.deleting`` marker per checkpoint beyond ``max_to_keep``; the state file
+(naming the new checkpoint and the kept ones, never the doomed); the doomed checkpoints
+deleted (index first) and their markers removed; markers a dead process left finished
+(their checkpoints deleted unless named again); what dead saves left removed
+(:func:`~shardckpt.saving.commit.leftovers.clean_directory`).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import os
 import re
 import time
 from collections import OrderedDict
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Set
 
 import numpy as np
 
@@ -23,9 +30,12 @@ from ..saving.commit.leftovers import clean_directory
 from ..saving.options import CheckpointOptions
 from ..storage.base import is_local_path, normalize
 from ..storage.registry import get_fs
-from .state import get_checkpoint_state, update_checkpoint_state
+from .state import STATE_FILENAME, get_checkpoint_state, update_checkpoint_state
 
 __all__ = ["CheckpointManager"]
+
+#: Suffix of the marker ``<prefix>.deleting`` that stands while a retention deletion of ``<prefix>`` runs.
+DELETING = ".deleting"
 
 
 def _value(counter: Any) -> int:
@@ -154,7 +164,10 @@ class CheckpointManager:
 
         Runs under the folder's exclusive lock (``FileSystem.exclusive``), so that two managers
         (or processes) sharing a folder never name a checkpoint the other is deleting: the state
-        file is written only while the checkpoint it names is there.
+        file is written only while the checkpoints it names are there (locally, kept checkpoints
+        another manager deleted are dropped from the list first). Two managers sharing a folder: the
+        last to record names its checkpoint latest (last record wins), and each deletes only
+        what its own list holds.
         """
         fs = get_fs(self._directory)
         with fs.exclusive(self._directory):
@@ -162,20 +175,31 @@ class CheckpointManager:
                 raise NotFoundError("the checkpoint just committed is gone (removed by another process "
                                     "sharing this folder?); the state file was not changed", path=path)
             now = time.time()
+            if fs.supports_rename:  # local: another manager sharing this folder may have deleted some
+                for kept in [p for p in self._maybe_delete if p != path]:
+                    if not fs.exists(index_filename(kept)):
+                        del self._maybe_delete[kept]
             self._maybe_delete.pop(path, None)
             self._maybe_delete[path] = now
             self._latest_checkpoint = path
             doomed = self._sweep()
+            marked = fs.supports_rename  # local: a marker per doomed checkpoint, so a death below is finished later
+            for old in doomed if marked else []:
+                fs.close(fs.open_write(old + DELETING))
             update_checkpoint_state(self._directory, path, list(self._maybe_delete),
                                     all_model_checkpoint_timestamps=list(self._maybe_delete.values()),
                                     last_preserved_timestamp=self._last_preserved_timestamp)
             for old in doomed:
                 _delete_checkpoint(old)
-            # Complete checkpoints the state file does not name are left alone, as TensorFlow's
+                if marked:
+                    fs.remove(old + DELETING)
+            if marked:
+                _finish_deletions(fs, self._directory, fs.basename(self._prefix), set(self._maybe_delete))
+            # Other complete checkpoints the state file does not name are left alone, as TensorFlow's
             # manager leaves them (a save killed between its commit and this point leaves one; the
             # next save with the restored counter reuses its number and replaces it).
             clean_directory(fs, self._directory, fs.basename(self._prefix), list(self._maybe_delete),
-                            remove_untracked=False)
+                            remove_untracked=False, state_file=STATE_FILENAME)
 
     def _sweep(self) -> List[str]:
         """Drop checkpoints beyond ``max_to_keep`` (keeping one every N hours); return those to delete."""
@@ -200,6 +224,23 @@ class CheckpointManager:
         if self._init_fn is not None:
             self._init_fn()
         return None
+
+
+def _finish_deletions(fs: Any, directory: str, base: str, tracked: Set[str]) -> None:
+    """Finish the retention deletions a dead manager began: ``<base>-<N>.deleting`` markers.
+
+    A marker is made before the state file stops naming a doomed checkpoint and removed once
+    the checkpoint is deleted; one that is left means the process died in between. Its
+    checkpoint is deleted unless the state file names it again (a later save reused the
+    number: then only the marker goes).
+    """
+    pattern = re.compile(re.escape(base) + r"-\d+" + re.escape(DELETING))
+    for name in fs.listdir(directory):
+        if pattern.fullmatch(name):
+            prefix = fs.join(directory, name[:-len(DELETING)])
+            if prefix not in tracked:
+                _delete_checkpoint(prefix)
+            fs.remove(fs.join(directory, name))
 
 
 def _delete_checkpoint(prefix: str) -> None:

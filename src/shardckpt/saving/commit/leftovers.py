@@ -221,10 +221,13 @@ def abort_stale_uploads(location: Location, now: Optional[float] = None) -> List
 
 
 def clean_directory(fs: FileSystem, directory: str, base: str, tracked: List[str], *,
-                    remove_untracked: bool = True) -> List[str]:
+                    remove_untracked: bool = True, state_file: Optional[str] = None) -> List[str]:
     """Remove what dead saves of the checkpoints ``<directory>/<base>-<N>`` left (a manager's folder).
 
-    For every such prefix: temporary folders no live save claims, ``.tempstate`` files and
+    ``<state_file>.tempstate<digits>`` files (a state-file write that died before its rename;
+    every state-file writer of this library writes it under ``fs.exclusive(directory)``, so
+    none is live while the caller holds that lock). For every ``<base>-<N>`` prefix: temporary
+    folders no live save claims, ``.tempstate`` files and
     data files no committed index uses (:func:`clean_leftovers`); and a *complete*
     checkpoint that the state file never named (``tracked``: the prefixes it names) when
     it is older than the newest tracked one — a save that died between its commit and the
@@ -234,18 +237,22 @@ def clean_directory(fs: FileSystem, directory: str, base: str, tracked: List[str
     them). Call it under ``fs.exclusive(directory)``; returns the removed paths.
     """
     pattern = re.compile(re.escape(base) + r"-(\d+)(?:_temp_|\.index|\.data-)")
+    state_temp = re.compile(re.escape(state_file) + r"\.tempstate\d+") if state_file else None
     numbers = set()
+    removed: List[str] = []
     for name in fs.listdir(directory) if fs.isdir(directory) else []:
         m = pattern.match(name)
         if m:
             numbers.add(int(m.group(1)))
+        elif state_temp is not None and state_temp.fullmatch(name):
+            fs.remove(fs.join(directory, name))
+            removed.append(fs.join(directory, name))
     tracked_numbers = []
     for prefix in tracked:
         m = re.fullmatch(re.escape(base) + r"-(\d+)", fs.basename(prefix))
         if m:
             tracked_numbers.append(int(m.group(1)))
     newest = max(tracked_numbers, default=-1)
-    removed: List[str] = []
     for n in sorted(numbers):
         location = Location(fs, fs.join(directory, f"{base}-{n}"))
         if fs.supports_rename:

@@ -1,0 +1,499 @@
+"""Kill -9 soak: saves killed at random moments, and after every kill the latest checkpoint is proven whole.
+
+    python tests/helpers/soak.py [--trials 200] [--configs local-sync,local-async,mpi-sync,...]
+                                 [--clients 4] [--saves 4] [--seed S] [--dir D] [--json]
+
+Each *config* is a launcher (``local``: one process; ``torch``: ``torchrun --standalone``
+with ``--clients`` processes over gloo; ``mpi``: ``mpiexec -n --clients``) and a mode
+(``sync`` / ``async`` saves; ``disagree``: sync saves, every third first tried with one
+client disagreeing on a tensor's shape, which must fail everywhere and commit nothing).
+Every config has a directory of its own. A *trial* runs tests/helpers/soak_worker.py once:
+it resumes through ``CheckpointManager.restore_or_initialize`` from ``latest_checkpoint``
+(checking every restored value on every client), then saves ``--saves`` generations with
+``max_to_keep=2``. At a random moment between READY and a bit past the run's expected length
+(learnt from the commits seen so far) the driver SIGKILLs the local process, one random
+client, or the whole job (launcher and clients, as a lost node). After every trial, with no
+process of the job left, it checks the directory:
+
+* **latest**: ``latest_checkpoint`` names a checkpoint once any save was reported committed,
+  and never one older than the newest reported (``COMMITTED G`` lines); it holds generation
+  ``N`` (``ckpt-N``) bit-exactly in every value, every entry's CRC32C verifies, and so does every
+  checkpoint the state file lists. Anything else counts as *corrupt* or *missing*;
+* **leftovers**: what dead saves left (temporary folders, ``.tempstate`` files, data files no
+  index uses, checkpoints the state file does not name) is recorded; once a later trial of the
+  config has committed a save, every one of them must be gone (else *not cleaned*);
+* **hangs**: a job with one killed client must end by itself within the coordination
+  timeout plus a margin (else a *hang*; the job is then killed). Clients still alive after
+  their launcher ended are counted (*orphans*) and killed before the checks, which always
+  run with no process of the job left.
+
+At the end every config runs once to completion (no kill); then its directory must hold
+exactly the state file and the two kept checkpoints: *leaked bytes* counts everything else.
+The summary (per config and total) is printed; the exit status is 0 only when corrupt,
+missing, not cleaned, hangs and leaked bytes are all 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Set, Tuple
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "soak_worker.py"
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import soak_worker  # noqa: E402  (tests/helpers)
+from launchers import clean_env, tool  # noqa: E402
+
+ALL_CONFIGS = ("local-sync", "local-async", "mpi-sync", "mpi-async", "torch-sync", "torch-async", "mpi-disagree",
+               "torch-disagree")
+START_LIMIT = 180.0  # seconds for a job to reach READY (torch imports on a busy machine)
+HANG_LIMIT = soak_worker.TIMEOUT + 60.0  # a job with a dead client must end by itself within this
+FIRST_WINDOW = {"local": 0.5, "mpi": 2.0, "torch": 2.0}  # seconds, before any save was timed
+_PREFIX = re.compile(r"ckpt-(\d+)")
+
+
+@dataclass
+class ConfigStats:
+    """Counts of one config (see the module docstring for what each means)."""
+
+    trials: int = 0
+    killed_whole_job: int = 0
+    killed_one_client: int = 0
+    finished_before_kill: int = 0
+    commits_reported: int = 0
+    refused: int = 0  # disagreeing saves that failed on every client, as they must
+    kills_after_a_commit: int = 0  # the trial had reported at least one commit when it was killed
+    latest_advanced_unreported: int = 0  # latest is newer than the last COMMITTED line (killed after the commit)
+    leftovers_seen: int = 0
+    corrupt: int = 0
+    missing_latest: int = 0
+    not_cleaned: int = 0
+    hangs: int = 0
+    survivors_killed: int = 0  # clients still alive after their launcher ended (killed before the checks)
+    leaked_bytes: int = 0
+    generations: int = 0  # the newest generation reached
+    seconds: float = 0.0
+    failures: List[str] = field(default_factory=list)
+
+
+def _command(launcher: str, clients: int, directory: str, mode: str, saves: int) -> List[str]:
+    args = [str(WORKER), directory, mode, str(saves)]
+    if launcher == "local":
+        return [sys.executable] + args
+    if launcher == "torch":
+        return [str(tool("torchrun")), "--standalone", f"--nproc-per-node={clients}"] + args
+    if launcher == "mpi":
+        return [str(tool("mpiexec")), "--allow-run-as-root", "--oversubscribe", "-n", str(clients),
+                sys.executable] + args
+    raise ValueError(f"unknown launcher {launcher!r}")
+
+
+def _session_members(session: int) -> List[int]:
+    """Live processes of session ``session`` that run the soak worker or a launcher of it.
+
+    A job is started in a session of its own (``start_new_session``); OpenMPI puts every
+    rank in a process group of its own, so the session, not the group, is the whole job.
+    A session id is not reused while any member lives; the command-line check keeps a
+    later, unrelated session out even so.
+    """
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if int(fields[3]) == session and fields[0] != "Z" and WORKER.name.encode() in cmdline:
+            found.append(int(entry))
+    return found
+
+
+class _Job:
+    """A launched run, its own process group, its stdout lines with arrival times."""
+
+    def __init__(self, cmd: List[str]) -> None:
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=clean_env(), cwd=str(HERE.parent.parent), start_new_session=True)
+        self.lines: List[Tuple[float, str]] = []
+        self.survivors = 0
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait_for(self, word: str, limit: float) -> Optional[float]:
+        """Arrival time of the first line starting with ``word`` (None: the job ended or ``limit`` passed)."""
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            for t, line in list(self.lines):
+                if line.startswith(word):
+                    return t
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                return None
+            time.sleep(0.005)
+        return None
+
+    def pids(self) -> Dict[int, int]:
+        return {int(m.group(1)): int(m.group(2)) for _, line in list(self.lines)
+                if (m := re.match(r"PID (\d+) (\d+)$", line))}
+
+    def committed(self) -> List[int]:
+        return [int(line.split()[1]) for _, line in list(self.lines) if line.startswith("COMMITTED ")]
+
+    def kill_all(self) -> int:
+        """SIGKILL every process of the job (the launcher and all clients); return how many were alive."""
+        members = _session_members(self.proc.pid)
+        for pid in members:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return len(members)
+
+    def end(self, limit: float) -> bool:
+        """Wait up to ``limit`` s for the job to end by itself; True if it did. Nothing of it is left after."""
+        try:
+            self.proc.wait(timeout=limit)
+            ended = True
+        except subprocess.TimeoutExpired:
+            ended = False
+        self.kill_all()  # the launcher if it hung, with its clients
+        self.proc.wait()
+        self.survivors = self.kill_all()  # clients a launcher that ended left behind
+        deadline = time.monotonic() + 30
+        while _session_members(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)  # SIGKILLed: gone in a moment
+        self._reader.join(timeout=10)
+        return ended
+
+    def output(self) -> str:
+        return "\n".join(line for _, line in self.lines[-40:])
+
+
+# -- what is on disk ----------------------------------------------------------------------
+
+def check_checkpoint(prefix: str) -> Optional[str]:
+    """None when ``prefix`` (``.../ckpt-N``) holds generation ``N`` exactly, every entry verified; else why not."""
+    import shardckpt
+
+    m = _PREFIX.fullmatch(os.path.basename(prefix))
+    if m is None:
+        return f"unexpected checkpoint name {prefix}"
+    generation = int(m.group(1))
+    want = soak_worker.values(generation)
+    try:
+        with shardckpt.load_checkpoint(prefix) as reader:
+            keys = {k.decode() for k in reader.bundle.keys()}
+            expected = {soak_worker.checkpoint_key(n) for n in want}
+            expected |= {"save_counter/.ATTRIBUTES/VARIABLE_VALUE", "_CHECKPOINTABLE_OBJECT_GRAPH"}
+            if keys != expected:
+                return f"{prefix}: keys {sorted(keys ^ expected)} differ"
+            for key in sorted(keys):
+                reader.bundle.verify(key)
+            if int(reader.get_tensor("save_counter/.ATTRIBUTES/VARIABLE_VALUE")) != generation:
+                return f"{prefix}: save_counter is not generation {generation}'s"
+            for name, value in want.items():
+                got = reader.get_tensor(soak_worker.checkpoint_key(name))
+                if value.dtype == object:
+                    same = [bytes(x) for x in got.ravel()] == [bytes(x) for x in value.ravel()]
+                else:
+                    same = got.dtype == value.dtype and got.shape == value.shape and np.array_equal(got, value)
+                if not same:
+                    return f"{prefix}: {name} is not generation {generation}'s value"
+    except Exception as exc:  # any failure to read it whole is a broken checkpoint
+        return f"{prefix}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _files_of(prefix: str) -> Set[str]:
+    """Names of the index and the data files the index at ``prefix`` uses."""
+    from shardckpt.format.merge import read_index_header
+    from shardckpt.storage.local import local_fs
+
+    base = os.path.basename(prefix)
+    n = int(read_index_header(prefix, local_fs).num_shards)
+    return {f"{base}.index"} | {f"{base}.data-{i:05d}-of-{n:05d}" for i in range(n)}
+
+
+def _identity(path: str) -> Tuple[str, int, int]:
+    st = os.stat(path)
+    return (os.path.basename(path), st.st_ino, st.st_mtime_ns)
+
+
+def inspect_directory(directory: str) -> Tuple[Optional[str], List[str], Dict[Tuple[str, int, int], int]]:
+    """(latest, kept checkpoints, leftovers: identity -> bytes) of a config's directory.
+
+    Raises whatever reading the state file raises (a broken state file is a failure).
+    """
+    import shardckpt
+
+    state = shardckpt.get_checkpoint_state(directory)
+    latest = shardckpt.latest_checkpoint(directory)
+    kept = list(state.all_model_checkpoint_paths) if state is not None else []
+    wanted = {"checkpoint"}
+    for prefix in kept:
+        if os.path.exists(prefix + ".index"):
+            wanted |= _files_of(prefix)
+    leftovers: Dict[Tuple[str, int, int], int] = {}
+    for name in sorted(os.listdir(directory)):
+        if name in wanted:
+            continue
+        path = os.path.join(directory, name)
+        if os.path.isdir(path):
+            size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+        else:
+            size = os.path.getsize(path)
+        leftovers[_identity(path)] = size
+    return latest, kept, leftovers
+
+
+# -- one config ---------------------------------------------------------------------------
+
+class ConfigSoak:
+    """Trials of one config in its own directory."""
+
+    def __init__(self, name: str, root: str, clients: int, saves: int, rng: random.Random,
+                 log: bool = False) -> None:
+        self.name = name
+        self.log = log
+        self.launcher, self.mode = name.split("-")
+        self.clients = clients
+        self.saves = saves
+        self.rng = rng
+        self.directory = os.path.join(root, name)
+        os.makedirs(self.directory, exist_ok=True)
+        self.stats = ConfigStats()
+        self.window = FIRST_WINDOW[self.launcher]  # until a run shows how long its saves take
+        self.windows: List[float] = []
+        self.newest_reported = 0  # the newest generation any run reported committed
+        self.pending_leftovers: Dict[Tuple[str, int, int], int] = {}
+
+    def _fail(self, what: str) -> None:
+        self.stats.failures.append(what)
+        if self.log:
+            print(f"FAIL {self.name}: {what}", flush=True)
+
+    def _cmd(self) -> List[str]:
+        return _command(self.launcher, self.clients, self.directory, self.mode, self.saves)
+
+    def run_to_end(self) -> None:
+        """One run without a kill (the final cleaning run)."""
+        job = _Job(self._cmd())
+        ready = job.wait_for("READY", START_LIMIT)
+        ended = job.end(START_LIMIT)
+        if ready is None or not ended or job.proc.returncode != 0:
+            self._fail(f"uninterrupted run failed (exit {job.proc.returncode}):\n{job.output()}")
+            return
+        self._after(job, committed_in_run=bool(job.committed()))
+
+    def trial(self) -> None:
+        self.stats.trials += 1
+        job = _Job(self._cmd())
+        ready = job.wait_for("READY", START_LIMIT)
+        if ready is None:
+            ended = job.end(1.0)
+            self._fail(f"trial {self.stats.trials}: no READY (ended: {ended}, exit {job.proc.returncode}):"
+                       f"\n{job.output()}")
+            self._after(job, committed_in_run=False)
+            return
+        time.sleep(self.rng.uniform(0.0, 1.15 * self.window))
+        whole = self.launcher == "local" or self.rng.random() < 0.5
+        before = job.committed()
+        if job.proc.poll() is not None:
+            self.stats.finished_before_kill += 1
+        elif whole:
+            job.kill_all()
+            self.stats.killed_whole_job += 1
+        else:
+            pids = job.pids()
+            if not pids:
+                self._fail(f"trial {self.stats.trials}: no client announced its pid:\n{job.output()}")
+                job.kill_all()
+            else:
+                try:
+                    os.kill(pids[self.rng.choice(sorted(pids))], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.stats.killed_one_client += 1
+        if before:
+            self.stats.kills_after_a_commit += 1
+        if not job.end(HANG_LIMIT):
+            self.stats.hangs += 1
+            self._fail(f"trial {self.stats.trials}: the job did not end within {HANG_LIMIT:.0f} s of a kill")
+        self.stats.survivors_killed += job.survivors
+        self._after(job, committed_in_run=bool(job.committed()))
+
+    def _learn_window(self, job: _Job) -> None:
+        """The kill window: READY to the last commit of a whole run, from the commits seen so far."""
+        ready = next((t for t, line in job.lines if line == "READY"), None)
+        commits = [t for t, line in job.lines if line.startswith("COMMITTED")]
+        if ready is not None and commits:
+            self.windows.append((commits[-1] - ready) / len(commits) * self.saves)
+            self.window = float(np.median(self.windows))  # one slow run on a busy machine does not set it
+
+    def _after(self, job: _Job, committed_in_run: bool) -> None:
+        """The checks after a run (module docstring), with every process of the job gone."""
+        self._learn_window(job)
+        for _, line in job.lines:
+            if line.startswith("MISMATCH"):
+                self.stats.corrupt += 1
+                self._fail(f"trial {self.stats.trials}: restored values differ: {line}")
+        reported = job.committed()
+        self.stats.commits_reported += len(reported)
+        self.stats.refused += sum(1 for _, line in job.lines if line.startswith("REFUSED "))
+        self.newest_reported = max([self.newest_reported] + reported)
+        try:
+            latest, kept, leftovers = inspect_directory(self.directory)
+        except Exception as exc:
+            self.stats.corrupt += 1
+            self._fail(f"trial {self.stats.trials}: the state file cannot be read: {type(exc).__name__}: {exc}")
+            return
+        if latest is None:
+            if self.newest_reported:
+                self.stats.missing_latest += 1
+                self._fail(f"trial {self.stats.trials}: no latest checkpoint after generation "
+                           f"{self.newest_reported} was reported committed")
+        else:
+            generation = int(_PREFIX.fullmatch(os.path.basename(latest)).group(1))  # type: ignore[union-attr]
+            self.stats.generations = max(self.stats.generations, generation)
+            if generation < self.newest_reported:
+                self.stats.missing_latest += 1
+                self._fail(f"trial {self.stats.trials}: latest is {latest}, older than generation "
+                           f"{self.newest_reported} reported committed")
+            elif generation > self.newest_reported and (not reported or generation > max(reported)):
+                self.stats.latest_advanced_unreported += 1
+            for prefix in dict.fromkeys([latest] + kept):
+                problem = check_checkpoint(prefix)
+                if problem is not None:
+                    self.stats.corrupt += 1
+                    self._fail(f"trial {self.stats.trials}: {problem}")
+        if committed_in_run:  # a save committed since: every older leftover must be gone
+            stale = set(self.pending_leftovers) & set(leftovers)
+            if stale:
+                self.stats.not_cleaned += len(stale)
+                self._fail(f"trial {self.stats.trials}: leftovers not cleaned by a committed save: "
+                           f"{sorted(n for n, _, _ in stale)}")
+            self.pending_leftovers = {}
+        new = set(leftovers) - set(self.pending_leftovers)
+        self.stats.leftovers_seen += len(new)
+        self.pending_leftovers.update(leftovers)
+
+    def finish(self) -> None:
+        """The final run to its end; then nothing but the state file and the kept checkpoints may remain."""
+        self.run_to_end()
+        try:
+            _, kept, leftovers = inspect_directory(self.directory)
+        except Exception as exc:
+            self._fail(f"final: {type(exc).__name__}: {exc}")
+            return
+        self.stats.leaked_bytes = sum(leftovers.values())
+        if leftovers:
+            self._fail(f"final: left in {self.directory}: {sorted(n for n, _, _ in leftovers)}")
+        if len(kept) != 2:
+            self._fail(f"final: the state file keeps {kept}, expected 2 checkpoints (max_to_keep=2)")
+
+
+# -- the whole soak -----------------------------------------------------------------------
+
+def soak(trials: int, configs: List[str], clients: int = 4, saves: int = 4, seed: Optional[int] = None,
+         root: Optional[str] = None, log: bool = True) -> Dict[str, ConfigStats]:
+    """Run ``trials`` trials round-robin over ``configs`` (a config named twice gets twice the trials); return
+    the stats per config."""
+    seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
+    rng = random.Random(seed)
+    root = root or tempfile.mkdtemp(prefix="shardckpt-soak-")
+    if log:
+        print(f"soak: {trials} trials over {', '.join(configs)}; {clients} clients; seed {seed}; in {root}",
+              flush=True)
+    soaks = {name: ConfigSoak(name, root, clients, saves, rng, log) for name in dict.fromkeys(configs)}
+    for i in range(trials):
+        s = soaks[configs[i % len(configs)]]
+        t0 = time.monotonic()
+        s.trial()
+        s.stats.seconds += time.monotonic() - t0
+        if log and (i + 1) % 10 == 0:
+            bad = sum(len(x.stats.failures) for x in soaks.values())
+            print(f"  {i + 1}/{trials} trials, {bad} failures", flush=True)
+    for s in soaks.values():
+        t0 = time.monotonic()
+        s.finish()
+        s.stats.seconds += time.monotonic() - t0
+    return {name: s.stats for name, s in soaks.items()}
+
+
+def summary(stats: Dict[str, ConfigStats]) -> str:
+    """A table of the counts per config, with a total row."""
+    cols = ["trials", "killed_whole_job", "killed_one_client", "finished_before_kill", "commits_reported", "refused",
+            "kills_after_a_commit", "latest_advanced_unreported", "leftovers_seen", "corrupt", "missing_latest",
+            "not_cleaned", "hangs", "survivors_killed", "leaked_bytes", "seconds"]
+    short = ["trials", "kill-job", "kill-1", "done", "commits", "refused", "after-commit", "unreported", "leftovers",
+             "corrupt", "missing", "uncleaned", "hangs", "orphans", "leaked-B", "s"]
+    rows = [["config"] + short]
+    total = ConfigStats()
+    for name, s in stats.items():
+        rows.append([name] + [f"{getattr(s, c):.0f}" for c in cols])
+        for c in cols:
+            setattr(total, c, getattr(total, c) + getattr(s, c))
+    rows.append(["total"] + [f"{getattr(total, c):.0f}" for c in cols])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    for name, s in stats.items():
+        for failure in s.failures[:5]:
+            lines.append(f"FAIL {name}: {failure}")
+    return "\n".join(lines)
+
+
+def ok(stats: Dict[str, ConfigStats]) -> bool:
+    return all(not s.failures and not (s.corrupt or s.missing_latest or s.not_cleaned or s.hangs or s.leaked_bytes)
+               for s in stats.values())
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=200)
+    parser.add_argument("--configs", default=",".join(ALL_CONFIGS))
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--saves", type=int, default=4, help="saves per run")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--dir", default=None, help="where the configs' directories go (default: a new temp dir)")
+    parser.add_argument("--json", default=None, help="also write the stats as JSON to this file")
+    args = parser.parse_args(argv)
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = sorted(set(configs) - set(ALL_CONFIGS))
+    # (a config may be named more than once: it gets that share of the trials)
+    if unknown:
+        parser.error(f"unknown configs {unknown}; known: {', '.join(ALL_CONFIGS)}")
+    stats = soak(args.trials, configs, args.clients, args.saves, args.seed, args.dir)
+    print(summary(stats), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({k: asdict(v) for k, v in stats.items()}, indent=1))
+    good = ok(stats)
+    print("soak: OK" if good else "soak: FAILED", flush=True)
+    return 0 if good else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

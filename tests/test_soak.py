@@ -1,0 +1,87 @@
+"""A short kill -9 soak in the suite (issue 16): ``scripts/soak.sh`` runs the same driver for >= 200 trials.
+
+tests/helpers/soak.py kills, at random moments, ``CheckpointManager`` saves (retention
+``max_to_keep=2``) of one local process and of 2 clients under ``mpiexec`` and ``torchrun``,
+sync and async (under ``mpiexec`` every third save is first tried with a client that
+disagrees on a tensor's shape: it must fail on every client and commit nothing); after every
+kill the latest checkpoint must restore bit-exactly to a saved generation (on the resuming
+clients, and read back here with every checksum verified), never be older than a save
+reported committed, every leftover of a dead save must be gone after the next committed
+save, a job with one killed client must end by itself, and a final uninterrupted run must
+leave nothing but the state file and the kept checkpoints.
+The second test shows that the checks catch a torn, stale or missing checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+
+HELPERS = Path(__file__).resolve().parent / "helpers"
+if str(HELPERS) not in sys.path:
+    sys.path.insert(0, str(HELPERS))
+
+import soak  # noqa: E402  (tests/helpers)
+
+# local saves are cheap: they get most trials; every launcher and mode is killed (a torchrun start is the dearest)
+CONFIGS = ["local-sync", "local-async", "mpi-disagree", "local-sync", "local-async", "torch-async"] \
+    + ["local-sync", "local-async", "mpi-disagree", "local-sync", "local-async", "local-sync"]
+
+
+def _ended(cmd: list) -> "soak._Job":
+    job = soak._Job(cmd)
+    assert job.end(60)
+    return job
+
+
+def test_short_kill_soak_leaves_a_whole_latest_checkpoint_every_time(tmp_path: Path) -> None:
+    stats = soak.soak(12, CONFIGS, clients=2, saves=3, root=str(tmp_path), log=False)
+    table = soak.summary(stats)
+    print("\n" + table)
+    assert soak.ok(stats), table
+    assert sum(s.trials for s in stats.values()) == 12
+    assert {name: s.trials for name, s in stats.items()} == {"local-sync": 5, "local-async": 4, "mpi-disagree": 2,
+                                                             "torch-async": 1}
+    assert stats["mpi-disagree"].refused >= 1, table  # the final run's third save, at least
+    assert sum(s.commits_reported for s in stats.values()) >= 12, table  # the runs saved, not only started
+    killed = sum(s.killed_whole_job + s.killed_one_client for s in stats.values())
+    assert killed >= 6, table  # most trials were killed mid-run, not after their end
+
+
+def test_the_soak_checks_catch_torn_stale_and_missing_checkpoints(tmp_path: Path) -> None:
+    directory = str(tmp_path / "local-sync")
+    s = soak.ConfigSoak("local-sync", str(tmp_path), 1, 2, random.Random(0))
+    s.run_to_end()
+    assert not s.stats.failures, s.stats.failures
+    latest, kept, leftovers = soak.inspect_directory(directory)
+    assert latest is not None and latest.endswith("ckpt-2") and len(kept) == 2 and not leftovers
+    assert soak.check_checkpoint(latest) is None
+
+    # a stale checkpoint: ckpt-1's files under the name ckpt-2 hold generation 1, not 2
+    for suffix in (".index", ".data-00000-of-00001"):
+        os.replace(os.path.join(directory, "ckpt-1" + suffix), os.path.join(directory, "ckpt-3" + suffix))
+    problem = soak.check_checkpoint(os.path.join(directory, "ckpt-3"))
+    assert problem is not None and "is not generation 3" in problem, problem
+
+    # a torn data file: one flipped byte is a checksum failure
+    data = os.path.join(directory, "ckpt-2.data-00000-of-00001")
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    problem = soak.check_checkpoint(latest)
+    assert problem is not None and "DataLossError" in problem, problem
+
+    # the next trial's checks count it, and a missing latest after a reported commit
+    s.newest_reported = 2
+    s._after(_ended([sys.executable, "-c", "print('COMMITTED 2')"]), committed_in_run=False)
+    assert s.stats.corrupt >= 1 and not soak.ok({"x": s.stats})
+    for name in os.listdir(directory):
+        if name.startswith("ckpt-2"):
+            os.remove(os.path.join(directory, name))
+    s.stats = soak.ConfigStats()
+    s._after(_ended([sys.executable, "-c", "pass"]), committed_in_run=False)
+    assert s.stats.missing_latest == 1, s.stats
