@@ -31,9 +31,13 @@ byte is staged or written), cheapest first:
 it is one of this client's pieces and unchanged: it becomes a shard of its own whose
 committer links/copies the file and reuses its index entries (offsets, sizes,
 checksums). The other pieces are written as the sharding callback grouped them, each of
-its shards split in two: pieces that were unchanged (but whose file could not be
-reused) and pieces that changed or are new. After one such save, a file holds either
-pieces that keep changing or pieces that do not, so later saves reuse whole files.
+its shards split further (never merged, so a size limit or a device grouping of the
+callback holds): every piece of at least :data:`OWN_FILE_BYTES` gets a data file of its
+own, and the smaller ones are grouped into pieces that were unchanged (but whose file
+could not be reused) and pieces that changed or are new. The first incremental save
+(no previous checkpoint) splits the same way, so the next one already reuses every
+large unchanged tensor; after that a file holds either pieces that keep changing or
+pieces that do not, and later saves reuse whole files.
 """
 
 from __future__ import annotations
@@ -55,8 +59,8 @@ from ..format.tensor_slice import parse_shape_and_slice
 from ..storage.base import FileSystem
 from .plan import PlanItem, Reuse, SavePlan, ShardPlan
 
-__all__ = ["SIDECAR_SUFFIX", "sidecar_filename", "content_hash", "new_digest", "Previous", "load_previous",
-           "arrange", "sidecar_bytes", "read_sidecar", "entry_key", "piece_records"]
+__all__ = ["OWN_FILE_BYTES", "SIDECAR_SUFFIX", "sidecar_filename", "content_hash", "new_digest", "Previous", "load_previous",
+           "arrange", "sidecar_bytes", "read_sidecar", "entry_key", "piece_records", "data_file_origins"]
 
 _log = logging.getLogger("shardckpt")
 
@@ -65,6 +69,9 @@ _FORMAT = "shardckpt-piece-hashes"
 _VERSION = 1
 
 PieceId = Tuple[str, str]
+
+#: pieces of at least this many bytes get a data file of their own in an incremental save
+OWN_FILE_BYTES = 1 << 20
 Written = Dict[str, Any]
 
 
@@ -202,11 +209,19 @@ def _reuse(previous: Previous, shard_id: int, members: List[PlanItem]) -> Reuse:
     return Reuse(source, tuple(sorted((k, e.SerializeToString()) for k, e in entries.items())), size)
 
 
+def _split(items: Sequence[PlanItem]) -> List[Tuple[PlanItem, ...]]:
+    """Each piece of at least :data:`OWN_FILE_BYTES` alone, the smaller ones together (in order)."""
+    large = [(i,) for i in items if i.nbytes >= OWN_FILE_BYTES]
+    small = tuple(i for i in items if i.nbytes < OWN_FILE_BYTES)
+    return large + ([small] if small else [])
+
+
 def arrange(plan: SavePlan, previous: Optional[Previous], *, trust_versions: bool = False) -> SavePlan:
     """This client's plan for an incremental save (see the module docstring): reused data files as shards
     of their own, the callback's shards split into unchanged and changed pieces, hashes attached."""
     if previous is None:  # a full save; hashes computed while the bytes stream
-        shards = tuple(replace(s, hashes=(None,) * len(s.items)) for s in plan.shards if s.items)
+        shards = tuple(ShardPlan(n, task, group, (None,) * len(group)) for n, (task, group) in enumerate(
+            (s.task, g) for s in plan.shards for g in _split(s.items)))
         return replace(plan, shards=shards)
     verdicts: Dict[int, Tuple[str, Optional[str]]] = {}
     by_entry: Dict[bytes, PlanItem] = {}
@@ -228,9 +243,8 @@ def arrange(plan: SavePlan, previous: Optional[Previous], *, trust_versions: boo
         rest = [i for i in shard.items if id(i) not in taken]
         stable = [i for i in rest if verdicts[id(i)][0] == "unchanged"]
         moving = [i for i in rest if verdicts[id(i)][0] != "unchanged"]
-        for group in (stable, moving):
-            if group:
-                out.append(ShardPlan(len(out), shard.task, tuple(group), tuple(verdicts[id(i)][1] for i in group)))
+        for group in _split(stable) + _split(moving):
+            out.append(ShardPlan(len(out), shard.task, group, tuple(verdicts[id(i)][1] for i in group)))
     reused_bytes = sum(s.reuse.size for s in out if s.reuse is not None)
     _log.info("incremental save: %d of %d data files of %s reused (%d bytes), %d pieces written", len(reused),
               len(previous.files), previous.prefix, reused_bytes, sum(len(s.items) for s in out if s.reuse is None))
@@ -256,3 +270,30 @@ def sidecar_bytes(written: Sequence[Written], index: bytes, fs: FileSystem) -> b
     doc = {"format": _FORMAT, "version": _VERSION, "index_xxh3_128": _index_digest(index),
            "pieces": sorted(pieces, key=lambda p: (p[0], p[1])), "shards": shards}
     return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def data_file_origins(prefix: str, fs: FileSystem) -> Optional[Dict[int, Dict[str, Any]]]:
+    """For a checkpoint written by an incremental save: data file (shard id) -> ``{"how": "written" | "link" |
+    "reflink" | "copy" | "server-copy", "reused_from": data file name or None}``; ``None`` without a valid
+    sidecar. Data files no sidecar piece lives in (registered savers', padding) are not listed."""
+    sidecar = read_sidecar(prefix, fs)
+    if sidecar is None:
+        return None
+    try:
+        record_of = {entry_key(str(p[0]), str(p[1])): int(p[4]) for p in sidecar["pieces"]}
+        shards = sidecar["shards"]
+        out: Dict[int, Dict[str, Any]] = {}
+        for key, value in list(read_table(sidecar["_index"], index_filename(prefix)))[1:]:
+            number = record_of.get(key)
+            if number is None:
+                continue
+            entry = pb.BundleEntryProto.FromString(value)
+            if entry.slices or int(entry.shard_id) in out:
+                continue
+            record = shards[number]
+            out[int(entry.shard_id)] = {"how": str(record.get("how", "written")),
+                                        "reused_from": record.get("reused_from")}
+        return out
+    except Exception as exc:  # a sidecar that does not parse describes nothing
+        _log.info("cannot describe the data files of %s from its sidecar: %s", prefix, exc)
+        return None

@@ -259,4 +259,5 @@ def clean_directory(fs: FileSystem, directory: str, base: str, tracked: List[str
             removed.append(index_filename(location.prefix))
             if count > 0:
                 remove_data_files(location, count)
+            fs.remove(location.prefix + ".hashes.json")  # an incremental save's sidecar
     return removed
