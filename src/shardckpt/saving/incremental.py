@@ -60,7 +60,8 @@ from ..storage.base import FileSystem
 from .plan import PlanItem, Reuse, SavePlan, ShardPlan
 
 __all__ = ["OWN_FILE_BYTES", "SIDECAR_SUFFIX", "sidecar_filename", "content_hash", "new_digest", "Previous",
-           "load_previous", "arrange", "sidecar_bytes", "read_sidecar", "entry_key", "piece_records", "data_file_origins"]
+           "load_previous", "arrange", "sidecar_bytes", "read_sidecar", "entry_key", "piece_records",
+           "data_file_origins"]
 
 _log = logging.getLogger("shardckpt")
 
