@@ -76,7 +76,11 @@ class LinkRenameCommitter(RenameCommitter):
         data = data_filename(part, 0, 1)
         how = fs.copy_file(shard.reuse.source, data, fsync=self.fsync)
         entries = _entries(shard.reuse, 0)
-        fs.write_atomic(index_filename(part), index_bytes(entries, 1))
+        handle = fs.open_write(index_filename(part))  # in the temp folder: read once by the merge
+        try:
+            fs.write_all(handle, memoryview(index_bytes(entries, 1)), index_filename(part))
+        finally:
+            fs.close(handle)
         written = _reused(shard, how)
         written["part"] = part
         return written
