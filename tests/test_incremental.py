@@ -94,10 +94,11 @@ def test_manager_ten_saves_write_only_what_changed(tmp_path: Path, tf_oracle: An
             written.append(_data_bytes(recording.ops[before:]))
     total = (FROZEN * N_FROZEN + ADAPTER * N_ADAPTER) * 4
     assert written[0] >= total
-    # from the second save on, only the adapters (and the save counter / object graph) are written,
-    # and at step 6 the frozen tensor that changed (each large tensor has a data file of its own)
+    # from the second save on, only the adapters (and the save counter / object graph) are written;
+    # at step 6 also the frozen tensor that changed (in the file of the changed pieces), and at
+    # step 7 once more, when it moves to a file of its own because it stopped changing
     for step in range(1, 10):
-        extra = N_FROZEN * 4 if step == 6 else 0
+        extra = N_FROZEN * 4 if step in (6, 7) else 0
         assert changed + extra <= written[step] <= changed + extra + 8192, (step, written)
     kept = manager.checkpoints
     assert len(kept) == 3 and kept[-1].endswith("ckpt-10")
@@ -423,7 +424,7 @@ def test_dtensor_checkpoint_incremental(tmp_path: Path) -> None:
     ckpt = dt.DTensorCheckpoint(mesh, **variables)
     ckpt.save(str(tmp_path / "ck"), options=INCREMENTAL)
     prefixes = []
-    for step in range(2):
+    for _ in range(2):
         variables["v1"].assign_add(np.ones((64, 32), np.float32))
         values["v1"] = values["v1"] + 1
         prefixes.append(ckpt.save(str(tmp_path / "ck"), options=INCREMENTAL))
@@ -432,7 +433,7 @@ def test_dtensor_checkpoint_incremental(tmp_path: Path) -> None:
     assert origins is not None and any(o["how"] == "link" for o in origins.values()), origins
     got = _read_all(prefixes[-1])
     for k, v in values.items():
-        assert np.array_equal(got[k], v), k
+        assert np.array_equal(got[f"{k}/.ATTRIBUTES/VARIABLE_VALUE"], v), k
 
 
 def test_async_incremental_saves(tmp_path: Path) -> None:
