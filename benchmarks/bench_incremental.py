@@ -13,7 +13,8 @@ them) and the state is saved again, three ways, each into a new prefix of the sa
                       counters, nothing is hashed;
 * ``dcp``          -- ``torch.distributed.checkpoint.save`` of the same state (reference).
 
-Every save is durable (fsync, commit). Reported per fraction, medians over ``--repeats``:
+Every save is durable (fsync, commit); before each one ``os.sync()`` settles earlier writes,
+and the systems take turns going first. Reported per fraction, medians over ``--repeats``:
 seconds, bytes written (``/proc/self/io`` ``wchar``: every byte through ``write``; links
 write none), both as ratios to the full save, and the time to restore every tensor of
 the incremental checkpoint vs the full one (page cache dropped first where allowed).
@@ -48,6 +49,8 @@ from shardckpt import CheckpointOptions  # noqa: E402
 
 
 def _measure(fn: Callable[[], Any]) -> Dict[str, float]:
+    os.sync()  # no writeback of an earlier save runs into this one
+    time.sleep(0.5)
     probe = C.Probe().start()
     fn()
     out = probe.sample()
@@ -65,7 +68,7 @@ def _restore_seconds(prefix: str, names: List[str], out: List[np.ndarray]) -> fl
 
 
 def run_fraction(work: str, fraction: float, state: List[np.ndarray], names: List[str],
-                 with_dcp: bool) -> Dict[str, Any]:
+                 with_dcp: bool, rotate: int = 0) -> Dict[str, Any]:
     folder = tempfile.mkdtemp(prefix="inc-", dir=work)
     try:
         values = dict(zip(names, state))
@@ -85,16 +88,21 @@ def run_fraction(work: str, fraction: float, state: List[np.ndarray], names: Lis
             variables.v[i].assign_add(np.float32(1.0))
         res: Dict[str, Any] = {"fraction": fraction, "changed_tensors": len(changed),
                                "changed_bytes": sum(state[i].nbytes for i in changed)}
-        res["full"] = _measure(lambda: shardckpt.save_tensors(os.path.join(folder, "full"), values))
-        res["incremental"] = _measure(lambda: shardckpt.save_tensors(
-            os.path.join(folder, "inc"), values, CheckpointOptions(incremental=True), previous=base))
-        res["trusted"] = _measure(lambda: ckpt.write(os.path.join(folder, "v0"), options=trusted_opts))
+        saves: Dict[str, Callable[[], Any]] = {
+            "full": lambda: shardckpt.save_tensors(os.path.join(folder, "full"), values),
+            "incremental": lambda: shardckpt.save_tensors(os.path.join(folder, "inc"), values,
+                                                          CheckpointOptions(incremental=True), previous=base),
+            "trusted": lambda: ckpt.write(os.path.join(folder, "v0"), options=trusted_opts)}
         if with_dcp:
             import torch
             import torch.distributed.checkpoint as dcp
 
             tstate = {n: torch.from_numpy(a) for n, a in values.items()}
-            res["dcp"] = _measure(lambda: dcp.save(tstate, checkpoint_id=os.path.join(folder, "dcp")))
+            saves["dcp"] = lambda: dcp.save(tstate, checkpoint_id=os.path.join(folder, "dcp"))
+        order = list(saves)
+        order = order[rotate % len(order):] + order[:rotate % len(order)]  # no system always goes first
+        for name in order:
+            res[name] = _measure(saves[name])
         out = [np.empty_like(a) for a in state]
         res["restore_full_s"] = _restore_seconds(os.path.join(folder, "full"), names, out)
         res["restore_incremental_s"] = _restore_seconds(os.path.join(folder, "inc"), names, out)
@@ -120,10 +128,10 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="bench-incremental-", dir=args.dir)
     runs: Dict[float, List[Dict[str, Any]]] = {f: [] for f in fractions}
     try:
-        for _ in range(args.repeats):
+        for repeat in range(args.repeats):
             for f in fractions:
                 state = C.make_state(spec)
-                runs[f].append(run_fraction(work, f, state, names, not args.no_dcp))
+                runs[f].append(run_fraction(work, f, state, names, not args.no_dcp, rotate=repeat))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = []
