@@ -13,8 +13,9 @@ them) and the state is saved again, three ways, each into a new prefix of the sa
                       counters, nothing is hashed;
 * ``dcp``          -- ``torch.distributed.checkpoint.save`` of the same state (reference).
 
-Every save is durable (fsync, commit); before each one ``os.sync()`` settles earlier writes,
-and the systems take turns going first. Reported per fraction, medians over ``--repeats``:
+Times are wall seconds (median and best of the repeats) and CPU seconds (all threads; less
+sensitive to a shared disk). Every save is durable (fsync, commit); before each one
+``os.sync()`` settles earlier writes, and the systems take turns going first. Reported per fraction, medians over ``--repeats``:
 seconds, bytes written (``/proc/self/io`` ``wchar``: every byte through ``write``; links
 write none), both as ratios to the full save, and the time to restore every tensor of
 the incremental checkpoint vs the full one (page cache dropped first where allowed).
@@ -54,7 +55,7 @@ def _measure(fn: Callable[[], Any]) -> Dict[str, float]:
     probe = C.Probe().start()
     fn()
     out = probe.sample()
-    return {"seconds": out["seconds"], "wchar": float(out["wchar"] or 0)}
+    return {"seconds": out["seconds"], "cpu_s": out["cpu_s"], "wchar": float(out["wchar"] or 0)}
 
 
 def _restore_seconds(prefix: str, names: List[str], out: List[np.ndarray]) -> float:
@@ -137,15 +138,20 @@ def main() -> None:
     rows = []
     systems = ["full", "incremental", "trusted"] + ([] if args.no_dcp else ["dcp"])
     print(f"state: {C.fmt_size(C.spec_bytes(spec))} in {len(spec)} float32 tensors; medians of {args.repeats}")
-    print(f"{'changed':>8} {'system':>12} {'seconds':>9} {'x full':>7} {'written':>11} {'x full':>7}")
+    print(f"{'changed':>8} {'system':>12} {'median s':>9} {'x full':>7} {'best s':>7} {'x full':>7} "
+          f"{'cpu s':>6} {'x full':>7} {'written':>11} {'x full':>7}")
     for f in fractions:
-        med = {s: {k: C.median([r[s][k] for r in runs[f]]) for k in ("seconds", "wchar")} for s in systems}
+        med = {s: {k: C.median([r[s][k] for r in runs[f]]) for k in ("seconds", "cpu_s", "wchar")} for s in systems}
+        best = {s: min(r[s]["seconds"] for r in runs[f]) for s in systems}
         full = med["full"]
         for s in systems:
-            row = {"fraction": f, "system": s, **med[s], "time_ratio": med[s]["seconds"] / full["seconds"],
+            row = {"fraction": f, "system": s, **med[s], "best_seconds": best[s],
+                   "time_ratio": med[s]["seconds"] / full["seconds"], "best_ratio": best[s] / best["full"],
+                   "cpu_ratio": med[s]["cpu_s"] / full["cpu_s"],
                    "bytes_ratio": med[s]["wchar"] / full["wchar"] if full["wchar"] else None}
             rows.append(row)
-            print(f"{f:>8.0%} {s:>12} {row['seconds']:>9.3f} {row['time_ratio']:>7.3f} "
+            print(f"{f:>8.0%} {s:>12} {row['seconds']:>9.3f} {row['time_ratio']:>7.3f} {best[s]:>7.3f} "
+                  f"{row['best_ratio']:>7.3f} {row['cpu_s']:>6.2f} {row['cpu_ratio']:>7.3f} "
                   f"{C.fmt_size(row['wchar']):>11} {row['bytes_ratio'] or 0:>7.4f}")
         rf = C.median([r["restore_full_s"] for r in runs[f]])
         ri = C.median([r["restore_incremental_s"] for r in runs[f]])
