@@ -15,8 +15,8 @@ them) and the state is saved again, three ways, each into a new prefix of the sa
 
 Times are wall seconds (median and best of the repeats) and CPU seconds (all threads; less
 sensitive to a shared disk). Every save is durable (fsync, commit); before each one
-``os.sync()`` settles earlier writes, and the systems take turns going first. Reported per fraction, medians over ``--repeats``:
-seconds, bytes written (``/proc/self/io`` ``wchar``: every byte through ``write``; links
+``os.sync()`` settles earlier writes, and the systems take turns going first. Reported per
+fraction over ``--repeats``: seconds, bytes written (``/proc/self/io`` ``wchar``: every byte through ``write``; links
 write none), both as ratios to the full save, and the time to restore every tensor of
 the incremental checkpoint vs the full one (page cache dropped first where allowed).
 
