@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -452,3 +453,57 @@ def test_async_incremental_saves(tmp_path: Path) -> None:
         assert _same(_restored(path), expected[path]), path
     origins = data_file_origins(manager.checkpoints[-1], local_fs)
     assert origins is not None and sum(o["how"] == "link" for o in origins.values()) >= FROZEN
+
+
+# -- kill -9 at random moments ----------------------------------------------------------------------
+
+_SAVE_LOOP = """
+import sys, numpy as np, shardckpt
+from shardckpt import CheckpointOptions
+prefix, start = sys.argv[1], int(sys.argv[2])
+frozen = {f"f{i}": np.random.default_rng(i).standard_normal(300_000).astype(np.float32) for i in range(6)}
+print("READY", flush=True)
+for g in range(start, start + 10_000):
+    values = dict(frozen, adapter=np.full(50_000, g, np.float32), moving=np.full(300_000, g % 7, np.float32))
+    shardckpt.save_tensors(prefix, values, CheckpointOptions(incremental=True))
+    print("SAVED", g, flush=True)
+"""
+
+
+def test_kill_9_during_incremental_saves(tmp_path: Path) -> None:
+    """A process saving incrementally to one prefix is killed at random moments (linking, merging,
+    between the sidecar and the index rename, removing old names): the prefix always holds one
+    whole generation, and the next incremental save is exact."""
+    import random
+    import signal
+
+    prefix = str(tmp_path / "ck")
+    rng = random.Random(14)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    frozen = {f"f{i}": np.random.default_rng(i).standard_normal(300_000).astype(np.float32) for i in range(6)}
+    saved_any = False
+    for trial in range(6):
+        proc = subprocess.Popen([sys.executable, "-c", _SAVE_LOOP, prefix, str(trial * 1000)],
+                                stdout=subprocess.PIPE, text=True, env=env)
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "READY"
+        time.sleep(rng.uniform(0.05, 1.0))
+        proc.send_signal(signal.SIGKILL)
+        out = proc.stdout.read()
+        proc.wait()
+        saved_any = saved_any or "SAVED" in out
+        if not os.path.exists(prefix + ".index"):
+            continue
+        got = _read_all(prefix)
+        g = int(got["adapter"][0])
+        assert np.all(got["adapter"] == g) and np.all(got["moving"] == g % 7), f"trial {trial}: a mix"
+        for k, v in frozen.items():
+            assert np.array_equal(got[k], v), (trial, k)
+    assert saved_any, "no save ever finished: the kills came too early to test anything"
+    final = dict(frozen, adapter=np.full(50_000, -1, np.float32), moving=np.full(300_000, -1, np.float32))
+    shardckpt.save_tensors(prefix, final, CheckpointOptions(incremental=True))
+    got = _read_all(prefix)
+    for k, v in final.items():
+        assert np.array_equal(got[k], v), k
+    leftovers = [n for n in os.listdir(tmp_path) if "_temp_" in n or ".tempstate" in n]
+    assert not leftovers, leftovers
