@@ -381,13 +381,17 @@ def test_crash_states_of_an_incremental_save(tmp_path: Path) -> None:
 
 # -- several clients -----------------------------------------------------------------------------
 
-def test_multi_client_incremental_save_torchrun(tmp_path: Path) -> None:
-    """Two real clients (torchrun, gloo): each decides for its own pieces; the commit is collective."""
+@pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
+def test_multi_client_incremental_save(tmp_path: Path, launcher: str) -> None:
+    """Two real clients (torchrun/gloo, mpiexec/MPI): each decides for its own pieces; the commit is collective."""
     out = tmp_path / "out"
     out.mkdir()
-    cmd = [str(tool("torchrun")), "--standalone", "--nproc-per-node=2", str(HELPERS / "incremental_worker.py"),
-           str(tmp_path / "ckpt"), str(out)]
-    log = tmp_path / "torchrun.log"
+    worker = [str(HELPERS / "incremental_worker.py"), str(tmp_path / "ckpt"), str(out)]
+    if launcher == "torchrun":
+        cmd = [str(tool("torchrun")), "--standalone", "--nproc-per-node=2"] + worker
+    else:
+        cmd = [str(tool("mpiexec")), "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable] + worker
+    log = tmp_path / "launcher.log"
     with open(log, "wb") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=clean_env(), cwd=str(HERE.parent),
                               timeout=240)
