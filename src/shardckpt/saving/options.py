@@ -36,12 +36,6 @@ class CheckpointOptions:
         given the save path when it takes one argument.
       sharding_callback: a :class:`~shardckpt.sharding.ShardingCallback`
         (default :class:`~shardckpt.sharding.ShardByTaskPolicy`).
-      skip_slot_variables: on restore, ignore optimizer slot variables.
-      async_staging_bytes: with ``enable_async``, hold at most this many bytes of staged
-        copies: the snapshot then streams (the call returns once the last value is copied).
-      timeout: seconds each collective step of a multi-client save may wait for the
-        other clients (a client that does not arrive is named in the error). ``None``:
-        the coordinator's timeout (600 s, or the ``SHARDCKPT_TIMEOUT`` environment variable).
       incremental: values unchanged since the previous checkpoint are not written again:
         their data files are hard-linked (local disks; reflinked or copied where links
         fail) or copied server-side (object stores) into the new checkpoint, which stays
@@ -50,6 +44,12 @@ class CheckpointOptions:
         did not move since the previous save (in this process) is taken as unchanged
         without hashing its bytes; direct writes into ``.array`` must then call
         ``mark_changed()``. Default: every value is hashed (xxh3-128).
+      skip_slot_variables: on restore, ignore optimizer slot variables.
+      async_staging_bytes: with ``enable_async``, hold at most this many bytes of staged
+        copies: the snapshot then streams (the call returns once the last value is copied).
+      timeout: seconds each collective step of a multi-client save may wait for the
+        other clients (a client that does not arrive is named in the error). ``None``:
+        the coordinator's timeout (600 s, or the ``SHARDCKPT_TIMEOUT`` environment variable).
 
     TensorFlow's ``experimental_`` spellings are accepted as aliases, and are
     readable as attributes.
