@@ -79,7 +79,7 @@ def _parents(op: Op) -> List[str]:
     durable by an fsync of the destination's directory (journaling filesystems commit the
     whole rename in one transaction; the source's entry then goes with it)."""
     kind, path, extra = op
-    target = str(extra) if kind == "rename" else path
+    target = str(extra) if kind in ("rename", "link") else path
     return [posixpath.dirname(target) or "."]
 
 
@@ -88,7 +88,7 @@ class CrashStates:
 
     def __init__(self, root: str, ops: List[Op], initial: Tuple[Snapshot, Set[str]]) -> None:
         self.root = os.path.abspath(root)
-        self.ops = [(k, self._rel(p), self._rel(str(e)) if k == "rename" else e) for k, p, e in ops]
+        self.ops = [(k, self._rel(p), self._rel(str(e)) if k in ("rename", "link") else e) for k, p, e in ops]
         self.initial_files, self.initial_dirs = initial
 
     def _rel(self, path: str) -> str:
@@ -128,6 +128,13 @@ class CrashStates:
                 if path in names:
                     names[str(extra)] = names.pop(path)
                 r.name_ops.append(i)
+            elif kind == "link":  # a second name for the file at path (its data already durable or not)
+                if path in binder:
+                    r.depends[i] = binder[path]
+                binder[str(extra)] = i
+                if path in names:
+                    names[str(extra)] = names[path]
+                r.name_ops.append(i)
             elif kind == "remove":
                 binder.pop(path, None)
                 names.pop(path, None)
@@ -162,6 +169,9 @@ class CrashStates:
             elif kind == "rename":
                 if path in names:
                     names[str(extra)] = names.pop(path)
+            elif kind == "link":
+                if path in names:
+                    names[str(extra)] = names[path]
             elif kind == "remove":
                 names.pop(path, None)
             elif kind == "remove_tree":

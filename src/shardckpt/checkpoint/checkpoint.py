@@ -33,7 +33,7 @@ from .restore import (
     RestoreSession,
     load_object_graph,
 )
-from .state import update_checkpoint_state
+from .state import latest_checkpoint, update_checkpoint_state
 from .trackable import Module, Trackable, Variable, as_trackable
 
 __all__ = ["Checkpoint"]
@@ -153,11 +153,12 @@ class Checkpoint(Module):
         graph = build_graph(root, extra)
         graph_tensor = ShardableTensor.from_value(OBJECT_GRAPH_KEY,
                                                   np.array(graph.proto.SerializeToString(), dtype=object))
-        self._save_graph(path, graph, graph_tensor, options, on_commit)
+        previous = _previous_checkpoint(path) if options.incremental and on_commit is not None else None
+        self._save_graph(path, graph, graph_tensor, options, on_commit, previous)
         return path
 
     def _save_graph(self, path: str, graph: SaveableGraph, graph_tensor: ShardableTensor,
-                    options: CheckpointOptions, on_commit: Any) -> None:
+                    options: CheckpointOptions, on_commit: Any, previous: Optional[str] = None) -> None:
         """Save the graph's values (in graph order) and then the graph itself."""
         tensors: List[ShardableTensor] = []
         for t in graph.tensors:  # a distributed value (a DVariable's DTensor) lists its distinct pieces
@@ -169,7 +170,7 @@ class Checkpoint(Module):
             _log.warning("registered savers in the graph: saving %s synchronously", path)
             options = options.replace(enable_async=False)
         save_tensors(path, tensors, options, extra_bundles=extra, on_commit=on_commit,
-                     saver=self._async_saver(options), on_failure=self._pending_rollback)
+                     saver=self._async_saver(options), on_failure=self._pending_rollback, previous=previous)
 
     # -- restoring ---------------------------------------------------------------
     def read(self, save_path: str, options: Optional[CheckpointOptions] = None) -> Any:
@@ -225,6 +226,14 @@ class Checkpoint(Module):
     def sync(self) -> None:
         """Wait until the save in flight (``enable_async``) has committed; raise its error if it failed."""
         self._wait_for_pending()
+
+
+def _previous_checkpoint(path: str) -> Optional[str]:
+    """For an incremental save to ``path``: the latest checkpoint its folder's state file names, if any."""
+    try:
+        return latest_checkpoint(get_fs(path).dirname(path) or ".")
+    except Exception:  # an unreadable state file: the save is then a full one
+        return None
 
 
 def _update_state(path: str) -> None:

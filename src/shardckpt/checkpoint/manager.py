@@ -27,6 +27,7 @@ import numpy as np
 from ..errors import InvalidArgumentError, NotFoundError
 from ..format.naming import index_filename
 from ..saving.commit.leftovers import clean_directory
+from ..saving.incremental import sidecar_filename
 from ..saving.options import CheckpointOptions
 from ..storage.base import is_local_path, normalize
 from ..storage.registry import get_fs
@@ -49,17 +50,24 @@ class CheckpointManager:
     With ``checkpoint_interval``, ``save`` writes only when ``step_counter`` advanced
     that many steps since ``last_checkpoint_step`` (initially the argument, then the
     step of the last save or restore).
+
+    With ``incremental`` every save is incremental (``CheckpointOptions(incremental=True)``
+    is added to the options of each ``save``): values unchanged since the latest checkpoint
+    are linked (or copied server-side) instead of written, and every checkpoint stays
+    complete, so retention deletes old ones safely.
     """
 
     def __init__(self, checkpoint: Any, directory: str, max_to_keep: Optional[int],
                  keep_checkpoint_every_n_hours: Optional[float] = None, checkpoint_name: str = "ckpt",
                  step_counter: Any = None, checkpoint_interval: Optional[int] = None,
-                 init_fn: Optional[Callable[[], Any]] = None, last_checkpoint_step: Optional[int] = None) -> None:
+                 init_fn: Optional[Callable[[], Any]] = None, last_checkpoint_step: Optional[int] = None,
+                 incremental: bool = False) -> None:
         if max_to_keep is not None and max_to_keep <= 0:
             raise InvalidArgumentError(f"Expected a positive integer or `None` for `max_to_keep`, got {max_to_keep}")
         if checkpoint_interval is not None and step_counter is None:
             raise InvalidArgumentError("checkpoint_interval needs a step_counter")
         self._checkpoint = checkpoint
+        self._incremental = bool(incremental)
         self._directory = normalize(os.fspath(directory))
         self._max_to_keep = max_to_keep
         self._keep_every_hours = keep_checkpoint_every_n_hours
@@ -133,6 +141,8 @@ class CheckpointManager:
                     return None
                 if check_interval and step < self._last_checkpoint_step + self._checkpoint_interval:
                     return None
+        if self._incremental:
+            options = (options or CheckpointOptions()).replace(incremental=True)
         self._checkpoint._wait_for_pending()  # a failed background save rolls its number back first
         counter = self._checkpoint.save_counter
         previous = int(np.asarray(counter.array))
@@ -244,9 +254,13 @@ def _finish_deletions(fs: Any, directory: str, base: str, tracked: Set[str]) -> 
 
 
 def _delete_checkpoint(prefix: str) -> None:
-    """Remove a checkpoint's index (first: it stops being a checkpoint) and its data files."""
+    """Remove a checkpoint's index (first: it stops being a checkpoint), its data files and its sidecar.
+
+    Incremental saves link data files into newer checkpoints (or copy them): removing
+    this checkpoint's names never removes bytes a newer checkpoint uses."""
     if is_local_path(prefix):
-        for name in [index_filename(prefix)] + glob.glob(glob.escape(prefix) + ".data-*-of-*"):
+        for name in ([index_filename(prefix)] + glob.glob(glob.escape(prefix) + ".data-*-of-*")
+                     + [sidecar_filename(prefix)]):
             try:
                 os.remove(name)
             except FileNotFoundError:
@@ -259,5 +273,6 @@ def _delete_checkpoint(prefix: str) -> None:
     for name in fs.listdir(directory):
         if pattern.match(name):
             fs.remove(fs.join(directory, name))
+    fs.remove(sidecar_filename(prefix))
 
 

@@ -342,6 +342,7 @@ class NameBasedSaverStatus(LoadStatus):
                                            path=reader.prefix, key=name)
         for var, name in reads:
             reader.read_region(name, None, out=var.array)
+            var.mark_changed()
             self._matched.append(var)
 
     def assert_consumed(self) -> "NameBasedSaverStatus":

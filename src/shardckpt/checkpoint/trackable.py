@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import itertools
+import uuid
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
@@ -24,6 +26,10 @@ __all__ = ["Trackable", "Variable", "Module", "TrackedList", "TrackedDict", "Arr
            "VARIABLE_VALUE"]
 
 VARIABLE_VALUE = "VARIABLE_VALUE"
+
+# Variables' change tokens: unique within this process, never equal to another process's.
+_PROCESS = uuid.uuid4().hex[:16]
+_VARIABLE_IDS = itertools.count()
 
 # A restoration waiting for a child: called with the child once it is attached.
 PendingRestore = Callable[["Trackable"], None]
@@ -88,6 +94,12 @@ class Variable(Trackable):
     bool, ``Variable("s")`` string; ints outside int32's range make int64), so a
     checkpoint of it restores into the equivalent ``tf.Variable``. NumPy arrays and
     scalars keep their dtype (see :mod:`shardckpt.checkpoint.convert`).
+
+    A version counter goes up at every write through the API (``assign*``, restores);
+    incremental saves with ``CheckpointOptions(trust_versions=True)`` skip hashing a
+    variable whose version did not move. Code that writes into :attr:`array` directly
+    must then call :meth:`mark_changed` (without ``trust_versions`` the content hash
+    catches such writes anyway).
     """
 
     def __init__(self, initial_value: Any, name: Optional[str] = None, dtype: Any = None,
@@ -103,6 +115,8 @@ class Variable(Trackable):
         self._value = array
         self._name = name or "Variable"
         self.trainable = trainable
+        self._uid = next(_VARIABLE_IDS)
+        self._version = 0
 
     @property
     def name(self) -> str:
@@ -135,7 +149,25 @@ class Variable(Trackable):
             raise InvalidArgumentError(f"cannot assign a value of shape {list(new.shape)} to variable "
                                        f"{self._name!r} of shape {list(self._value.shape)}")
         np.copyto(self._value, new, casting="same_kind" if self._value.dtype != object else "unsafe")
+        self._version += 1
         return self
+
+    def mark_changed(self) -> None:
+        """Say that :attr:`array` was written directly (incremental saves trusting versions then save it)."""
+        self._version += 1
+
+    @property
+    def version(self) -> int:
+        """How many writes through the API (and :meth:`mark_changed` calls) this variable has seen."""
+        return self._version
+
+    def _change_token(self) -> str:
+        """Equal at two saves exactly when no API write happened between them (in this process)."""
+        return f"{_PROCESS}:{self._uid}:{self._version}"
+
+    def _after_restore(self, attributes: Iterable[str]) -> None:
+        self._version += 1
+        super()._after_restore(attributes)
 
     def assign_add(self, delta: Any) -> "Variable":
         """Add ``delta`` in place."""

@@ -10,6 +10,10 @@ statistics and values (summarised beyond ``--limit`` elements).
 bytes under each level; it also reads safetensors files, Hugging Face folders and
 ``.npz`` archives (names split at ``.`` when none has a ``/``).
 
+A checkpoint written by an incremental save also shows, per data file, whether it
+was written by that save or linked / copied from the previous checkpoint (and from
+which file), and the bytes actually written.
+
 ``--json`` prints the same information as one JSON document. Values are included
 when the tensor has at most ``--limit`` elements; strings as base64 plus UTF-8
 (``null`` where not UTF-8), flattened row-major.
@@ -27,7 +31,7 @@ import difflib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Union
+from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 
@@ -36,6 +40,8 @@ from ..convert.detect import source_format
 from ..errors import NotFoundError, ShardckptError
 from ..format.bundle_reader import BundleReader
 from ..format.ordered_code import is_slice_key
+from ..saving.incremental import data_file_origins
+from ..storage.registry import get_fs
 from ._layout import DataFile, TensorLayout, data_files, open_bundle, tensor_layout
 from ._text import error_text, human_size, key_text, render_table, shape_text
 from ._values import format_stats, format_values, json_number, numeric_stats, string_stats, strings_json, values_json
@@ -111,8 +117,9 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(tree_json(root), indent=2) if args.json else render_tree(root))
             return 1 if any(isinstance(r, BadTensor) for r in rows) else 0
         files = data_files(reader)
-        print(json.dumps(listing_json(reader.prefix, files, rows), indent=2) if args.json
-              else render_listing(reader.prefix, files, rows))
+        origins = data_file_origins(reader.prefix, get_fs(reader.prefix))
+        print(json.dumps(listing_json(reader.prefix, files, rows, origins), indent=2) if args.json
+              else render_listing(reader.prefix, files, rows, origins))
         return 1 if any(isinstance(r, BadTensor) for r in rows) else 0
 
 
@@ -146,15 +153,36 @@ def _total_bytes(rows: List[Row]) -> int:
     return sum(r.nbytes for r in rows if isinstance(r, TensorLayout))
 
 
-def render_listing(prefix: str, files: List[DataFile], rows: List[Row]) -> str:
+Origins = Optional[Dict[int, Dict[str, Any]]]
+
+
+def _origin_text(origin: Dict[str, Any]) -> str:
+    how = origin["how"]
+    if how == "written":
+        return "written"
+    verb = {"link": "linked", "reflink": "reflinked", "copy": "copied", "server-copy": "copied server-side"}
+    return f"{verb.get(how, how)} from {origin['reused_from']}"
+
+
+def _written_bytes(files: List[DataFile], origins: Dict[int, Dict[str, Any]]) -> int:
+    return sum(f.size or 0 for f in files if origins.get(f.shard, {"how": "written"})["how"] == "written")
+
+
+def render_listing(prefix: str, files: List[DataFile], rows: List[Row], origins: Origins = None) -> str:
     """The text listing: header lines, the table, then any entry errors."""
     total = _total_bytes(rows)
     lines = [f"checkpoint: {prefix}",
-             f"shards: {len(files)}  tensors: {len(rows)}  total: {total} bytes ({human_size(total)})",
-             "data files:"]
+             f"shards: {len(files)}  tensors: {len(rows)}  total: {total} bytes ({human_size(total)})"]
+    if origins is not None:
+        written = _written_bytes(files, origins)
+        shared = sum(1 for o in origins.values() if o["how"] != "written")
+        lines.append(f"incremental: {shared} of {len(files)} data files shared with the previous checkpoint; "
+                     f"{written} bytes ({human_size(written)}) written")
+    lines.append("data files:")
     for f in files:
         size = "MISSING" if f.size is None else f"{f.size} bytes ({human_size(f.size)})"
-        lines.append(f"  {os.path.basename(f.path)}  {size}")
+        origin = "" if origins is None else "  " + _origin_text(origins.get(f.shard, {"how": "written"}))
+        lines.append(f"  {os.path.basename(f.path)}  {size}{origin}")
     table: List[List[str]] = []
     for row in rows:
         if isinstance(row, BadTensor):
@@ -183,7 +211,7 @@ def _layout_json(layout: TensorLayout) -> Dict[str, Any]:
     return out
 
 
-def listing_json(prefix: str, files: List[DataFile], rows: List[Row]) -> Dict[str, Any]:
+def listing_json(prefix: str, files: List[DataFile], rows: List[Row], origins: Origins = None) -> Dict[str, Any]:
     """The listing as a JSON-ready dict."""
     tensors = []
     for row in rows:
@@ -191,11 +219,16 @@ def listing_json(prefix: str, files: List[DataFile], rows: List[Row]) -> Dict[st
             tensors.append({"key": row.name, "error": error_text(row.error)})
         else:
             tensors.append(_layout_json(row))
-    return {"checkpoint": prefix, "num_shards": len(files), "num_tensors": len(rows),
-            "total_bytes": _total_bytes(rows),
-            "data_files": [{"shard": f.shard, "path": f.path, "size": f.size, "exists": f.size is not None}
-                           for f in files],
-            "tensors": tensors}
+    out: Dict[str, Any] = {
+        "checkpoint": prefix, "num_shards": len(files), "num_tensors": len(rows), "total_bytes": _total_bytes(rows),
+        "data_files": [{"shard": f.shard, "path": f.path, "size": f.size, "exists": f.size is not None}
+                       for f in files],
+        "tensors": tensors}
+    if origins is not None:
+        for f, described in zip(files, out["data_files"]):
+            described.update(origins.get(f.shard, {"how": "written", "reused_from": None}))
+        out["bytes_written"] = _written_bytes(files, origins)
+    return out
 
 
 # -- one tensor ----------------------------------------------------------------------------------

@@ -169,7 +169,7 @@ class DTensorCheckpoint(Checkpoint):
         return self._coordinator or get_coordinator()  # type: ignore[attr-defined, no-any-return]
 
     def _save_graph(self, path: str, graph: SaveableGraph, graph_tensor: ShardableTensor,
-                    options: CheckpointOptions, on_commit: Any) -> None:
+                    options: CheckpointOptions, on_commit: Any, previous: Optional[str] = None) -> None:
         if graph.registered:
             raise InvalidArgumentError("registered savers are not supported in multi-client DTensor checkpoints")
         coordinator = self._coord()
@@ -185,7 +185,8 @@ class DTensorCheckpoint(Checkpoint):
             local.append(ShardableTensor.from_value(graph_tensor.checkpoint_key, graph_tensor.tensor,
                                                     device=io_device))
         save_tensors_distributed(path, local, options, coordinator, io_rank=io, on_commit=on_commit,
-                                 saver=self._async_saver(options), on_failure=self._pending_rollback)
+                                 saver=self._async_saver(options), on_failure=self._pending_rollback,
+                                 previous=previous)
 
     def save(self, file_prefix: str, options: Optional[CheckpointOptions] = None) -> str:
         """Collective ``save``: only the io client updates the ``checkpoint`` file."""

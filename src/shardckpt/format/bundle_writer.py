@@ -147,7 +147,7 @@ class BundleWriter:
         self._fs.write_all(self._fd, buf, self._data_tmp)
         self._offset += len(buf)
 
-    def _write_numeric(self, array: np.ndarray, dt: DType) -> "tuple[int, int]":
+    def _write_numeric(self, array: np.ndarray, dt: DType, digest: Any = None) -> "tuple[int, int]":
         if self._big_endian and dt.swap_unit:
             unit = np.dtype(f"<u{dt.swap_unit}")
             array = np.ascontiguousarray(array).view(unit).byteswap().view(dt.numpy)
@@ -155,14 +155,19 @@ class BundleWriter:
         start = self._offset
         for buf in byte_chunks(array):
             running.update(buf)
+            if digest is not None:
+                digest.update(buf)
             self._write(buf)
         return self._offset - start, running.value()
 
-    def add(self, key: Union[str, bytes], value: Any, dtype: Any = None) -> None:
-        """Append a whole tensor under ``key`` (``dtype`` converts the value first)."""
-        self._add(encode_key(key), value, dtype)
+    def add(self, key: Union[str, bytes], value: Any, dtype: Any = None, *, digest: Any = None) -> None:
+        """Append a whole tensor under ``key`` (``dtype`` converts the value first).
 
-    def _add(self, key: bytes, value: Any, dtype: Any) -> pb.BundleEntryProto:
+        ``digest``: an object with ``update(bytes)`` (a hash) fed the value's bytes as they stream out
+        (numeric values only)."""
+        self._add(encode_key(key), value, dtype, digest)
+
+    def _add(self, key: bytes, value: Any, dtype: Any, digest: Any = None) -> pb.BundleEntryProto:
         if self._finished:
             raise InvalidArgumentError("bundle already finished", path=self.prefix)
         if key == b"":
@@ -183,13 +188,14 @@ class BundleWriter:
             entry.size = len(data)
             entry.crc32c = masked
         else:
-            entry.size, value_crc = self._write_numeric(array, dt)
+            entry.size, value_crc = self._write_numeric(array, dt, digest)
             entry.crc32c = crc.mask(value_crc)
         self._entries[key] = entry
         return entry
 
     def add_slice(self, full_key: Union[str, bytes], full_shape: Sequence[int],
-                  tensor_slice: Union[TensorSlice, str], value: Any, dtype: Any = None) -> None:
+                  tensor_slice: Union[TensorSlice, str], value: Any, dtype: Any = None, *,
+                  digest: Any = None) -> None:
         """Append one slice of a partitioned tensor, as TF's ``BundleWriter::AddSlice``.
 
         A slice that covers the whole tensor is stored as an ordinary entry.
@@ -206,7 +212,7 @@ class BundleWriter:
                 f"slice {tensor_slice} of shape {list(full_shape)} has shape {list(slice_shape)}, "
                 f"value has shape {list(array.shape)}", path=self.prefix, key=key)
         if tensor_slice.is_full() or slice_shape == full_shape:
-            self._add(key, array, None)
+            self._add(key, array, None, digest)
             return
         full = self._entries.get(key)
         if full is None:
@@ -217,7 +223,7 @@ class BundleWriter:
         elif full.dtype != dt.enum or tuple(d.size for d in full.shape.dim) != full_shape:
             raise InvalidArgumentError("slices of one tensor disagree on dtype or full shape",
                                        path=self.prefix, key=key)
-        self._add(encode_tensor_name_slice(key, tensor_slice.extents), array, None)
+        self._add(encode_tensor_name_slice(key, tensor_slice.extents), array, None, digest)
         full.slices.append(tensor_slice.to_proto())
         self._entries[key] = full
 

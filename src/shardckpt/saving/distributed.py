@@ -48,7 +48,7 @@ def save_tensors_distributed(prefix: str, local_tensors: List[ShardableTensor], 
                              io_rank: Optional[int] = None, funnel: Optional[bool] = None,
                              on_commit: Optional[Callable[[str], None]] = None, timeout: Optional[float] = None,
                              saver: Optional[AsyncSaver] = None, on_failure: Optional[Callable[[], None]] = None,
-                             fs: Optional[FileSystem] = None) -> str:
+                             fs: Optional[FileSystem] = None, previous: Optional[str] = None) -> str:
     """Collective save of every client's ``local_tensors`` into one checkpoint at ``prefix``.
 
     ``io_rank`` (default: from ``options.io_device``, else 0) prepares, commits and runs
@@ -59,6 +59,9 @@ def save_tensors_distributed(prefix: str, local_tensors: List[ShardableTensor], 
     With ``options.enable_async`` each client snapshots its values and returns; the
     collective write runs on ``saver``'s thread over a clone of ``coordinator`` (its
     own communicator), and every client learns there whether the save committed.
+
+    ``previous``: with ``options.incremental``, the checkpoint whose unchanged data files
+    may be reused (default: the one at ``prefix``, if any).
     """
     size = coordinator.size
     request = SaveRequest(
@@ -66,5 +69,5 @@ def save_tensors_distributed(prefix: str, local_tensors: List[ShardableTensor], 
         io_rank=io_rank_of(options, size) if io_rank is None else io_rank,
         funnel=(options.io_device is not None and size > 1) if funnel is None else funnel,
         timeout=timeout if timeout is not None else options.timeout,
-        on_commit=on_commit, on_failure=on_failure)
+        on_commit=on_commit, on_failure=on_failure, previous=previous)
     return save(local_tensors, request, coordinator, saver)

@@ -6,6 +6,11 @@ single-process save runs the same path over
 is trivial. Steps (``io``: the request's io client; ``all``: every client)::
 
     plan      all  the values become a SavePlan (sharding callback, validation)
+    arrange   all  incremental saves: each client compares its pieces with the
+                   previous checkpoint (versions, else xxh3-128 hashes) and turns
+                   its wholly unchanged data files into shards to reuse
+                   (saving/incremental.py); before staging, so unchanged values
+                   are never copied
     stage     all  with enable_async: values are copied to host buffers; the rest
                    runs on a background thread over a clone of the coordinator
     prepare   io   committer.prepare(): leftovers removed, scratch area made,
@@ -29,7 +34,8 @@ When a step fails on some client, every client raises the same
 :class:`~shardckpt.distributed.CoordinationError` naming the client(s) and their errors
 (on a failing client it is chained to the original error); a single client raises
 its original error. Which store is written
-(rename-commit or index-last) is the committer's business; the engine never asks.
+(rename-commit or index-last, or their incremental forms that link or copy reused
+data files) is the committer's business; the engine never asks.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from .commit import Committer, committer_for
 from .commit.base import Written
 from .context import default_context
 from .funnel import describe_plan, receive_plan, send_plan
+from .incremental import arrange, load_previous
 from .plan import SavePlan, ShardPlan, TensorsToSave, make_save_plan
 from .request import SaveRequest, default_workers
 
@@ -64,6 +71,8 @@ class SaveStats:
     num_shards: int
     bytes_written: int
     seconds: float
+    #: bytes of data files reused from the previous checkpoint (linked or copied, not written)
+    bytes_reused: int = 0
 
 
 def save(tensors: TensorsToSave, request: SaveRequest, coordinator: Coordinator,
@@ -80,6 +89,8 @@ def save(tensors: TensorsToSave, request: SaveRequest, coordinator: Coordinator,
         plan = make_save_plan(tensors, options.sharding_callback)
     else:
         plan = SavePlan.empty()  # others may have values; the save fails if nobody has any
+    if options.incremental:
+        plan = _arrange(plan, request, saver)
     if options.enable_async:
         context = default_context()
         background = context.background(coordinator)
@@ -98,9 +109,25 @@ def save(tensors: TensorsToSave, request: SaveRequest, coordinator: Coordinator,
     return request.prefix
 
 
+def _arrange(plan: SavePlan, request: SaveRequest, saver: Optional[AsyncSaver]) -> SavePlan:
+    """The arrange step of an incremental save (see :mod:`shardckpt.saving.incremental`)."""
+    if request.funnel:
+        _log.info("incremental save of %s: values funnelled to the io client are written in full", request.prefix)
+        return plan
+    if request.options.enable_async:  # the previous save's sidecar must be there
+        (saver or default_context().saver()).wait()
+    elif saver is not None:
+        saver.wait()
+    fs = request.location.fs
+    previous = load_previous(request.previous or request.prefix, fs)
+    if previous is None and request.previous is not None and request.previous != request.prefix:
+        previous = load_previous(request.prefix, fs)
+    return arrange(plan, previous, trust_versions=request.options.trust_versions)
+
+
 def _log_stats(stats: SaveStats) -> None:
-    _log.info("saved %s: %d shards, %d bytes in %.3f s", stats.prefix, stats.num_shards, stats.bytes_written,
-              stats.seconds)
+    _log.info("saved %s: %d shards, %d bytes written, %d reused in %.3f s", stats.prefix, stats.num_shards,
+              stats.bytes_written, stats.bytes_reused, stats.seconds)
 
 
 def _describe(exc: BaseException) -> str:
@@ -133,7 +160,7 @@ def _run_save(plan: SavePlan, request: SaveRequest, coordinator: Coordinator) ->
     started = time.perf_counter()
     prefix, io, timeout = request.prefix, request.io_rank, request.timeout
     is_io = coordinator.rank == io
-    committer = committer_for(request.location, fsync=request.fsync)
+    committer = committer_for(request.location, fsync=request.fsync, incremental=request.options.incremental)
 
     # prepare [io] -> everyone checks it runs the same save, and adopts the io client's decisions
     identity = save_identity(coordinator, prefix)
@@ -218,7 +245,7 @@ def _run_save(plan: SavePlan, request: SaveRequest, coordinator: Coordinator) ->
               CoordinationError(f"the save of {prefix} failed on client {io}: {outcome['error']}"))
     request.options.run_write_callbacks(prefix)
     return SaveStats(prefix, committer.num_shards, sum(int(w["bytes"]) for w in written),
-                     time.perf_counter() - started)
+                     time.perf_counter() - started, sum(int(w.get("reused", 0)) for w in written))
 
 
 def _fail(coordinator: Coordinator, own: Optional[BaseException], agreed: BaseException) -> None:

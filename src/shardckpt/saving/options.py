@@ -36,6 +36,14 @@ class CheckpointOptions:
         given the save path when it takes one argument.
       sharding_callback: a :class:`~shardckpt.sharding.ShardingCallback`
         (default :class:`~shardckpt.sharding.ShardByTaskPolicy`).
+      incremental: values unchanged since the previous checkpoint are not written again:
+        their data files are hard-linked (local disks; reflinked or copied where links
+        fail) or copied server-side (object stores) into the new checkpoint, which stays
+        complete on its own (see :mod:`shardckpt.saving.incremental`).
+      trust_versions: with ``incremental``, a :class:`~shardckpt.Variable` whose version
+        did not move since the previous save (in this process) is taken as unchanged
+        without hashing its bytes; direct writes into ``.array`` must then call
+        ``mark_changed()``. Default: every value is hashed (xxh3-128).
       skip_slot_variables: on restore, ignore optimizer slot variables.
       async_staging_bytes: with ``enable_async``, hold at most this many bytes of staged
         copies: the snapshot then streams (the call returns once the last value is copied).
@@ -52,7 +60,7 @@ class CheckpointOptions:
                  write_callbacks: Optional[Sequence[WriteCallback]] = None,
                  sharding_callback: Optional[ShardingCallback] = None,
                  skip_slot_variables: bool = False, *, async_staging_bytes: Optional[int] = None,
-                 timeout: Optional[float] = None,
+                 timeout: Optional[float] = None, incremental: bool = False, trust_versions: bool = False,
                  experimental_io_device: Optional[str] = None,
                  experimental_enable_async_checkpoint: bool = False,
                  experimental_write_callbacks: Optional[Sequence[WriteCallback]] = None,
@@ -82,6 +90,8 @@ class CheckpointOptions:
         if timeout is not None and not float(timeout) > 0:
             raise InvalidArgumentError(f"timeout must be positive seconds, got {timeout!r}")
         self.timeout: Optional[float] = None if timeout is None else float(timeout)
+        self.incremental = bool(incremental)
+        self.trust_versions = bool(trust_versions)
 
     # TensorFlow's attribute spellings
     experimental_io_device = property(lambda self: self.io_device, doc="TensorFlow's name of ``io_device``.")
@@ -107,11 +117,11 @@ class CheckpointOptions:
         values: Dict[str, Any] = dict(io_device=self.io_device, enable_async=self.enable_async,
                       write_callbacks=self.write_callbacks, sharding_callback=self.sharding_callback,
                       skip_slot_variables=self.skip_slot_variables, async_staging_bytes=self.async_staging_bytes,
-                      timeout=self.timeout)
+                      timeout=self.timeout, incremental=self.incremental, trust_versions=self.trust_versions)
         values.update(changes)
         return CheckpointOptions(**values)
 
     def __repr__(self) -> str:
         return (f"CheckpointOptions(io_device={self.io_device!r}, enable_async={self.enable_async}, "
                 f"write_callbacks={self.write_callbacks!r}, sharding_callback={self.sharding_callback!r}, "
-                f"skip_slot_variables={self.skip_slot_variables})")
+                f"skip_slot_variables={self.skip_slot_variables}, incremental={self.incremental})")

@@ -33,7 +33,7 @@ try:
 except ImportError:  # pragma: no cover - Python < 3.8
     from typing_extensions import Protocol  # type: ignore[assignment]
 
-__all__ = ["ValueSource", "ArraySource", "PlanItem", "ShardPlan", "SavePlan", "make_save_plan",
+__all__ = ["ValueSource", "ArraySource", "PlanItem", "Reuse", "ShardPlan", "change_token", "SavePlan", "make_save_plan",
            "as_shardable_tensors", "TensorsToSave"]
 
 _log = logging.getLogger("shardckpt")
@@ -80,6 +80,8 @@ class PlanItem:
     box: Box
     tensor: ShardableTensor
     source: ValueSource
+    #: the value's change token when it was planned (a ``Variable``'s version), for incremental saves
+    version: Optional[str] = None
 
     @property
     def dtype(self) -> DType:
@@ -105,12 +107,35 @@ class PlanItem:
 
 
 @dataclass(frozen=True)
+class Reuse:
+    """A data file of an earlier checkpoint that holds exactly a shard's values, unchanged.
+
+    ``source`` is the data file's path; ``entries`` the index entries (serialized
+    ``BundleEntryProto``) of its pieces, by the key stored in the index (a slice's
+    entry under its encoded key; a sliced tensor's full entry lists only this file's
+    slices), with offsets into ``source``; ``size`` its length in bytes.
+    """
+
+    source: str
+    entries: Tuple[Tuple[bytes, bytes], ...]
+    size: int
+
+
+@dataclass(frozen=True)
 class ShardPlan:
-    """One shard: written as one bundle with one data file, by ``task``."""
+    """One shard: written as one bundle with one data file, by ``task``.
+
+    Incremental saves (:mod:`shardckpt.saving.incremental`) set ``hashes`` (one
+    content hash per item, ``None`` where it is computed while the bytes stream) and,
+    for a shard whose values are all unchanged in one earlier data file, ``reuse``:
+    the committer then links or copies that file instead of writing the values.
+    """
 
     index: int
     task: str
     items: Tuple[PlanItem, ...]
+    hashes: Optional[Tuple[Optional[str], ...]] = None
+    reuse: Optional[Reuse] = None
 
     @property
     def nbytes(self) -> int:
@@ -138,8 +163,10 @@ class SavePlan:
         return [item for shard in self.shards for item in shard.items]
 
     def with_sources(self, make: Callable[[PlanItem], ValueSource]) -> "SavePlan":
-        """A new plan whose items' bytes come from ``make(item)``."""
-        shards = tuple(replace(s, items=tuple(i.with_source(make(i)) for i in s.items)) for s in self.shards)
+        """A new plan whose items' bytes come from ``make(item)`` (shards that reuse a data file keep theirs:
+        their bytes are never read)."""
+        shards = tuple(s if s.reuse is not None else replace(s, items=tuple(i.with_source(make(i)) for i in s.items))
+                       for s in self.shards)
         return replace(self, shards=shards)
 
     @classmethod
@@ -168,6 +195,16 @@ def as_shardable_tensors(tensors: TensorsToSave) -> List[ShardableTensor]:
     return out
 
 
+def change_token(tensor: ShardableTensor) -> Optional[str]:
+    """What says that a value did not change since an earlier save: its trackable's ``_change_token()``
+    (a :class:`~shardckpt.Variable`'s version), read now, before any bytes are copied."""
+    token = getattr(tensor.trackable, "_change_token", None)
+    if token is None:
+        return None
+    value = token()
+    return None if value is None else f"{value}/{tensor.slice_spec}"
+
+
 def make_save_plan(tensors: TensorsToSave, callback: Optional[ShardingCallback] = None) -> SavePlan:
     """Group by task, run the callback per task, validate, number the shards."""
     callback = callback or ShardByTaskPolicy()
@@ -182,7 +219,8 @@ def make_save_plan(tensors: TensorsToSave, callback: Optional[ShardingCallback] 
     for task, group in by_task.items():
         result = callback(group)
         for checked in validate_shards(result, group, callback.description):
-            items = tuple(PlanItem(i.key, i.slice_spec, i.box, i.source, ArraySource(i.value)) for i in checked)
+            items = tuple(PlanItem(i.key, i.slice_spec, i.box, i.source, ArraySource(i.value), change_token(i.source))
+                          for i in checked)
             shards.append(ShardPlan(len(shards), task, items))
     elapsed = time.perf_counter() - started
     _log.debug("sharding callback %r took %.1f us", callback.description, elapsed * 1e6)

@@ -39,6 +39,8 @@ class SaveRequest:
       on_commit: the front door's step right after the commit (e.g. the state file),
         on the io client; its failure is the save's failure.
       on_failure: run when an asynchronous save's error is raised to the caller.
+      previous: with ``options.incremental``, the checkpoint whose unchanged data files
+        may be reused (``None``: the checkpoint at ``location`` itself, if any).
     """
 
     location: Location
@@ -51,6 +53,7 @@ class SaveRequest:
     extra_bundles: Optional[BundleMaker] = None
     on_commit: Optional[Callable[[str], None]] = None
     on_failure: Optional[Callable[[], None]] = None
+    previous: Optional[str] = None
 
     @property
     def prefix(self) -> str:

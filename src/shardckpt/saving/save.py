@@ -33,7 +33,7 @@ def save_tensors(prefix: str, tensors: TensorsToSave, options: Optional[Checkpoi
                  extra_bundles: Optional[BundleMaker] = None,
                  on_commit: Optional[Callable[[str], None]] = None,
                  saver: Optional["AsyncSaver"] = None,
-                 on_failure: Optional[Callable[[], None]] = None) -> str:
+                 on_failure: Optional[Callable[[], None]] = None, previous: Optional[str] = None) -> str:
     """Save ``tensors`` as a (sharded) checkpoint at ``prefix``; return ``prefix``.
 
     ``tensors`` maps checkpoint keys to arrays (or :class:`~shardckpt.ShardableTensor`),
@@ -50,9 +50,13 @@ def save_tensors(prefix: str, tensors: TensorsToSave, options: Optional[Checkpoi
     With ``options.enable_async`` the values are copied to host buffers and the call
     returns; everything else happens on ``saver``'s background thread (see
     :mod:`shardckpt.saving.async_save`); ``on_failure`` runs when its error is raised.
+
+    With ``options.incremental`` values unchanged since ``previous`` (default: the
+    checkpoint at ``prefix`` itself, if any) are not written again: their data files are
+    linked or copied (see :mod:`shardckpt.saving.incremental`).
     """
     options = options or CheckpointOptions()
     request = SaveRequest(Location.of(prefix), options, fsync=fsync, max_workers=max_workers,
                           timeout=options.timeout, extra_bundles=extra_bundles, on_commit=on_commit,
-                          on_failure=on_failure)
+                          on_failure=on_failure, previous=previous)
     return save(tensors, request, SingleProcessCoordinator(), saver)

@@ -20,7 +20,8 @@ Roles and call sequences (who calls what):
 * **Readers** (``format.BundleReader``): ``open_read`` -> ``pread_into`` (repeated) /
   ``pread_batch`` -> ``close``; ``size`` and ``read_bytes`` for whole small files.
 * **Committers** (``saving.commit``): names (``rename``, ``remove``, ``listdir``,
-  ...), durability of names (``fsync_dir``), and coordination between processes:
+  ...), ``copy_file`` (incremental saves: a hard link, a reflink, a server-side copy),
+  durability of names (``fsync_dir``), and coordination between processes:
   ``exclusive(directory)`` around cleaning and committing, ``claim``/``claimed`` so
   that a live save's temporary folder is never taken for a dead save's leftovers. ``supports_rename`` tells which
   committer a store gets: rename-commit where renames are atomic and cheap,
@@ -120,6 +121,39 @@ class FileSystem(abc.ABC):
     @abc.abstractmethod
     def write_atomic(self, path: str, data: bytes, *, fsync: bool = False) -> None:
         """Replace ``path`` with ``data`` so that readers see the old or the new content, never a mix."""
+
+    def copy_file(self, src: str, dst: str, *, fsync: bool = False) -> str:
+        """Make ``dst`` (which must not exist) hold what ``src`` holds, as cheaply as the store allows;
+        return how: ``"link"`` (a hard link: the same bytes under a second name), ``"reflink"`` (a
+        copy-on-write clone), ``"server-copy"`` (the store copied it; no byte through this process) or
+        ``"copy"`` (the bytes were read and written). ``dst`` never shares later writes with ``src``:
+        nothing writes into a committed data file. With ``fsync`` a copy's bytes are made durable.
+
+        The default streams the bytes through this process.
+        """
+        src_handle = self.open_read(src)
+        try:
+            total = self.size(src)
+            handle = self.open_write(dst)
+            try:
+                buf = bytearray(min(total, 16 << 20) or 1)
+                done = 0
+                while done < total:
+                    n = min(len(buf), total - done)
+                    view = memoryview(buf)[:n]
+                    self.pread_into(src_handle, view, done, src)
+                    self.write_all(handle, view, dst)
+                    done += n
+                if fsync:
+                    self.fsync(handle, dst)
+            except BaseException:
+                self.discard(handle)
+                self.remove(dst)
+                raise
+            self.close(handle)
+        finally:
+            self.close(src_handle)
+        return "copy"
 
     # -- names -----------------------------------------------------------
     @abc.abstractmethod

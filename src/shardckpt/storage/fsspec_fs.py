@@ -409,7 +409,7 @@ class FsspecFileSystem(FileSystem):
         self._cached = 0
         self._stats_lock = threading.Lock()
         self.stats: Dict[str, int] = {"bytes_read": 0, "read_requests": 0, "bytes_written": 0, "retries": 0,
-                                      "cache_hits": 0}
+                                      "cache_hits": 0, "server_copies": 0}
 
     # -- construction ------------------------------------------------------
     @classmethod
@@ -990,6 +990,13 @@ class FsspecFileSystem(FileSystem):
         exactly when the store holds ``data`` (see :meth:`write_call`).
         """
         self.put(path, data)
+
+    def copy_file(self, src: str, dst: str, *, fsync: bool = False) -> str:
+        """A server-side copy (S3 ``CopyObject``, multipart ``UploadPartCopy`` for large objects): no byte
+        of it passes through this process."""
+        self.call("copy", src, self.fs.copy, src, dst)
+        self._count("server_copies", 1)
+        return "server-copy"
 
     # -- names -------------------------------------------------------------------
     def rename(self, src: str, dst: str) -> None:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import secrets
 import shutil
+import threading
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import NotFoundError, ShardckptError, StorageError
@@ -22,6 +24,19 @@ __all__ = ["LocalFileSystem", "local_fs", "StorageError"]
 _MAX_IO = 1 << 30  # one syscall moves at most 1 GiB (Linux caps near 2 GiB)
 _COALESCE_GAP = 4096  # pread_batch reads runs below a page, and gaps up to a page, in one covering call
 _COALESCE_SPAN = 16 << 20  # ... as long as one covering read stays below this
+_FICLONE = 0x40049409  # ioctl: clone a whole file (btrfs, XFS with reflink, bcachefs, ...)
+_NO_LINK = (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EACCES)
+_log = logging.getLogger("shardckpt")
+_said: set = set()
+_said_lock = threading.Lock()
+
+
+def _say_once(what: str, message: str, *args: object) -> None:
+    with _said_lock:
+        if what in _said:
+            return
+        _said.add(what)
+    _log.warning(message, *args)
 
 
 def _wrap(exc: OSError, path: str, action: str) -> ShardckptError:
@@ -239,6 +254,65 @@ class LocalFileSystem(FileSystem):
                 self.close(fd)
             self.remove(tmp)
             raise
+
+    def copy_file(self, src: str, dst: str, *, fsync: bool = False) -> str:
+        """A hard link; where the filesystem has none (or not across these folders), a reflink
+        (``FICLONE``); else a copy in the kernel (``copy_file_range``, which some filesystems
+        turn into a clone). The fallbacks are logged once per process."""
+        try:
+            os.link(src, dst)
+            return "link"
+        except OSError as exc:
+            if exc.errno not in _NO_LINK:
+                raise _wrap(exc, src, f"link to {dst}") from None
+            reason = exc.strerror or str(exc)
+        try:
+            fin = os.open(src, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise _wrap(exc, src, "open") from None
+        try:
+            fout = self.open_write(dst)
+            try:
+                how = self._clone_or_copy(fin, fout, src, dst)
+                if fsync:
+                    self.fsync(fout, dst)
+            except BaseException:
+                os.close(fout)
+                self.remove(dst)
+                raise
+            os.close(fout)
+        finally:
+            os.close(fin)
+        _say_once(how, "incremental saves: no hard links here (%s); unchanged data files are %s", reason,
+                  "reflinked (copy-on-write clones)" if how == "reflink" else "copied")
+        return how
+
+    @staticmethod
+    def _clone_or_copy(fin: int, fout: int, src: str, dst: str) -> str:
+        try:
+            fcntl.ioctl(fout, _FICLONE, fin)
+            return "reflink"
+        except OSError:
+            pass
+        total = os.fstat(fin).st_size
+        done = 0
+        copy_range = getattr(os, "copy_file_range", None)
+        while done < total:
+            try:
+                if copy_range is not None:
+                    n = copy_range(fin, fout, min(total - done, _MAX_IO), done, done)
+                else:
+                    n = os.sendfile(fout, fin, done, min(total - done, _MAX_IO))
+            except OSError as exc:
+                if copy_range is not None and exc.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL,
+                                                            errno.EOPNOTSUPP):
+                    copy_range = None
+                    continue
+                raise _wrap(exc, src, f"copy to {dst}") from None
+            if n == 0:
+                raise StorageError(f"copy to {dst}: {src} ended after {done} of {total} bytes", path=src)
+            done += n
+        return "copy"
 
     # -- names -----------------------------------------------------------
     def rename(self, src: str, dst: str) -> None:

@@ -82,6 +82,10 @@ class FileSystemWrapper(FileSystem):
         self.before("write_atomic", path)
         self.inner.write_atomic(path, data, fsync=fsync)
 
+    def copy_file(self, src: str, dst: str, *, fsync: bool = False) -> str:
+        self.before("copy_file", dst)
+        return self.inner.copy_file(src, dst, fsync=fsync)
+
     # names
     def rename(self, src: str, dst: str) -> None:
         self.before("rename", dst)
@@ -200,7 +204,9 @@ class RecordingFileSystem(FileSystemWrapper):
     """A wrapper that logs every operation that changes what is on disk, in order.
 
     Kinds: ``create`` (path), ``write`` (path, bytes), ``fsync`` (path: the file's data),
-    ``rename`` (src, dst), ``remove`` (path), ``remove_tree`` (path), ``mkdir`` (path),
+    ``rename`` (src, dst), ``link`` (src, dst: a second name for src's file; a reflink or copy
+    is recorded as the create / write / fsync it amounts to), ``remove`` (path), ``remove_tree`` (path),
+    ``mkdir`` (path),
     ``fsync_dir`` (path: the directory's entries). ``write_atomic`` is recorded as the
     create / write / fsync / rename it is made of, so a crash-state checker can place
     a power loss between any two of them. For the method of ALICE (OSDI'14) and
@@ -251,6 +257,17 @@ class RecordingFileSystem(FileSystemWrapper):
     def rename(self, src: str, dst: str) -> None:
         self.inner.rename(src, dst)
         self._log("rename", src, dst)
+
+    def copy_file(self, src: str, dst: str, *, fsync: bool = False) -> str:
+        how = self.inner.copy_file(src, dst, fsync=fsync)
+        if how == "link":
+            self._log("link", src, dst)
+        else:
+            self._log("create", dst)
+            self._log("write", dst, self.inner.read_bytes(dst))
+            if fsync:
+                self._log("fsync", dst)
+        return how
 
     def remove(self, path: str) -> None:
         existed = self.inner.exists(path)

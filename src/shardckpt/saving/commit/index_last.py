@@ -74,6 +74,7 @@ from ...storage.base import FileSystem, WriteHandle
 from ...storage.local import local_fs
 from ...storage.location import Location
 from ...storage.wrappers import FileSystemWrapper
+from ..incremental import piece_records
 from ..plan import ShardPlan
 from .base import BundleMaker, Committer, Setup, Written
 from .leftovers import InPlaceScan, abort_stale_uploads, committed_num_shards, remove_data_files, scan_in_place
@@ -192,7 +193,7 @@ class IndexLastCommitter(Committer):
         writer = BundleWriter(self.location.prefix, fs=self._writer_fs, checksum_executor=shared_executor(),
                               data_path=path)
         try:
-            fill_bundle(writer, shard)
+            hashes = fill_bundle(writer, shard)
         except BaseException:
             writer.abort()
             raise
@@ -201,7 +202,13 @@ class IndexLastCommitter(Committer):
         for entry in entries.values():
             entry.shard_id = shard_id
         etag = self._created(path)
-        return {"entries": _encode_entries(entries), "bytes": written, "etag": etag}
+        out: Written = {"entries": _encode_entries(entries), "bytes": written, "etag": etag}
+        if hashes is not None:
+            out["pieces"] = piece_records(shard, hashes)
+        return out
+
+    def _before_index(self, written: List[Written], index: bytes) -> None:
+        """[io client] Called with the index's bytes just before the index PUT (the commit)."""
 
     def _created(self, path: str) -> Optional[str]:
         etags = getattr(self._writer_fs, "etags", None)
@@ -282,6 +289,7 @@ class IndexLastCommitter(Committer):
             self._create(data_filename(prefix, pad, self.num_shards))
         data = index_bytes(merged, self.num_shards)
         index = index_filename(prefix)
+        self._before_index(written, data)
         if not self._conditional:
             fs.write_atomic(index, data)
             self._committed = True

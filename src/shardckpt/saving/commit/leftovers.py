@@ -3,8 +3,9 @@
 A save that died may leave, beside ``<prefix>``:
 
 * ``<prefix>_temp_<32 hex>/`` — the temporary folder of a rename-commit save;
-* ``<prefix>.index.tempstate<digits>`` / ``<prefix>.data-*.tempstate<digits>`` — files
-  of an atomic write that never reached its rename;
+* ``<prefix>.index.tempstate<digits>`` / ``<prefix>.data-*.tempstate<digits>`` /
+  ``<prefix>.hashes.json.tempstate<digits>`` (an incremental save's sidecar) — files of an
+  atomic write that never reached its rename;
 * ``<prefix>.data-I-of-N`` with an ``N`` no index uses (the data files of a save that
   never committed; on object stores, data objects uploaded in place).
 
@@ -47,7 +48,7 @@ def _siblings(location: Location) -> List[str]:
     return location.fs.listdir(directory)
 
 
-_TEMPSTATE_SUFFIX = re.compile(r"(\.index|" + DATA_SUFFIX_PATTERN + r")\.tempstate\d+")
+_TEMPSTATE_SUFFIX = re.compile(r"(\.index|\.hashes\.json|" + DATA_SUFFIX_PATTERN + r")\.tempstate\d+")
 _TEMP_DIR_SUFFIX = re.compile(re.escape(TEMP_SUFFIX) + r"[0-9a-f]{32}")
 
 
@@ -266,4 +267,5 @@ def clean_directory(fs: FileSystem, directory: str, base: str, tracked: List[str
             removed.append(index_filename(location.prefix))
             if count > 0:
                 remove_data_files(location, count)
+            fs.remove(location.prefix + ".hashes.json")  # an incremental save's sidecar
     return removed

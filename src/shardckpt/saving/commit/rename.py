@@ -35,7 +35,7 @@ unreferenced data files; the next save to the prefix removes them
 from __future__ import annotations
 
 import logging
-from typing import Collection, Dict, List, Optional, Sequence
+from typing import Callable, Collection, Dict, List, Optional, Sequence
 
 from ...errors import InvalidArgumentError, NotFoundError
 from ...format.bundle_writer import BundleWriter
@@ -44,6 +44,7 @@ from ...format.merge import MergeInput, plan_merge, read_index
 from ...format.naming import data_filename, index_filename, sharded_filename
 from ...storage.base import FileSystem
 from ...storage.location import Location
+from ..incremental import piece_records
 from ..plan import ShardPlan
 from .base import BundleMaker, Committer, Setup, Written
 from .leftovers import (
@@ -101,8 +102,14 @@ class RenameCommitter(Committer):
         # Only the data must be durable: the part's index is merged into the checkpoint's.
         with BundleWriter(part, fsync=self.fsync, durable_index=False, fs=self.location.fs,
                           checksum_executor=shared_executor()) as writer:
-            fill_bundle(writer, shard)
-            return {"part": part, "bytes": writer.bytes_written}
+            hashes = fill_bundle(writer, shard)
+            written: Written = {"part": part, "bytes": writer.bytes_written}
+        if hashes is not None:
+            written["pieces"] = piece_records(shard, hashes)
+        return written
+
+    def _before_index(self, written: List[Written], index: bytes) -> None:
+        """[io client] Called with the merged index's bytes just before they are written (the commit)."""
 
     def commit(self, written: List[Written]) -> None:
         parts = [str(w["part"]) for w in written]
@@ -110,7 +117,8 @@ class RenameCommitter(Committer):
         with fs.exclusive(self.location.directory):  # one commit at a time in this folder
             self._avoid = existing_shard_counts(self.location)  # counts in use now: never overwritten
             self.num_shards = merge_bundles(self._extra + parts, self.location.prefix, delete_old_dirs=False,
-                                            fsync=self.fsync, synced=parts, avoid_num_shards=self._avoid, fs=fs)
+                                            fsync=self.fsync, synced=parts, avoid_num_shards=self._avoid, fs=fs,
+                                            before_index=lambda index: self._before_index(written, index))
             self._committed = True
             try:  # the previous checkpoint's files: the count just committed is known, no index read
                 remove_stale_data_files(self.location, self.num_shards)
@@ -142,7 +150,8 @@ class RenameCommitter(Committer):
 
 def merge_bundles(prefixes: Sequence[str], destination: str, *, delete_old_dirs: bool = True,
                   allow_missing_files: bool = False, fsync: bool = False, synced: Collection[str] = (),
-                  avoid_num_shards: Collection[int] = (), fs: Optional[FileSystem] = None) -> int:
+                  avoid_num_shards: Collection[int] = (), fs: Optional[FileSystem] = None,
+                  before_index: Optional[Callable[[bytes], None]] = None) -> int:
     """Merge the bundles at ``prefixes`` (in order) into ``destination`` by renaming; return its ``num_shards``.
 
     TensorFlow's ``MergeV2Checkpoints``: each input's data files get new shard ids in
@@ -156,7 +165,8 @@ def merge_bundles(prefixes: Sequence[str], destination: str, *, delete_old_dirs:
 
     With ``fsync`` the data files (except the bundles in ``synced``, whose writer made
     them durable), the directory and the index are made durable, in the order that keeps
-    the commit last.
+    the commit last. ``before_index`` is called with the index's bytes right before they are
+    written (a committer's sidecar goes there).
     """
     if not prefixes:
         raise InvalidArgumentError("merge needs at least one input prefix")
@@ -194,6 +204,8 @@ def merge_bundles(prefixes: Sequence[str], destination: str, *, delete_old_dirs:
             if source[:source.rfind(".data-")] not in durable:
                 _fsync_file(fs, target)
         fs.fsync_dir(fs.dirname(destination))
+    if before_index is not None:
+        before_index(index)
     fs.write_atomic(index_filename(destination), index, fsync=fsync)
     if fsync:
         fs.fsync_dir(fs.dirname(destination))

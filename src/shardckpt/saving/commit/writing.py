@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, List, Optional
+
 from ...format.bundle_writer import BundleWriter
 from ...format.tensor_slice import parse_shape_and_slice
 from ..plan import ShardPlan
@@ -9,23 +11,37 @@ from ..plan import ShardPlan
 __all__ = ["fill_bundle"]
 
 
-def fill_bundle(writer: BundleWriter, shard: ShardPlan) -> None:
+def _digest() -> Any:
+    from ..incremental import new_digest  # the hash of incremental saves
+    return new_digest()
+
+
+def fill_bundle(writer: BundleWriter, shard: ShardPlan) -> Optional[List[Any]]:
     """Append every item of ``shard`` to ``writer``, in order; release each source once its bytes are written.
+
+    For a shard of an incremental save (``shard.hashes`` set) return each item's content
+    hash: the one already known, else computed while its bytes stream out (``None`` for
+    strings); otherwise return ``None``.
 
     On failure every source of the shard is told (a streaming snapshot must not wait
     for this writer any more), and the error propagates.
     """
+    hashes: Optional[List[Any]] = None if shard.hashes is None else list(shard.hashes)
     try:
-        for item in shard.items:
+        for n, item in enumerate(shard.items):
             value = item.source.get()
+            digest = _digest() if hashes is not None and hashes[n] is None and not item.dtype.is_string else None
             if item.slice_spec == "":
-                writer.add(item.key, value)
+                writer.add(item.key, value, digest=digest)
             else:
                 full_shape, tslice = parse_shape_and_slice(item.slice_spec)
                 assert tslice is not None
-                writer.add_slice(item.key, full_shape, tslice, value)
+                writer.add_slice(item.key, full_shape, tslice, value, digest=digest)
+            if digest is not None and hashes is not None:
+                hashes[n] = str(digest.hexdigest())
             item.source.release()
     except BaseException as exc:
         for item in shard.items:
             item.source.fail(exc)
         raise
+    return hashes

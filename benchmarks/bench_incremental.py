@@ -1,0 +1,176 @@
+"""Benchmark incremental saves: time and bytes written when 1%, 10% or 100% of a state changed.
+
+A uniform float32 state (default 256 MiB in 256 tensors of 1 MiB: each tensor a data file of
+its own) is saved once in full; then a fraction of its tensors changes (every element of
+them) and the state is saved again, three ways, each into a new prefix of the same folder:
+
+* ``full``         -- ``save_tensors(p, state)``: a plain full save (the baseline);
+* ``incremental``  -- ``save_tensors(p, state, CheckpointOptions(incremental=True), previous=p0)``:
+                      unchanged tensors found by their xxh3-128 hashes, their data files
+                      hard-linked from ``p0``;
+* ``trusted``      -- the same through ``Checkpoint.write`` of ``shardckpt.Variable``s with
+                      ``trust_versions=True``: unchanged variables are known by their version
+                      counters, nothing is hashed;
+* ``dcp``          -- ``torch.distributed.checkpoint.save`` of the same state (reference).
+
+Times are wall seconds (median and best of the repeats) and CPU seconds (all threads; less
+sensitive to a shared disk). Every save is durable (fsync, commit); before each one
+``os.sync()`` settles earlier writes, the systems take turns going first, and each save's
+files are deleted once measured (their page cache slowed later writes down here). Reported
+per fraction over ``--repeats``: seconds, bytes written (``/proc/self/io`` ``wchar``: every
+byte through ``write``; links write none), both as ratios to the full save, and the time to restore every tensor of
+the incremental checkpoint vs the full one (page cache dropped first where allowed).
+
+    .venv/bin/python benchmarks/bench_incremental.py                       # 256 MiB, 3 repeats
+    .venv/bin/python benchmarks/bench_incremental.py --size 1GiB --repeats 1
+
+Results: a table on stdout, everything in ``benchmarks/results/incremental-<time>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List
+
+import common as C
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(REPO, "src"))
+
+import shardckpt  # noqa: E402
+from shardckpt import CheckpointOptions  # noqa: E402
+
+
+def _measure(fn: Callable[[], Any]) -> Dict[str, float]:
+    os.sync()  # no writeback of an earlier save runs into this one
+    time.sleep(0.5)
+    probe = C.Probe().start()
+    fn()
+    out = probe.sample()
+    return {"seconds": out["seconds"], "cpu_s": out["cpu_s"], "wchar": float(out["wchar"] or 0)}
+
+
+def _restore_seconds(prefix: str, names: List[str], out: List[np.ndarray]) -> float:
+    C.drop_page_cache()
+    t0 = time.perf_counter()
+    with shardckpt.load_checkpoint(prefix) as reader:
+        for name, dest in zip(names, out):
+            reader.read_region(name, None, out=dest) if hasattr(reader, "read_region") else \
+                np.copyto(dest, reader.get_tensor(name))
+    return time.perf_counter() - t0
+
+
+def run_fraction(work: str, fraction: float, state: List[np.ndarray], names: List[str],
+                 with_dcp: bool, rotate: int = 0) -> Dict[str, Any]:
+    folder = tempfile.mkdtemp(prefix="inc-", dir=work)
+    try:
+        values = dict(zip(names, state))
+        base = os.path.join(folder, "p0")
+        shardckpt.save_tensors(base, values, CheckpointOptions(incremental=True))
+        # the same state as Variables for the trusted variant (their own full save first)
+        variables = shardckpt.Module()
+        variables.v = [shardckpt.Variable(a) for a in state]  # copies
+        ckpt = shardckpt.Checkpoint(model=variables)
+        trusted_opts = CheckpointOptions(incremental=True, trust_versions=True)
+        ckpt.write(os.path.join(folder, "v0"), options=trusted_opts)
+        count = max(1, round(fraction * len(state)))
+        step = len(state) / count
+        changed = sorted({int(i * step) for i in range(count)})
+        for i in changed:
+            state[i] += 1.0
+            variables.v[i].assign_add(np.float32(1.0))
+        res: Dict[str, Any] = {"fraction": fraction, "changed_tensors": len(changed),
+                               "changed_bytes": sum(state[i].nbytes for i in changed)}
+        saves: Dict[str, Callable[[], Any]] = {
+            "full": lambda: shardckpt.save_tensors(os.path.join(folder, "full"), values),
+            "incremental": lambda: shardckpt.save_tensors(os.path.join(folder, "inc"), values,
+                                                          CheckpointOptions(incremental=True), previous=base),
+            "trusted": lambda: ckpt.write(os.path.join(folder, "v0"), options=trusted_opts)}
+        if with_dcp:
+            import torch
+            import torch.distributed.checkpoint as dcp
+
+            tstate = {n: torch.from_numpy(a) for n, a in values.items()}
+            saves["dcp"] = lambda: dcp.save(tstate, checkpoint_id=os.path.join(folder, "dcp"))
+        order = list(saves)
+        order = order[rotate % len(order):] + order[:rotate % len(order)]  # no system always goes first
+        outputs = {"full": "full", "incremental": "inc", "dcp": "dcp"}
+        out = [np.empty_like(a) for a in state]
+        for name in order:
+            res[name] = _measure(saves[name])
+            if name in ("full", "incremental"):
+                res[f"restore_{name}_s"] = _restore_seconds(os.path.join(folder, outputs[name]), names, out)
+                assert all(np.array_equal(a, b) for a, b in zip(out, state)), f"the {name} checkpoint restored wrong"
+            if name in outputs:  # deleted at once: its page cache does not slow the next save down
+                for entry in os.listdir(folder):
+                    if entry == outputs[name] or entry.startswith(outputs[name] + "."):
+                        path = os.path.join(folder, entry)
+                        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        return res
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="256MiB")
+    ap.add_argument("--tensors", type=int, default=256)
+    ap.add_argument("--fractions", default="0.01,0.1,1.0")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-dcp", action="store_true")
+    ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary folder)")
+    args = ap.parse_args()
+    nbytes = C.parse_size(args.size)
+    spec = C.state_spec("uniform", nbytes, args.tensors)
+    names = [n for n, _ in spec]
+    fractions = [float(f) for f in args.fractions.split(",")]
+    work = tempfile.mkdtemp(prefix="bench-incremental-", dir=args.dir)
+    runs: Dict[float, List[Dict[str, Any]]] = {f: [] for f in fractions}
+    try:
+        for repeat in range(args.repeats):
+            for f in fractions:
+                state = C.make_state(spec)
+                runs[f].append(run_fraction(work, f, state, names, not args.no_dcp, rotate=repeat))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rows = []
+    systems = ["full", "incremental", "trusted"] + ([] if args.no_dcp else ["dcp"])
+    print(f"state: {C.fmt_size(C.spec_bytes(spec))} in {len(spec)} float32 tensors; medians of {args.repeats}")
+    print(f"{'changed':>8} {'system':>12} {'median s':>9} {'x full':>7} {'best s':>7} {'x full':>7} "
+          f"{'cpu s':>6} {'x full':>7} {'written':>11} {'x full':>7}")
+    for f in fractions:
+        med = {s: {k: C.median([r[s][k] for r in runs[f]]) for k in ("seconds", "cpu_s", "wchar")} for s in systems}
+        best = {s: min(r[s]["seconds"] for r in runs[f]) for s in systems}
+        full = med["full"]
+        for s in systems:
+            row = {"fraction": f, "system": s, **med[s], "best_seconds": best[s],
+                   "time_ratio": med[s]["seconds"] / full["seconds"], "best_ratio": best[s] / best["full"],
+                   "cpu_ratio": med[s]["cpu_s"] / full["cpu_s"],
+                   "bytes_ratio": med[s]["wchar"] / full["wchar"] if full["wchar"] else None}
+            rows.append(row)
+            print(f"{f:>8.0%} {s:>12} {row['seconds']:>9.3f} {row['time_ratio']:>7.3f} {best[s]:>7.3f} "
+                  f"{row['best_ratio']:>7.3f} {row['cpu_s']:>6.2f} {row['cpu_ratio']:>7.3f} "
+                  f"{C.fmt_size(row['wchar']):>11} {row['bytes_ratio'] or 0:>7.4f}")
+        rf = C.median([r["restore_full_s"] for r in runs[f]])
+        ri = C.median([r["restore_incremental_s"] for r in runs[f]])
+        print(f"{f:>8.0%} {'restore':>12} full {rf:.3f} s, incremental {ri:.3f} s ({ri / rf:.2f}x)")
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    path = os.path.join(HERE, "results", f"incremental-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    with open(path, "w") as fh:
+        json.dump({"size": C.spec_bytes(spec), "tensors": len(spec), "repeats": args.repeats,
+                   "machine": platform.platform(), "cpus": os.cpu_count(), "rows": rows,
+                   "runs": {str(f): runs[f] for f in fractions}}, fh, indent=1)
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()

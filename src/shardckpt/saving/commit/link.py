@@ -1,0 +1,111 @@
+"""The incremental committers: unchanged data files are linked (POSIX) or copied server-side (object stores).
+
+The third commit protocol (``CheckpointOptions(incremental=True)``), built on the other two:
+the engine's arrange step (:func:`shardckpt.saving.incremental.arrange`) turns each data
+file of the previous checkpoint whose pieces are all unchanged into a shard carrying a
+:class:`~shardckpt.saving.plan.Reuse`; every other shard is written as usual.
+
+:class:`LinkRenameCommitter` (stores with atomic rename), on top of rename-commit
+(:mod:`.rename`). What is on disk at each moment, besides rename-commit's steps:
+
+1. ``write_shard`` of a reused shard: the previous checkpoint's data file is hard-linked
+   to ``<temp>/part-I-of-N.data-00000-of-00001`` (where links are impossible: a reflink,
+   else a copy, made durable; said once in the log), and the part's index is written
+   with the reused entries. The previous checkpoint is never touched: a link is a new
+   name for the same bytes, and nothing ever writes into a committed data file.
+2. ``commit``: the merge renames the parts' data files to ``<prefix>.data-I-of-M`` as for
+   any save; then ``<prefix>.hashes.json`` (the sidecar, naming the index bytes it
+   belongs to) is written atomically, and the index rename commits. A crash between the
+   two leaves a sidecar whose index is not there: it is ignored, and the next save
+   removes the unreferenced data files as usual.
+
+Because the new checkpoint holds its own names for every byte it uses, deleting the
+previous checkpoint (retention, ``max_to_keep``) only drops one of two names: the data
+stays alive under the newer one.
+
+:class:`CopyIndexLastCommitter` (object stores), on top of index-last (:mod:`.index_last`):
+a reused shard is a server-side copy (S3 ``CopyObject``; no byte passes through the
+client) of the previous data object to ``<prefix>.data-I-of-N``, its ETag read back for
+the check before the commit; the sidecar object is written, then the index PUT commits.
+Deleting the previous checkpoint's objects afterwards leaves the copies intact.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List
+
+from ...format.merge import index_bytes
+from ...format.naming import data_filename, index_filename
+from ...format.protos import tensor_bundle_pb2 as pb
+from ..incremental import piece_records, sidecar_bytes, sidecar_filename
+from ..plan import Reuse, ShardPlan
+from .base import Written
+from .index_last import IndexLastCommitter, _encode_entries
+from .rename import RenameCommitter
+
+__all__ = ["LinkRenameCommitter", "CopyIndexLastCommitter"]
+
+_log = logging.getLogger("shardckpt")
+
+
+def _entries(reuse: Reuse, shard_id: int) -> Dict[bytes, pb.BundleEntryProto]:
+    out = {}
+    for key, value in reuse.entries:
+        entry = pb.BundleEntryProto.FromString(value)
+        if not entry.slices:
+            entry.shard_id = shard_id
+        out[key] = entry
+    return out
+
+
+def _reused(shard: ShardPlan, how: str) -> Written:
+    assert shard.reuse is not None and shard.hashes is not None
+    return {"bytes": 0, "reused": shard.reuse.size, "how": how, "source": shard.reuse.source,
+            "pieces": piece_records(shard, shard.hashes)}
+
+
+class LinkRenameCommitter(RenameCommitter):
+    """Rename-commit where unchanged data files are hard-linked from the previous checkpoint."""
+
+    def write_shard(self, shard: ShardPlan, shard_id: int) -> Written:
+        if shard.reuse is None:
+            return super().write_shard(shard, shard_id)
+        fs = self.location.fs
+        part = self._part(shard_id)
+        data = data_filename(part, 0, 1)
+        how = fs.copy_file(shard.reuse.source, data, fsync=self.fsync)
+        entries = _entries(shard.reuse, 0)
+        handle = fs.open_write(index_filename(part))  # in the temp folder: read once by the merge
+        try:
+            fs.write_all(handle, memoryview(index_bytes(entries, 1)), index_filename(part))
+        finally:
+            fs.close(handle)
+        written = _reused(shard, how)
+        written["part"] = part
+        return written
+
+    def _before_index(self, written: List[Written], index: bytes) -> None:
+        self.location.fs.write_atomic(sidecar_filename(self.location.prefix),
+                                      sidecar_bytes(written, index, self.location.fs), fsync=self.fsync)
+
+
+class CopyIndexLastCommitter(IndexLastCommitter):
+    """Index-last where unchanged data objects are copied server-side from the previous checkpoint."""
+
+    def write_shard(self, shard: ShardPlan, shard_id: int) -> Written:
+        if shard.reuse is None:
+            return super().write_shard(shard, shard_id)
+        fs: Any = self.location.fs
+        path = data_filename(self.location.prefix, shard_id, self.num_shards)
+        how = fs.copy_file(shard.reuse.source, path)
+        etag = fs.head_etag(path) if self._conditional else None
+        if etag is not None:
+            self._mine[path] = etag
+        written = _reused(shard, how)
+        written.update({"entries": _encode_entries(_entries(shard.reuse, shard_id)), "etag": etag})
+        return written
+
+    def _before_index(self, written: List[Written], index: bytes) -> None:
+        self.location.fs.write_atomic(sidecar_filename(self.location.prefix),
+                                      sidecar_bytes(written, index, self.location.fs))

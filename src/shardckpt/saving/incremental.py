@@ -1,0 +1,303 @@
+"""Incremental saves: which pieces did not change since the previous checkpoint, and the layout that lets
+whole data files be reused.
+
+``CheckpointOptions(incremental=True)``. Every checkpoint stays a complete, standalone
+tensor bundle (TensorFlow reads it; deleting an older checkpoint never breaks it): an
+unchanged data file is *hard-linked* (local disks; reflinked or copied where links fail)
+or *copied server-side* (object stores) under the new checkpoint's names by the
+incremental committers (:mod:`shardckpt.saving.commit.link`). Nothing of the new
+checkpoint points into an older one.
+
+**What is on disk.** Beside ``<prefix>.index`` an incremental save writes the sidecar
+``<prefix>.hashes.json`` (JSON, never pickle), *before* the index (so a committed index
+has its sidecar). It records the xxh3-128 hash of the exact index bytes it belongs to (a
+sidecar whose index was replaced, or never committed, is ignored), and per piece (key,
+slice spec): the xxh3-128 hash of its bytes, its change token (a
+:class:`~shardckpt.Variable`'s version, meaningful only in the process that wrote it),
+and which shard record it was written in; per shard record: bytes written, and the
+data file it was linked or copied from (``shardckpt inspect`` shows them).
+
+**Change detection** (:func:`arrange`, on every client, for its own pieces, before any
+byte is staged or written), cheapest first:
+
+1. with ``trust_versions``, a piece whose change token equals the one recorded is
+   unchanged (writes into ``Variable.array`` must call ``mark_changed()``);
+2. otherwise its bytes are hashed (xxh3-128, about 10 GB/s) and compared with the
+   recorded hash. Pieces the previous checkpoint does not know are hashed while their
+   bytes stream to storage (no extra pass). Strings are always written. CRC32C is never
+   used as an identity.
+
+**Layout.** A data file of the previous checkpoint is *reused* when every piece stored in
+it is one of this client's pieces and unchanged: it becomes a shard of its own whose
+committer links/copies the file and reuses its index entries (offsets, sizes,
+checksums). The other pieces are written as the sharding callback grouped them, each of
+its shards split further (never merged, so a size limit or a device grouping of the
+callback holds): the pieces that changed (or are new) stay together in one file (they
+are rewritten anyway; fewer files cost fewer fsyncs); of the unchanged pieces whose file
+could not be reused, every piece of at least :data:`OWN_FILE_BYTES` gets a data file of
+its own and the smaller ones are grouped. The first incremental save (no previous
+checkpoint) splits every shard by size the same way, so the next one already reuses
+every large unchanged tensor; after that a file holds either pieces that keep changing
+or pieces that do not, and later saves reuse whole files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import xxhash
+
+from ..format.bundle_writer import byte_chunks, encode_key, shape_proto, to_disk_array
+from ..format.merge import _parse_header
+from ..format.naming import data_filename, index_filename
+from ..format.ordered_code import encode_tensor_name_slice
+from ..format.protos import tensor_bundle_pb2 as pb
+from ..format.sstable import read_table
+from ..format.tensor_slice import parse_shape_and_slice
+from ..storage.base import FileSystem
+from .plan import PlanItem, Reuse, SavePlan, ShardPlan
+
+__all__ = ["OWN_FILE_BYTES", "SIDECAR_SUFFIX", "sidecar_filename", "content_hash", "new_digest", "Previous",
+           "load_previous", "arrange", "sidecar_bytes", "read_sidecar", "entry_key", "piece_records",
+           "data_file_origins"]
+
+_log = logging.getLogger("shardckpt")
+
+SIDECAR_SUFFIX = ".hashes.json"
+_FORMAT = "shardckpt-piece-hashes"
+_VERSION = 1
+
+PieceId = Tuple[str, str]
+
+#: pieces of at least this many bytes get a data file of their own in an incremental save
+OWN_FILE_BYTES = 1 << 20
+Written = Dict[str, Any]
+
+
+def sidecar_filename(prefix: str) -> str:
+    """``<prefix>.hashes.json``."""
+    return prefix + SIDECAR_SUFFIX
+
+
+def new_digest() -> Any:
+    """A fresh xxh3-128 hasher (``update(bytes)``, ``hexdigest()``)."""
+    return xxhash.xxh3_128()
+
+
+def content_hash(value: Any, dtype: Any) -> Optional[str]:
+    """xxh3-128 of ``value``'s bytes as stored (``None`` for strings, which are never reused)."""
+    array, dt = to_disk_array(value, dtype)
+    if dt.is_string:
+        return None
+    digest = new_digest()
+    for buf in byte_chunks(array):
+        digest.update(buf)
+    return str(digest.hexdigest())
+
+
+def entry_key(key: str, slice_spec: str) -> bytes:
+    """The index key a piece is stored under (a slice's encoded key; a slice covering its tensor: the key)."""
+    if not slice_spec:
+        return encode_key(key)
+    full_shape, tslice = parse_shape_and_slice(slice_spec)
+    if tslice is None or tslice.is_full() or tuple(b - a for a, b in tslice.box(full_shape)) == tuple(full_shape):
+        return encode_key(key)
+    return encode_tensor_name_slice(encode_key(key), tslice.extents)
+
+
+@dataclass(frozen=True)
+class _Record:
+    hash: Optional[str]
+    token: Optional[str]
+
+
+@dataclass
+class Previous:
+    """What the previous checkpoint says about its pieces (from its index and verified sidecar)."""
+
+    prefix: str
+    num_shards: int
+    entries: Dict[bytes, pb.BundleEntryProto]
+    pieces: Dict[PieceId, _Record]
+    #: data file (shard id) -> index keys of the entries holding bytes in it
+    files: Dict[int, Set[bytes]]
+
+
+def _index_digest(data: bytes) -> str:
+    return str(xxhash.xxh3_128(data).hexdigest())
+
+
+def read_sidecar(prefix: str, fs: FileSystem) -> Optional[Dict[str, Any]]:
+    """The sidecar of ``prefix`` if it exists, parses and belongs to the index there now; else ``None``."""
+    path = sidecar_filename(prefix)
+    try:
+        if not fs.exists(path) or not fs.exists(index_filename(prefix)):
+            return None
+        sidecar = json.loads(fs.read_bytes(path))
+        index = fs.read_bytes(index_filename(prefix))
+    except Exception as exc:  # unreadable: a full save, never a wrong one
+        _log.info("incremental save: ignoring the sidecar of %s (%s)", prefix, exc)
+        return None
+    if not isinstance(sidecar, dict) or sidecar.get("format") != _FORMAT or sidecar.get("version") != _VERSION:
+        return None
+    if sidecar.get("index_xxh3_128") != _index_digest(index):
+        _log.info("incremental save: the sidecar of %s describes another index; not used", prefix)
+        return None
+    sidecar["_index"] = index
+    return sidecar
+
+
+def load_previous(prefix: str, fs: FileSystem) -> Optional[Previous]:
+    """The previous checkpoint at ``prefix`` as an incremental save needs it, or ``None`` (no usable sidecar)."""
+    sidecar = read_sidecar(prefix, fs)
+    if sidecar is None:
+        return None
+    path = index_filename(prefix)
+    try:
+        items = list(read_table(sidecar["_index"], path))
+        header = _parse_header(items[0][0], items[0][1], path)
+        entries = {k: pb.BundleEntryProto.FromString(v) for k, v in items[1:]}
+        pieces = {(str(p[0]), str(p[1])): _Record(p[2], p[3]) for p in sidecar["pieces"]}
+    except Exception as exc:
+        _log.info("incremental save: cannot use %s as the previous checkpoint (%s)", prefix, exc)
+        return None
+    files: Dict[int, Set[bytes]] = {}
+    for key, entry in entries.items():
+        if not entry.slices and entry.size > 0:
+            files.setdefault(int(entry.shard_id), set()).add(key)
+    return Previous(prefix, int(header.num_shards), entries, pieces, files)
+
+
+def _same_form(item: PlanItem, entry: pb.BundleEntryProto) -> bool:
+    return int(entry.dtype) == item.dtype.enum and tuple(d.size for d in entry.shape.dim) == item.shape \
+        and not entry.slices
+
+
+def _detect(item: PlanItem, previous: Previous, trust_versions: bool) -> Tuple[str, Optional[str]]:
+    """``("unchanged" | "changed" | "new", hash or None)`` for one piece."""
+    if item.dtype.is_string:
+        return "new", None
+    record = previous.pieces.get((item.key, item.slice_spec))
+    entry = previous.entries.get(entry_key(item.key, item.slice_spec))
+    if record is None or record.hash is None or entry is None or not _same_form(item, entry):
+        return "new", None
+    if trust_versions and item.version is not None and item.version == record.token:
+        return "unchanged", record.hash
+    digest = content_hash(item.source.get(), item.dtype.enum)
+    return ("unchanged" if digest == record.hash else "changed"), digest
+
+
+def _reuse(previous: Previous, shard_id: int, members: List[PlanItem]) -> Reuse:
+    """The reuse of data file ``shard_id`` of the previous checkpoint holding exactly ``members``."""
+    entries: Dict[bytes, pb.BundleEntryProto] = {}
+    size = 0
+    for item in members:
+        key = entry_key(item.key, item.slice_spec)
+        entry = pb.BundleEntryProto()
+        entry.CopyFrom(previous.entries[key])
+        entry.shard_id = 0
+        size += int(entry.size)
+        entries[key] = entry
+        if key != encode_key(item.key):  # a slice: the full entry lists this file's slices
+            full_shape, tslice = parse_shape_and_slice(item.slice_spec)
+            assert tslice is not None
+            full = entries.setdefault(encode_key(item.key), pb.BundleEntryProto(
+                dtype=item.dtype.enum, shape=shape_proto(full_shape)))  # type: ignore[arg-type]
+            full.slices.append(tslice.to_proto())
+    source = data_filename(previous.prefix, shard_id, previous.num_shards)
+    return Reuse(source, tuple(sorted((k, e.SerializeToString()) for k, e in entries.items())), size)
+
+
+def _split(items: Sequence[PlanItem]) -> List[Tuple[PlanItem, ...]]:
+    """Each piece of at least :data:`OWN_FILE_BYTES` alone, the smaller ones together (in order)."""
+    large = [(i,) for i in items if i.nbytes >= OWN_FILE_BYTES]
+    small = tuple(i for i in items if i.nbytes < OWN_FILE_BYTES)
+    return large + ([small] if small else [])
+
+
+def arrange(plan: SavePlan, previous: Optional[Previous], *, trust_versions: bool = False) -> SavePlan:
+    """This client's plan for an incremental save (see the module docstring): reused data files as shards
+    of their own, the callback's shards split into unchanged and changed pieces, hashes attached."""
+    if previous is None:  # a full save; hashes computed while the bytes stream
+        shards = tuple(ShardPlan(n, task, group, (None,) * len(group)) for n, (task, group) in enumerate(
+            (s.task, g) for s in plan.shards for g in _split(s.items)))
+        return replace(plan, shards=shards)
+    verdicts: Dict[int, Tuple[str, Optional[str]]] = {}
+    by_entry: Dict[bytes, PlanItem] = {}
+    for item in plan.items:
+        verdicts[id(item)] = _detect(item, previous, trust_versions)
+        by_entry[entry_key(item.key, item.slice_spec)] = item
+    reused: Dict[int, List[PlanItem]] = {}
+    for shard_id, keys in sorted(previous.files.items()):
+        found = [by_entry[k] for k in keys if k in by_entry]
+        if len(found) == len(keys) and all(verdicts[id(m)][0] == "unchanged" for m in found):
+            reused[shard_id] = sorted(found, key=lambda m: (m.key, m.slice_spec))
+    taken = {id(m) for members in reused.values() for m in members}
+    out: List[ShardPlan] = []
+    for shard_id, members in reused.items():
+        task = members[0].tensor.task
+        out.append(ShardPlan(len(out), task, tuple(members), tuple(verdicts[id(m)][1] for m in members),
+                             _reuse(previous, shard_id, members)))
+    for shard in plan.shards:
+        rest = [i for i in shard.items if id(i) not in taken]
+        stable = [i for i in rest if verdicts[id(i)][0] == "unchanged"]
+        moving = [i for i in rest if verdicts[id(i)][0] != "unchanged"]
+        # changed pieces are rewritten anyway: one file (fewer files, fewer fsyncs); unchanged ones
+        # that could not be reused get files that later saves can reuse whole
+        for group in _split(stable) + ([tuple(moving)] if moving else []):
+            out.append(ShardPlan(len(out), shard.task, group, tuple(verdicts[id(i)][1] for i in group)))
+    reused_bytes = sum(s.reuse.size for s in out if s.reuse is not None)
+    _log.info("incremental save: %d of %d data files of %s reused (%d bytes), %d pieces written", len(reused),
+              len(previous.files), previous.prefix, reused_bytes, sum(len(s.items) for s in out if s.reuse is None))
+    return replace(plan, shards=tuple(out))
+
+
+def piece_records(shard: ShardPlan, hashes: Sequence[Optional[str]]) -> List[List[Any]]:
+    """What a written shard tells the sidecar about its pieces: ``[key, slice spec, hash, token]`` each."""
+    return [[item.key, item.slice_spec, h, item.version] for item, h in zip(shard.items, hashes)]
+
+
+def sidecar_bytes(written: Sequence[Written], index: bytes, fs: FileSystem) -> bytes:
+    """The sidecar of a checkpoint whose shards reported ``written`` and whose index is ``index``."""
+    pieces: List[List[Any]] = []
+    shards: List[Dict[str, Any]] = []
+    for number, w in enumerate(written):
+        for record in w.get("pieces", []):
+            pieces.append(list(record) + [number])
+        source = w.get("source")
+        shards.append({"bytes_written": int(w.get("bytes", 0)), "bytes_reused": int(w.get("reused", 0)),
+                       "how": w.get("how", "written"),
+                       "reused_from": fs.basename(str(source)) if source else None})
+    doc = {"format": _FORMAT, "version": _VERSION, "index_xxh3_128": _index_digest(index),
+           "pieces": sorted(pieces, key=lambda p: (p[0], p[1])), "shards": shards}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def data_file_origins(prefix: str, fs: FileSystem) -> Optional[Dict[int, Dict[str, Any]]]:
+    """For a checkpoint written by an incremental save: data file (shard id) -> ``{"how": "written" | "link" |
+    "reflink" | "copy" | "server-copy", "reused_from": data file name or None}``; ``None`` without a valid
+    sidecar. Data files no sidecar piece lives in (registered savers', padding) are not listed."""
+    sidecar = read_sidecar(prefix, fs)
+    if sidecar is None:
+        return None
+    try:
+        record_of = {entry_key(str(p[0]), str(p[1])): int(p[4]) for p in sidecar["pieces"]}
+        shards = sidecar["shards"]
+        out: Dict[int, Dict[str, Any]] = {}
+        for key, value in list(read_table(sidecar["_index"], index_filename(prefix)))[1:]:
+            number = record_of.get(key)
+            if number is None:
+                continue
+            entry = pb.BundleEntryProto.FromString(value)
+            if entry.slices or int(entry.shard_id) in out:
+                continue
+            record = shards[number]
+            out[int(entry.shard_id)] = {"how": str(record.get("how", "written")),
+                                        "reused_from": record.get("reused_from")}
+        return out
+    except Exception as exc:  # a sidecar that does not parse describes nothing
+        _log.info("cannot describe the data files of %s from its sidecar: %s", prefix, exc)
+        return None
