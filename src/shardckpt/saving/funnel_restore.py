@@ -20,10 +20,13 @@ Protocol (collective: every client calls it, in the same order; nothing is writt
    with a running CRC32C compared after the last), the parts of pieces it cuts are read as a
    region read reads them. A helper thread reads ahead of the sends while the buffers held
    stay within the budget. Every other client that asked for the region receives each chunk
-   as a header (status, payload bytes, the chunk's box: int64s) and the payload (the chunk's
-   C-order bytes, received straight into the destination where that part of it is
-   contiguous; string tensors: one chunk of base64 strings as JSON, sent in pieces of the
-   budget), until its region is full. After a failure (a read, a checksum) each client's next
+   as a record: a header (status, payload bytes, inline or not, the chunk's box: int64s) and
+   the payload (the chunk's C-order bytes; string tensors: one chunk of base64 strings as
+   JSON), until its region is full. Records travel in batches per client (a message with the
+   batch's length, then the batch; at most a quarter of the budget shared by all clients'
+   batches), so small pieces cost few messages; a payload too large for a batch follows the
+   batch that holds its header in messages of its own, received straight into the
+   destination. After a failure (a read, a checksum) each client's next
    header says "failed", so no client waits for bytes that will not come; a checksum found
    wrong after its bytes went out fails the restore at step 5.
 5. **agree**: every client reports success; any failure is raised on every client.
@@ -290,41 +293,40 @@ class FunnelledReader:
             np.copyto(other, outs[0])
 
     def _header(self, key: str) -> np.ndarray:
-        """A chunk header: status, payload bytes, then the chunk's box (start, stop per dimension)."""
-        return np.zeros(2 + 2 * len(self._meta[key][1]), dtype="<i8")
+        """A chunk header: status, payload bytes, inline (1) or in messages of its own (0), the chunk's box."""
+        return np.zeros(3 + 2 * len(self._meta[key][1]), dtype="<i8")
 
     def _receive(self, reads: List[ReadKey]) -> None:
-        """[other clients] Each recorded read, in order: chunks (header, payload) until the region is full."""
-        coord, src = self._coord, self.io_rank
+        """[other clients] Each recorded read, in order: records (header, payload) until the region is full."""
+        inbox = _Inbox(self._coord, self.io_rank, self._timeout)
         for read in reads:
             key, box = read
             dt, _ = self._meta[key]
-            header = self._header(key)
             dest = self._reads[read][0]
             left = box_volume(box)
             while left > 0:
-                coord.recv_bytes(src, header.nbytes, byte_view(header), tag=_TAG, timeout=self._timeout)
+                header = np.frombuffer(inbox.take(self._header(key).nbytes), dtype="<i8")
                 if int(header[0]) != _OK:
-                    raise CoordinationError(f"the io client (rank {src}) failed to read {key!r} region {list(box)} "
-                                            "(its error is reported by every client)")
-                size = int(header[1])
-                sub = tuple((int(header[2 + 2 * d]), int(header[3 + 2 * d])) for d in range(len(box)))
+                    raise CoordinationError(f"the io client (rank {self.io_rank}) failed to read {key!r} region "
+                                            f"{list(box)} (its error is reported by every client)")
+                size, inline = int(header[1]), bool(header[2])
+                sub = tuple((int(header[3 + 2 * d]), int(header[4 + 2 * d])) for d in range(len(box)))
                 if not dt.is_numeric:
-                    payload = bytearray(size)
-                    for a in range(0, size, self.budget):
-                        view = memoryview(payload)[a:a + self.budget]
-                        coord.recv_bytes(src, len(view), view, tag=_TAG, timeout=self._timeout)
+                    payload = inbox.take(size) if inline else inbox.receive(size, None, self.budget)
                     dest[...] = _decode_strings(bytes(payload), dest.shape)
                     self.received += size
                     break
                 part = _view(dest, sub, box)
-                target = part if part.flags.c_contiguous else np.empty(part.shape, dtype=part.dtype)
-                if size != target.nbytes or box_volume(sub) > left:
+                if size != part.nbytes or box_volume(sub) > left or sub != _clip(sub, box):
                     raise CoordinationError(f"funnelled restore: chunk {list(sub)} of {key!r} does not fit region "
                                             f"{list(box)}")
-                coord.recv_bytes(src, size, byte_view(target), tag=_TAG, timeout=self._timeout)
-                if target is not part:
-                    part[...] = target
+                if inline:
+                    part[...] = np.frombuffer(inbox.take(size), dtype=part.dtype).reshape(part.shape)
+                else:
+                    target = part if part.flags.c_contiguous else np.empty(part.shape, dtype=part.dtype)
+                    inbox.receive(size, byte_view(target), self.budget)
+                    if target is not part:
+                        part[...] = target
                 left -= box_volume(sub)
                 self.received += size
             self._copy_replicas(read)
@@ -401,19 +403,21 @@ class FunnelledReader:
             if state["problem"] is not None:
                 header[0] = _FAILED
                 for r in others:
-                    coord.send_bytes(byte_view(header), r, tag=_TAG)
+                    outboxes[r].add(header, None)
+                    outboxes[r].flush()
                 told.update(others)
                 return
             payload = byte_view(job.into) if self._meta[key][0].is_numeric else memoryview(_encode_strings(job.into))
             header[1] = len(payload)
-            header[2:] = np.asarray(job.sub, dtype="<i8").reshape(-1)
+            header[3:] = np.asarray(job.sub, dtype="<i8").reshape(-1)
             for r in others:
-                coord.send_bytes(byte_view(header), r, tag=_TAG)
-                for a in range(0, len(payload), self.budget):
-                    coord.send_bytes(payload[a:a + self.budget], r, tag=_TAG)
+                outboxes[r].add(header, payload)
             if _is_last(job.sub, box) and me in wanted[job.read]:
                 self._copy_replicas(job.read)
 
+        receivers = sorted({r for ranks in wanted.values() for r in ranks if r != me})
+        outboxes = {r: _Outbox(coord, r, max(1, self.budget // (4 * max(1, len(receivers)))), self.budget)
+                    for r in receivers}
         pending: Deque[Tuple[_Job, "Future[None]"]] = deque()
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardckpt-funnel") as pool:
             for job in jobs():
@@ -432,6 +436,8 @@ class FunnelledReader:
                 done, future = pending.popleft()
                 state["held"] -= done.size
                 send(done, future)
+        for outbox in outboxes.values():
+            outbox.flush()
         if state["problem"] is not None:
             raise state["problem"]
 
@@ -439,6 +445,80 @@ class FunnelledReader:
         if self._bundle is not None:
             self._bundle.close()
             self._bundle = None
+
+
+class _Outbox:
+    """[io client] Records for one client, sent in batches: small payloads ride in the batch (one
+    message for its length, one for the batch), a payload over ``cap`` follows the batch that holds
+    its header as messages of its own (of at most ``piece`` bytes), received in place."""
+
+    def __init__(self, coord: Coordinator, dst: int, cap: int, piece: int) -> None:
+        self.coord, self.dst, self.cap, self.piece = coord, dst, cap, piece
+        self.parts: List[bytes] = []
+        self.size = 0
+
+    def add(self, header: np.ndarray, payload: Optional[memoryview]) -> None:
+        inline = payload is None or len(payload) <= self.cap
+        header[2] = 1 if inline else 0
+        self.parts.append(header.tobytes())
+        self.size += header.nbytes
+        if payload is not None and inline:
+            self.parts.append(bytes(payload))
+            self.size += len(payload)
+        if not inline:
+            assert payload is not None
+            self.flush()
+            for a in range(0, len(payload), self.piece):
+                self.coord.send_bytes(payload[a:a + self.piece], self.dst, tag=_TAG)
+        elif self.size >= self.cap:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.parts:
+            return
+        blob = b"".join(self.parts)
+        self.parts, self.size = [], 0
+        self.coord.send_bytes(memoryview(np.array([len(blob)], dtype="<i8").tobytes()), self.dst, tag=_TAG)
+        self.coord.send_bytes(memoryview(blob), self.dst, tag=_TAG)
+
+
+class _Inbox:
+    """[other clients] The batches of :class:`_Outbox`, taken record by record."""
+
+    def __init__(self, coord: Coordinator, src: int, timeout: Optional[float]) -> None:
+        self.coord, self.src, self.timeout = coord, src, timeout
+        self.batch = memoryview(b"")
+        self.pos = 0
+
+    def take(self, n: int) -> memoryview:
+        """The next ``n`` bytes of the current batch (a new batch is received when it is used up)."""
+        if self.pos >= len(self.batch):
+            length = np.zeros(1, dtype="<i8")
+            self.coord.recv_bytes(self.src, 8, byte_view(length), tag=_TAG, timeout=self.timeout)
+            size = int(length[0])
+            if not 0 < size <= 1 << 40:
+                raise CoordinationError(f"funnelled restore: bad batch length {size} from the io client")
+            self.batch = self.coord.recv_bytes(self.src, size, None, tag=_TAG, timeout=self.timeout)
+            self.pos = 0
+        if self.pos + n > len(self.batch):
+            raise CoordinationError("funnelled restore: a record runs past its batch")
+        out = self.batch[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def receive(self, size: int, into: Optional[memoryview], piece: int) -> memoryview:
+        """A payload sent in messages of its own (after the batch holding its header was used up)."""
+        if self.pos != len(self.batch):
+            raise CoordinationError("funnelled restore: a payload of its own before the batch was used up")
+        buf = into if into is not None else memoryview(bytearray(size))
+        for a in range(0, size, piece):
+            view = buf[a:a + piece]
+            self.coord.recv_bytes(self.src, len(view), view, tag=_TAG, timeout=self.timeout)
+        return buf
+
+
+def _clip(sub: Box, box: Box) -> Box:
+    return tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(sub, box))
 
 
 class _Job:
