@@ -293,31 +293,40 @@ class FunnelledReader:
             np.copyto(other, outs[0])
 
     def _header(self, key: str) -> np.ndarray:
-        """A chunk header: status, payload bytes, inline (1) or in messages of its own (0), the chunk's box."""
-        return np.zeros(3 + 2 * len(self._meta[key][1]), dtype="<i8")
+        """A record header: status, payload bytes, inline (1) or in messages of its own (0), the index
+        of the receiver's region of ``key`` it belongs to, the chunk's box (start, stop per dimension)."""
+        return np.zeros(4 + 2 * len(self._meta[key][1]), dtype="<i8")
 
     def _receive(self, reads: List[ReadKey]) -> None:
-        """[other clients] Each recorded read, in order: records (header, payload) until the region is full."""
+        """[other clients] Key by key (in order): records until every region of the key is full."""
         inbox = _Inbox(self._coord, self.io_rank, self._timeout)
+        by_key: Dict[str, List[ReadKey]] = {}
         for read in reads:
-            key, box = read
+            by_key.setdefault(read[0], []).append(read)
+        for key in sorted(by_key):
+            regions = by_key[key]
             dt, _ = self._meta[key]
-            dest = self._reads[read][0]
-            left = box_volume(box)
-            while left > 0:
+            left = [box_volume(box) for _, box in regions]
+            while any(left):
                 header = np.frombuffer(inbox.take(self._header(key).nbytes), dtype="<i8")
                 if int(header[0]) != _OK:
-                    raise CoordinationError(f"the io client (rank {self.io_rank}) failed to read {key!r} region "
-                                            f"{list(box)} (its error is reported by every client)")
-                size, inline = int(header[1]), bool(header[2])
-                sub = tuple((int(header[3 + 2 * d]), int(header[4 + 2 * d])) for d in range(len(box)))
+                    raise CoordinationError(f"the io client (rank {self.io_rank}) failed to read {key!r} "
+                                            "(its error is reported by every client)")
+                size, inline, index = int(header[1]), bool(header[2]), int(header[3])
+                if not 0 <= index < len(regions):
+                    raise CoordinationError(f"funnelled restore: record for region {index} of {key!r}, "
+                                            f"this client has {len(regions)}")
+                box = regions[index][1]
+                dest = self._reads[regions[index]][0]
+                sub = tuple((int(header[4 + 2 * d]), int(header[5 + 2 * d])) for d in range(len(box)))
                 if not dt.is_numeric:
                     payload = inbox.take(size) if inline else inbox.receive(size, None, self.budget)
                     dest[...] = _decode_strings(bytes(payload), dest.shape)
+                    left[index] = 0
                     self.received += size
-                    break
+                    continue
                 part = _view(dest, sub, box)
-                if size != part.nbytes or box_volume(sub) > left or sub != _clip(sub, box):
+                if size != part.nbytes or box_volume(sub) > left[index] or sub != _clip(sub, box):
                     raise CoordinationError(f"funnelled restore: chunk {list(sub)} of {key!r} does not fit region "
                                             f"{list(box)}")
                 if inline:
@@ -327,97 +336,122 @@ class FunnelledReader:
                     inbox.receive(size, byte_view(target), self.budget)
                     if target is not part:
                         part[...] = target
-                left -= box_volume(sub)
+                left[index] -= box_volume(sub)
                 self.received += size
-            self._copy_replicas(read)
+            for read in regions:
+                self._copy_replicas(read)
 
-    def _plan_region(self, read: ReadKey, own: Optional[np.ndarray]) -> Iterator["_Job"]:
-        """[io client] The chunks of one region: each stored piece it covers whole is read whole and
-        verified (in sub-boxes with a running CRC when larger than the budget); the parts of pieces
-        it cuts are read in sub-boxes, as a region read would."""
+    def _plan_key(self, key: str, regions: List[Box]) -> Iterator["_Job"]:
+        """[io client] The reads of one key: each stored piece that the wanted regions cover exactly is
+        read whole and verified (in sub-boxes with a running CRC when larger than the budget) and
+        cut for every region; the parts of the other pieces are read per region, as region reads."""
         bundle = self._bundle
         assert bundle is not None
-        key, box = read
         dt, _ = self._meta[key]
         if not dt.is_numeric:
-            yield _Job(read, box, own if own is not None else np.empty(box_shape(box), dtype=object), 0, None, None)
+            for box in regions:
+                yield _Job(key, box, np.empty(box_shape(box), dtype=object), 0, [box], None)
             return
         assert dt.itemsize is not None
-        overlaps = [(p, intersect(p.box, box)) for p in bundle.pieces(key)]
-        parts = [(p, c) for p, c in overlaps if c is not None]
-        if box_volume(box) > 0:
-            problem = boxes_tile([c for _, c in parts], box)
-            if problem is not None:
-                raise NotFoundError(f"does not have sufficient slices for region {list(box)}: {problem}",
-                                    path=self.prefix, key=key)
-        for piece, common in parts:
-            whole = common == piece.box and box_volume(common) * dt.itemsize > self.budget
-            chunks = chunk_boxes(common, dt.itemsize, self.budget)
-            check = _Check(piece, bundle.big_endian, chunks[-1]) if whole else None
-            for sub in chunks:
-                mine = _view(own, sub, box) if own is not None else None
-                if mine is not None and mine.flags.c_contiguous:
-                    yield _Job(read, sub, mine, 0, None, check)
-                else:
+        pieces = bundle.pieces(key)
+        for box in regions:
+            parts = [c for c in (intersect(p.box, box) for p in pieces) if c is not None]
+            if box_volume(box) > 0:
+                problem = boxes_tile(parts, box)
+                if problem is not None:
+                    raise NotFoundError(f"does not have sufficient slices for region {list(box)}: {problem}",
+                                        path=self.prefix, key=key)
+        for piece in pieces:
+            commons = sorted({c for c in (intersect(piece.box, box) for box in regions) if c is not None})
+            if not commons:
+                continue
+            if boxes_tile(commons, piece.box) is None:  # needed whole, each byte once: read it whole
+                chunks = chunk_boxes(piece.box, dt.itemsize, self.budget)
+                check = _Check(piece, bundle.big_endian, chunks[-1]) if len(chunks) > 1 else None
+                for sub in chunks:
                     buffer = np.empty(box_shape(sub), dtype=dt.numpy)
-                    yield _Job(read, sub, buffer, buffer.nbytes, mine, check)
+                    yield _Job(key, sub, buffer, buffer.nbytes, regions, check)
+                continue
+            for common in commons:  # each for the regions whose part of the piece it is
+                takers = [box for box in regions if intersect(piece.box, box) == common]
+                for sub in chunk_boxes(common, dt.itemsize, self.budget):
+                    buffer = np.empty(box_shape(sub), dtype=dt.numpy)
+                    yield _Job(key, sub, buffer, buffer.nbytes, takers, None)
 
     def _serve(self, wanted: Dict[ReadKey, List[int]]) -> None:
-        """[io client] Read each wanted region once, send it to every other client that asked for it."""
+        """[io client] Read what the wanted regions need once; send every other client its parts."""
         bundle = self._bundle
         assert bundle is not None
         coord, me = self._coord, self._coord.rank
         told: set = set()  # clients told that the io client failed (they stop receiving)
         state: Dict[str, Any] = {"problem": None, "held": 0}
+        keys: Dict[str, List[Box]] = {}
+        index: Dict[Tuple[int, str, Box], int] = {}  # (rank, key, box) -> the rank's region number in the key
+        for read in sorted(wanted):
+            keys.setdefault(read[0], []).append(read[1])
+        for r in range(coord.size):
+            counts: Dict[str, int] = {}
+            for key, box in sorted(read for read, ranks in wanted.items() if r in ranks):
+                index[(r, key, box)] = counts.get(key, 0)
+                counts[key] = counts.get(key, 0) + 1
+        receivers = sorted({r for ranks in wanted.values() for r in ranks if r != me})
+        outboxes = {r: _Outbox(coord, r, max(1, self.budget // (4 * max(1, len(receivers)))), self.budget)
+                    for r in receivers}
 
         def fail(exc: BaseException) -> None:
             if state["problem"] is None:
                 state["problem"] = exc
 
         def jobs() -> Iterator[_Job]:
-            for read in sorted(wanted):
-                outs = self._reads.get(read) if me in wanted[read] else None
+            for key in sorted(keys):
                 try:
-                    yield from self._plan_region(read, outs[0] if outs else None)
+                    yield from self._plan_key(key, keys[key])
                 except ShardckptError as exc:  # e.g. a corrupt entry: the others are told below
                     fail(exc)
-                    yield _Job(read, read[1], np.empty(0), 0, None, None)
+                    yield _Job(key, keys[key][0], np.empty(0), 0, keys[key], None)
 
         def read_job(job: _Job) -> None:
-            if job.sub is not None:
-                bundle.read_region(job.read[0], job.sub, out=job.into)
+            bundle.read_region(job.key, job.sub, out=job.into)
 
         def send(job: _Job, future: "Future[None]") -> None:
-            key, box = job.read
-            others = [r for r in wanted[job.read] if r != me and r not in told]
             if state["problem"] is None:
                 try:
                     future.result()
-                    if job.own is not None:
-                        job.own[...] = job.into
                     if job.check is not None:
                         job.check.add(job.into, job.sub, bundle.data_path(job.check.piece.entry.shard_id))
                 except ShardckptError as exc:
                     fail(exc)
-            header = self._header(key)
             if state["problem"] is not None:
+                header = self._header(job.key)
                 header[0] = _FAILED
-                for r in others:
-                    outboxes[r].add(header, None)
-                    outboxes[r].flush()
-                told.update(others)
+                for box in job.regions:
+                    for r in wanted[(job.key, box)]:
+                        if r != me and r not in told:
+                            outboxes[r].add(header, None)
+                            outboxes[r].flush()
+                            told.add(r)
                 return
-            payload = byte_view(job.into) if self._meta[key][0].is_numeric else memoryview(_encode_strings(job.into))
-            header[1] = len(payload)
-            header[3:] = np.asarray(job.sub, dtype="<i8").reshape(-1)
-            for r in others:
-                outboxes[r].add(header, payload)
-            if _is_last(job.sub, box) and me in wanted[job.read]:
-                self._copy_replicas(job.read)
+            numeric = self._meta[job.key][0].is_numeric
+            for box in job.regions:
+                common = intersect(job.sub, box) if numeric else box
+                if common is None:
+                    continue
+                data = job.into[_local(common, job.sub)] if numeric else job.into
+                ranks = wanted[(job.key, box)]
+                if me in ranks:
+                    own = self._reads[(job.key, box)][0]
+                    _view(own, common, box)[...] = data
+                others = [r for r in ranks if r != me and r not in told]
+                if not others:
+                    continue
+                payload = byte_view(np.ascontiguousarray(data)) if numeric else memoryview(_encode_strings(data))
+                header = self._header(job.key)
+                header[1] = len(payload)
+                header[4:] = np.asarray(common, dtype="<i8").reshape(-1)
+                for r in others:
+                    header[3] = index[(r, job.key, box)]
+                    outboxes[r].add(header, payload)
 
-        receivers = sorted({r for ranks in wanted.values() for r in ranks if r != me})
-        outboxes = {r: _Outbox(coord, r, max(1, self.budget // (4 * max(1, len(receivers)))), self.budget)
-                    for r in receivers}
         pending: Deque[Tuple[_Job, "Future[None]"]] = deque()
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardckpt-funnel") as pool:
             for job in jobs():
@@ -438,6 +472,9 @@ class FunnelledReader:
                 send(done, future)
         for outbox in outboxes.values():
             outbox.flush()
+        for (key, box), ranks in wanted.items():
+            if me in ranks and state["problem"] is None:
+                self._copy_replicas((key, box))
         if state["problem"] is not None:
             raise state["problem"]
 
@@ -522,14 +559,14 @@ def _clip(sub: Box, box: Box) -> Box:
 
 
 class _Job:
-    """[io client] One chunk: the region it belongs to, its box, the array its bytes land in, the
-    bytes of buffer it holds, the io client's own destination of a buffer, its piece's running check."""
+    """[io client] One read: the key, the box read, the array it lands in, the bytes of buffer it
+    holds, the wanted regions of the key (each gets its part), its piece's running check."""
 
-    __slots__ = ("read", "sub", "into", "size", "own", "check")
+    __slots__ = ("key", "sub", "into", "size", "regions", "check")
 
-    def __init__(self, read: ReadKey, sub: Box, into: np.ndarray, size: int, own: Optional[np.ndarray],
+    def __init__(self, key: str, sub: Box, into: np.ndarray, size: int, regions: List[Box],
                  check: Optional["_Check"]) -> None:
-        self.read, self.sub, self.into, self.size, self.own, self.check = read, sub, into, size, own, check
+        self.key, self.sub, self.into, self.size, self.regions, self.check = key, sub, into, size, regions, check
 
 
 class _Check:
@@ -555,11 +592,6 @@ def _view(arr: np.ndarray, sub: Box, box: Box) -> np.ndarray:
     """The part of ``arr`` (which holds ``box``) that holds ``sub`` (a view, also for 0-d arrays)."""
     index = _local(sub, box)
     return arr[index] if index else arr[...]
-
-
-def _is_last(sub: Box, box: Box) -> bool:
-    """Whether ``sub`` (from :func:`chunk_boxes` of ``box``) is its last chunk."""
-    return all(b == bb for (_, b), (_, bb) in zip(sub, box))
 
 
 def funnelled_reader(save_path: str, options: Any, coordinator: Coordinator, *,
