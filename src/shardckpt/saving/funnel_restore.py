@@ -13,22 +13,23 @@ Protocol (collective: every client calls it, in the same order; nothing is writt
    destination array) instead of reading; the destinations are filled in step 4.
 3. **exchange** (all-gather): each client's distinct reads, sorted by (key, region), and
    whether its planning succeeded; a failed client makes every client raise.
-4. **serve**: the io client takes the distinct regions of all clients in (key, region) order
-   and reads each once (into its own destination when it needs the region too, else into a
-   buffer), in chunks of at most the budget: a stored piece the region covers whole is read
-   whole and its checksum verified (larger than the budget: in sub-boxes, in storage order,
-   with a running CRC32C compared after the last), the parts of pieces it cuts are read as a
-   region read reads them. A helper thread reads ahead of the sends while the buffers held
-   stay within the budget. Every other client that asked for the region receives each chunk
-   as a record: a header (status, payload bytes, inline or not, the chunk's box: int64s) and
-   the payload (the chunk's C-order bytes; string tensors: one chunk of base64 strings as
-   JSON), until its region is full. Records travel in batches per client (a message with the
-   batch's length, then the batch; at most a quarter of the budget shared by all clients'
-   batches), so small pieces cost few messages; a payload too large for a batch follows the
-   batch that holds its header in messages of its own, received straight into the
-   destination. After a failure (a read, a checksum) each client's next
-   header says "failed", so no client waits for bytes that will not come; a checksum found
-   wrong after its bytes went out fails the restore at step 5.
+4. **serve**: the io client goes key by key (in order) over the stored pieces the wanted
+   regions touch. A piece the regions tile exactly is read once, whole, and its checksum
+   verified (larger than the budget: in sub-boxes, in storage order, with a running CRC32C
+   compared after the last), then cut for every region; the parts of other pieces are read
+   per region, as a region read reads them (no checksum covers a part). Reads land in buffers
+   of at most the budget, on a helper thread that reads ahead of the sends while the buffers
+   held stay within the budget; the io client's own regions are filled from them too. Every
+   other client that asked for a region receives each part of it as a record: a header
+   (status, payload bytes, inline or not, the number of the client's region of that key, the
+   part's box: int64s) and the payload (the part's C-order bytes; string tensors: the whole
+   region as base64 strings in JSON, read whole), until its regions of the key are full.
+   Records travel in batches per client (a message with the batch's length, then the batch;
+   at most a quarter of the budget shared by all clients' batches), so small parts cost few
+   messages; a payload too large for a batch follows the batch that holds its header in
+   messages of its own, received straight into the destination. After a failure (a read, a
+   checksum) each client's next header says "failed", so no client waits for bytes that will
+   not come; a checksum found wrong after its bytes went out fails the restore at step 5.
 5. **agree**: every client reports success; any failure is raised on every client.
 
 Values are only valid once :meth:`FunnelledReader.finish` returns. Reads asked for after it
