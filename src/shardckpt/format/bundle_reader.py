@@ -349,26 +349,45 @@ class BundleReader:
         shape = self.shape(kb)
         if not entry.slices:
             return [StoredPiece(full_box(shape), kb, entry, kb)]
-        out = []
+        out = [self._slice_piece(kb, entry, tslice, box) for tslice, box in self._slice_boxes(kb, entry, shape)]
+        self._pieces[kb] = out
+        return list(out)
+
+    def _slice_boxes(self, kb: bytes, entry: pb.BundleEntryProto,
+                     shape: Tuple[int, ...]) -> Iterator[Tuple[TensorSlice, Box]]:
         for proto in entry.slices:
             tslice = TensorSlice.from_proto(proto)
             try:
                 box = tslice.box(shape)
             except InvalidArgumentError as exc:
                 raise CorruptIndexError(f"bad slice: {exc}", path=self.index_path, key=kb) from None
-            slice_key = encode_tensor_name_slice(kb, tslice.extents)
-            try:
-                slice_entry = self.entry(slice_key)
-            except NotFoundError:
-                raise CorruptIndexError(f"slice {tslice} listed but its entry is missing",
-                                        path=self.index_path, key=kb) from None
-            if slice_entry.dtype != entry.dtype or slice_entry.slices or \
-                    tuple(int(d.size) for d in slice_entry.shape.dim) != box_shape(box):
-                raise CorruptIndexError(f"slice {tslice} entry disagrees with the tensor's dtype or shape",
-                                        path=self.index_path, key=kb)
-            out.append(StoredPiece(box, slice_key, slice_entry, kb, tslice))
-        self._pieces[kb] = out
-        return list(out)
+            yield tslice, box
+
+    def _slice_piece(self, kb: bytes, entry: pb.BundleEntryProto, tslice: TensorSlice, box: Box) -> StoredPiece:
+        """The stored piece of one listed slice (its entry looked up and checked against the tensor's)."""
+        slice_key = encode_tensor_name_slice(kb, tslice.extents)
+        try:
+            slice_entry = self.entry(slice_key)
+        except NotFoundError:
+            raise CorruptIndexError(f"slice {tslice} listed but its entry is missing",
+                                    path=self.index_path, key=kb) from None
+        if slice_entry.dtype != entry.dtype or slice_entry.slices or \
+                tuple(int(d.size) for d in slice_entry.shape.dim) != box_shape(box):
+            raise CorruptIndexError(f"slice {tslice} entry disagrees with the tensor's dtype or shape",
+                                    path=self.index_path, key=kb)
+        return StoredPiece(box, slice_key, slice_entry, kb, tslice)
+
+    def _overlapping(self, kb: bytes, box: Box) -> List[Tuple[StoredPiece, Box]]:
+        """The stored pieces of ``kb`` that overlap ``box``, with the common part: only their slice
+        entries are looked up (a region of a tensor sliced many ways costs a few lookups)."""
+        entry = self.entry(kb)
+        shape = self.shape(kb)
+        if not entry.slices or kb in self._pieces or box == full_box(shape):
+            pairs = [(p, intersect(p.box, box)) for p in self.pieces(kb)]
+        else:
+            pairs = [(self._slice_piece(kb, entry, tslice, pbox), intersect(pbox, box))
+                     for tslice, pbox in self._slice_boxes(kb, entry, shape) if intersect(pbox, box) is not None]
+        return [(p, c) for p, c in pairs if c is not None]
 
     # -- data files ----------------------------------------------------------
     def data_path(self, shard_id: int) -> str:
@@ -510,12 +529,7 @@ class BundleReader:
             if len(box) != len(shape) or any(not 0 <= a <= b <= d for (a, b), d in zip(box, shape)):
                 raise InvalidArgumentError(f"region {list(box)} does not fit shape {list(shape)}",
                                            path=self.prefix, key=kb)
-        pieces = self.pieces(kb)
-        overlaps: List[Tuple[StoredPiece, Box]] = []
-        for p in pieces:
-            common = intersect(p.box, box)
-            if common is not None:
-                overlaps.append((p, common))
+        overlaps = self._overlapping(kb, box)
         whole = len(overlaps) == 1 and overlaps[0][1] == box  # the common case: one piece holds it all
         if box_volume(box) > 0 and not whole:
             problem = boxes_tile([common for _, common in overlaps], box)
