@@ -21,6 +21,7 @@ from test_hostile_input import EXPECTED, MEM_BUDGET, Bundle, assemble, assert_sa
 
 from shardckpt.errors import CheckpointReplacedError, CorruptIndexError, NotFoundError, ShardckptError
 from shardckpt.format.bundle_reader import BundleReader
+from shardckpt.format.ordered_code import encode_tensor_name_slice
 from shardckpt.format.sstable import TableReader, TableWriter, read_table
 from shardckpt.io import save_v2
 from shardckpt.storage.local import local_fs
@@ -319,3 +320,26 @@ def _rewrite_store(prefix: str) -> None:
     for k, v in pairs:
         table.add(k, v)
     fs.write_atomic(path, table.finish())
+
+
+def test_a_region_read_looks_up_only_the_slices_it_overlaps(tmp_path: Path) -> None:
+    """One client's rows of a tensor sliced 200 ways: a few blocks of the index, not all of them."""
+    prefix = str(tmp_path / "sliced")
+    full = np.arange(400 * 3, dtype=np.float32).reshape(400, 3)
+    save_v2(prefix, ["w"] * 200, [f"400 3 {2 * i},2:-" for i in range(200)],
+            [full[2 * i:2 * i + 2] for i in range(200)])
+    _rewrite(prefix, block_size=256)
+    index = prefix + ".index"
+    fs = CountingFS()
+    with BundleReader(prefix, fs=fs, load_index=False) as reader:
+        opened = fs.read[index]
+        np.testing.assert_array_equal(reader.read_region("w", ((100, 104), (0, 3))), full[100:104])
+        # the block of the entry (its 200 slice specs: ~2 KiB) and the one or two of the slices read
+        assert fs.read[index] - opened <= 4096, fs.read[index] - opened
+        np.testing.assert_array_equal(reader.read("w"), full)  # all 200 slices
+    bundle = Bundle(prefix)
+    bundle.drop(encode_tensor_name_slice(b"w", [(398, 2), (0, -1)]))  # the last slice's entry is gone
+    with BundleReader(prefix, load_index=False) as reader:
+        np.testing.assert_array_equal(reader.read_region("w", ((0, 2), (0, 3))), full[:2])
+        with pytest.raises(CorruptIndexError, match="398,2"):
+            reader.read("w")
