@@ -15,7 +15,9 @@ entries. Phases, each timed:
 * ``merge_files``: the local commit's merge: ``read_index`` of the ``N`` part indexes,
   ``plan_merge``, index bytes, index written;
 * ``open_read``: open the merged index (``BundleReader``) and read one whole tensor
-  (its ``N`` slices, from ``N`` sparse data files; checksums verified).
+  (its ``N`` slices, from ``N`` sparse data files; checksums verified);
+* ``open_read_part``: open it again and read one client's rows of another tensor (what each
+  client of a restore does: one of the ``N`` slices).
 
 Each (N, T) runs in a fresh process; peak RSS above the process's baseline is reported.
 
@@ -164,6 +166,13 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
         value = reader.read(keys[t // 2])
     out["open_read_s"] = time.perf_counter() - t0
     assert value.shape == (rows, COLS) and not value.any()
+    # what one client restores: its own rows of one tensor (one slice of N), from a fresh reader
+    r = n // 2
+    t0 = time.perf_counter()
+    with BundleReader(prefix) as reader:
+        part = reader.read_region(keys[t // 3], ((r * ROWS, (r + 1) * ROWS), (0, COLS)))
+    out["open_read_part_s"] = time.perf_counter() - t0
+    assert part.shape == (ROWS, COLS) and not part.any()
     return out
 
 
@@ -186,7 +195,8 @@ def main() -> None:
     rows: List[Dict[str, Any]] = []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")]))
     print(f"{'clients':>7} {'tensors':>7} {'entries':>9} {'plan s':>7} {'agree s':>8} {'merge mem s':>11} "
-          f"{'merge files s':>13} {'open s':>7} {'open+read s':>11} {'index MB':>8} {'peak MiB':>8} "
+          f"{'merge files s':>13} {'open s':>7} {'open+read s':>11} {'open+part s':>11} "
+          f"{'index MB':>8} {'peak MiB':>8} "
           f"{'B/entry pieces':>14} {'B/entry entries':>15}")
     for t in [int(x) for x in args.tensors.split(",")]:
         for n in [int(x) for x in args.clients.split(",")]:
@@ -201,6 +211,7 @@ def main() -> None:
             rows.append(r)
             print(f"{n:>7} {t:>7} {r['entries']:>9} {r['plan_s']:>7.3f} {r['agree_s']:>8.3f} {r['merge_mem_s']:>11.3f} "
                   f"{r['merge_files_s']:>13.3f} {r['open_s']:>7.3f} {r['open_read_s']:>11.3f} "
+                  f"{r['open_read_part_s']:>11.3f} "
                   f"{r['index_bytes'] / 1e6:>8.1f} {r['peak_extra_mib']:>8.0f} "
                   f"{r['gather_pieces_bytes_per_entry']:>14.0f} {r['gather_entries_bytes_per_entry']:>15.0f}",
                   flush=True)

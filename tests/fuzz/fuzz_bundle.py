@@ -2,7 +2,9 @@
 
 For every key (at most 32) the harness reads the whole tensor, a leading-corner region,
 a strided-column region (several runs), the raw bytes of each piece and ``verify``;
-then ``restore_tensors`` of all keys. Outcome rule: values, or ``shardckpt.errors``.
+then ``restore_tensors`` of all keys. The same keys are then read by name through a reader
+that does not load the index (``load_index=False``: lookups through the index block), and
+its ``keys()``. Outcome rule: values, or ``shardckpt.errors``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def _regions(shape: tuple) -> list:
     return [r for r in (corner, column) if r is not None]
 
 
-def _exercise(prefix: str) -> None:
+def _exercise(prefix: str) -> list:
     with BundleReader(prefix) as reader:
         keys = reader.keys()[:_MAX_KEYS]
         for key in keys:
@@ -40,6 +42,15 @@ def _exercise(prefix: str) -> None:
                 _common.allowed(reader.raw_bytes, piece)
             _common.allowed(reader.verify, key)
         _common.allowed(restore_tensors, prefix, [k.decode("utf-8", "replace") for k in keys], reader=reader)
+    return keys
+
+
+def _exercise_lazily(prefix: str, keys: list) -> None:
+    with BundleReader(prefix, load_index=False) as reader:
+        for key in keys + [b"", b"\x00", b"\xff" * 3]:
+            _common.allowed(reader.read, key)
+            _common.allowed(reader.__contains__, key)
+        reader.keys()
 
 
 def test_one_input(data: bytes) -> None:
@@ -47,7 +58,8 @@ def test_one_input(data: bytes) -> None:
     prefix = os.path.join(_common.scratch(), "ck")
     _common.write(prefix + ".index", index)
     _common.write(prefix + ".data-00000-of-00001", shard)
-    _common.allowed(_exercise, prefix)
+    keys = _common.allowed(_exercise, prefix) or []
+    _common.allowed(_exercise_lazily, prefix, keys)
 
 
 if __name__ == "__main__":

@@ -193,8 +193,23 @@ class Checkpoint(Module):
     def _restore(self, save_path: str, options: Optional[CheckpointOptions]) -> Any:
         options = options or CheckpointOptions()
         self._wait_for_pending()  # never restore around a save in flight
-        prefix = resolve_prefix(os.fspath(save_path))
-        reader = BundleReader(prefix)
+        reader = self._open_for_restore(os.fspath(save_path), options)
+        finish = getattr(reader, "finish", None)  # a funnelled restore's exchange (collective)
+        if finish is None:
+            return self._restore_from(reader, options)
+        try:
+            status = self._restore_from(reader, options)
+        except BaseException as exc:
+            finish(exc)  # the other clients are told, and raise
+            raise
+        finish()
+        return status
+
+    def _open_for_restore(self, save_path: str, options: CheckpointOptions) -> Any:
+        """What a restore reads through (a :class:`BundleReader`; a funnelled reader in collective restores)."""
+        return BundleReader(resolve_prefix(save_path))
+
+    def _restore_from(self, reader: Any, options: CheckpointOptions) -> Any:
         root, extra = self._graph_root()
         if OBJECT_GRAPH_KEY not in reader:
             optional = {self._save_counter._identity()} if self._save_counter is not None else set()

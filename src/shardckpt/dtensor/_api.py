@@ -95,7 +95,12 @@ class DTensor:
     def restore_from(self, reader: BundleReader, key: str) -> None:
         """Fill the components from checkpoint ``key``: each distinct local piece is read once
         (only the bytes overlapping it), then copied to the other local replicas."""
+        fills_later = getattr(reader, "fills_later", False)  # a funnelled restore: values arrive later
         for box, devices in self.local_pieces().items():
+            if fills_later:
+                for device in devices:
+                    reader.read_region(key, box, out=self.components[device])
+                continue
             first = self.components[devices[0]]
             reader.read_region(key, box, out=first)
             for other in devices[1:]:

@@ -17,7 +17,8 @@ from typing import Any, List, Mapping, Optional, Sequence
 import numpy as np
 
 from ..checkpoint.checkpoint import Checkpoint
-from ..checkpoint.graph import SaveableGraph
+from ..checkpoint.graph import OBJECT_GRAPH_KEY, SaveableGraph
+from ..checkpoint.reader import resolve_prefix
 from ..distributed import get_coordinator
 from ..distributed.coordinator import Coordinator
 from ..errors import InvalidArgumentError, NotFoundError
@@ -25,6 +26,7 @@ from ..format.bundle_reader import BundleReader
 from ..format.dtypes import as_dtype
 from ..format.tensor_slice import FULL, TensorSlice, format_shape_and_slice, full_box
 from ..saving.distributed import io_rank_of, save_tensors_distributed
+from ..saving.funnel_restore import funnelled_reader, run_funnelled
 from ..saving.options import CheckpointOptions
 from ..saving.pieces import pieces_of
 from ..sharding.callback import ShardByDevicePolicy
@@ -103,8 +105,9 @@ def name_based_save(mesh: Mesh, checkpoint_prefix: str, name_tensor_dict: Mappin
                         options)
 
 
-def name_based_restore(mesh: Mesh, checkpoint_prefix: str,
-                       name_tensor_dict: Mapping[str, Any]) -> "OrderedDict[str, DTensor]":
+def name_based_restore(mesh: Mesh, checkpoint_prefix: str, name_tensor_dict: Mapping[str, Any], *,
+                       options: Optional[CheckpointOptions] = None,
+                       coordinator: Optional[Coordinator] = None) -> "OrderedDict[str, DTensor]":
     """Read ``{name: DTensor or DVariable}`` from ``checkpoint_prefix`` onto their own layouts
     (``dtensor.name_based_restore``): returns new DTensors, name -> value, in the given order.
 
@@ -112,27 +115,39 @@ def name_based_restore(mesh: Mesh, checkpoint_prefix: str,
     written with any layout, mesh or number of clients. Dtypes and shapes must match
     the checkpoint's (checked for every name before any value is read). Unlike
     TensorFlow, the values may lie on different meshes. ``mesh`` is accepted for
-    TensorFlow's signature (the values' layouts carry their meshes).
+    TensorFlow's signature (the values' layouts carry their meshes). With
+    ``options.io_device`` naming a client (and several clients), only that client reads:
+    the call is then collective (``coordinator``: default the process-wide one).
     """
     del mesh
-    targets: "OrderedDict[str, DTensor]" = OrderedDict()
+    funnel = funnelled_reader(os.fspath(checkpoint_prefix), options, coordinator or get_coordinator())
+    if funnel is not None:
+        restored: "OrderedDict[str, DTensor]" = run_funnelled(
+            funnel, lambda reader: _restore_named(reader, checkpoint_prefix, name_tensor_dict))
+        return restored
     with BundleReader(os.fspath(checkpoint_prefix)) as reader:
-        for name, tensor in name_tensor_dict.items():
-            if not is_dtensor(tensor):
-                raise InvalidArgumentError(f"name_based_restore: {name!r} must be a DTensor or DVariable, got "
-                                           f"{type(tensor).__name__}")
-            like = as_dtensor(tensor)
-            if name not in reader:
-                raise NotFoundError("no such tensor in the checkpoint", path=checkpoint_prefix, key=name)
-            stored, shape = reader.dtype(name), tuple(reader.shape(name))
-            if stored.enum != as_dtype(like.dtype).enum or shape != like.shape:
-                raise InvalidArgumentError(f"the checkpoint holds {stored.name}{list(shape)}, the tensor is "
-                                           f"{as_dtype(like.dtype).name}{list(like.shape)}",
-                                           path=checkpoint_prefix, key=name)
-            targets[name] = DTensor(like.layout, like.shape,
-                                    {d: np.empty_like(c) for d, c in like.components.items()})
-        for name, target in targets.items():
-            target.restore_from(reader, name)
+        return _restore_named(reader, checkpoint_prefix, name_tensor_dict)
+
+
+def _restore_named(reader: Any, checkpoint_prefix: str,
+                   name_tensor_dict: Mapping[str, Any]) -> "OrderedDict[str, DTensor]":
+    targets: "OrderedDict[str, DTensor]" = OrderedDict()
+    for name, tensor in name_tensor_dict.items():
+        if not is_dtensor(tensor):
+            raise InvalidArgumentError(f"name_based_restore: {name!r} must be a DTensor or DVariable, got "
+                                       f"{type(tensor).__name__}")
+        like = as_dtensor(tensor)
+        if name not in reader:
+            raise NotFoundError("no such tensor in the checkpoint", path=checkpoint_prefix, key=name)
+        stored, shape = reader.dtype(name), tuple(reader.shape(name))
+        if stored.enum != as_dtype(like.dtype).enum or shape != like.shape:
+            raise InvalidArgumentError(f"the checkpoint holds {stored.name}{list(shape)}, the tensor is "
+                                       f"{as_dtype(like.dtype).name}{list(like.shape)}",
+                                       path=checkpoint_prefix, key=name)
+        targets[name] = DTensor(like.layout, like.shape,
+                                {d: np.empty_like(c) for d, c in like.components.items()})
+    for name, target in targets.items():
+        target.restore_from(reader, name)
     return targets
 
 
@@ -187,6 +202,12 @@ class DTensorCheckpoint(Checkpoint):
         save_tensors_distributed(path, local, options, coordinator, io_rank=io, on_commit=on_commit,
                                  saver=self._async_saver(options), on_failure=self._pending_rollback,
                                  previous=previous)
+
+    def _open_for_restore(self, save_path: str, options: CheckpointOptions) -> Any:
+        """With ``options.io_device`` on several clients: a funnelled, collective restore."""
+        funnel = funnelled_reader(save_path, options, self._coord(), resolve=resolve_prefix,
+                                  preload=[OBJECT_GRAPH_KEY])
+        return funnel if funnel is not None else super()._open_for_restore(save_path, options)
 
     def save(self, file_prefix: str, options: Optional[CheckpointOptions] = None) -> str:
         """Collective ``save``: only the io client updates the ``checkpoint`` file."""

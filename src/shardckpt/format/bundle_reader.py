@@ -1,5 +1,9 @@
 """Read a tensor bundle: look entries up in ``<prefix>.index``, read values from the data files.
 
+A small index is read and checked whole when the reader opens; a large one is not read:
+its SSTable's footer and index block are, and each lookup reads (and checks) the one
+data block that may hold its key (see :class:`~shardckpt.format.sstable.TableReader`).
+
 :class:`BundleReader` reads whole tensors (assembling sliced ones) and arbitrary
 regions of them. A region read issues positional reads of just the byte ranges
 that hold the region, straight into the destination array; reads smaller than a
@@ -51,7 +55,7 @@ from .dtypes import DType, from_enum
 from .naming import data_filename, index_filename
 from .ordered_code import encode_tensor_name_slice, is_slice_key
 from .protos import tensor_bundle_pb2 as pb
-from .sstable import read_table
+from .sstable import TableReader, read_table
 from .strings import decode_strings, decode_variants
 from .tensor_slice import Box, TensorSlice, box_shape, box_volume, boxes_tile, full_box, intersect
 
@@ -68,6 +72,7 @@ _MAX_RANK = 64  # NumPy's limit (TensorFlow allows 254; such tensors cannot be a
 _MAX_ELEMENTS = (1 << 63) - 1
 _EAGER_IDENTITY = 1024  # data files whose identity is recorded when the index is opened
 _OPEN_ATTEMPTS = 3
+_EAGER_INDEX_BYTES = 1 << 20  # index files up to this size are read and checked whole when opened
 
 KeyLike = Union[str, bytes]
 
@@ -118,12 +123,16 @@ class BundleReader:
 
     ``fs`` is the store (default: chosen from the path); ``context`` owns the helper
     threads that read and checksum units of large entries (default:
-    :func:`~shardckpt.format.crc.default_context`). Safe to share between threads;
-    each thread's :class:`ReadSession` keeps its own pending checks.
+    :func:`~shardckpt.format.crc.default_context`). ``load_index``: ``True`` reads the
+    whole index and checks all of it when opening; ``False`` reads only its footer and
+    index block, then the data blocks that lookups need (a 10^6-entry index opens in a few
+    milliseconds; :meth:`keys` still reads it whole, once); ``None`` (default) reads it
+    whole when the file is at most 1 MiB. Safe to share between threads; each thread's
+    :class:`ReadSession` keeps its own pending checks.
     """
 
     def __init__(self, prefix: str, *, fs: Optional[FileSystem] = None,
-                 context: Optional[crc.ChecksumContext] = None) -> None:
+                 context: Optional[crc.ChecksumContext] = None, load_index: Optional[bool] = None) -> None:
         prefix = normalize(prefix)
         self.prefix = prefix
         self.index_path = index_filename(prefix)
@@ -138,6 +147,12 @@ class BundleReader:
         self._file_sizes: Dict[int, int] = {}
         self._identities: Dict[int, Any] = {}  # shard -> identity at open (None: missing then)
         self._lock = threading.Lock()
+        self._load_index = load_index
+        self._raw: Optional[Dict[bytes, bytes]] = None  # every entry, once read whole
+        self._table: Optional[TableReader] = None  # lookups through the index block (index not read whole)
+        self._index_fd: Any = None
+        self._index_identity: Any = None
+        self._index_size = 0
         for _attempt in range(_OPEN_ATTEMPTS):
             if self._open_index():
                 break
@@ -150,23 +165,46 @@ class BundleReader:
         return self._identity_of(path, handle)
 
     def _open_index(self) -> bool:
-        """Read the index and record the identity of it and the data files; False if it changed meanwhile."""
+        """Read the index and record the identity of it and the data files; False if it changed meanwhile.
+
+        A small index (or ``load_index=True``) is read and checked whole. A large one (or
+        ``load_index=False``) stays on storage: its footer and index block are read now,
+        data blocks when a lookup needs them (each checked then, see
+        :class:`~shardckpt.format.sstable.TableReader`); the whole index is read only
+        for :meth:`keys`.
+        """
         fs = self._fs
+        self._close_index()  # from an earlier attempt
+        self._raw, self._table = None, None
         before = self._identity(self.index_path) if self._identity_of is not None else None
-        data = fs.read_bytes(self.index_path)
-        raw = dict(read_table(data, self.index_path))
-        header_bytes = raw.pop(b"", None)
-        if header_bytes is None:
-            raise CorruptIndexError("index has no header entry (empty key)", path=self.index_path)
+        lazy = self._load_index is False
+        if self._load_index is None:
+            size = int(before[0]) if before is not None else fs.size(self.index_path)
+            lazy = size > _EAGER_INDEX_BYTES
+        if lazy:
+            try:
+                header_bytes = self._open_lazily(before)
+            except CheckpointReplacedError:
+                self._close_index()
+                return False
+            if header_bytes is None:
+                raise CorruptIndexError("index has no header entry (empty key)", path=self.index_path)
+        else:
+            data = fs.read_bytes(self.index_path)
+            raw = dict(read_table(data, self.index_path))
+            header_bytes = raw.pop(b"", None)
+            if header_bytes is None:
+                raise CorruptIndexError("index has no header entry (empty key)", path=self.index_path)
+            self._raw = raw
+            if before is not None and before[0] != len(data):
+                return False
         self.header = self._parse_header(header_bytes)
         self.num_shards = int(self.header.num_shards)
         self.big_endian = self.header.endianness == pb.BundleHeaderProto.BIG
-        self._raw = raw
         self._entries: Dict[bytes, pb.BundleEntryProto] = {}
+        self._pieces: Dict[bytes, List[StoredPiece]] = {}  # sliced tensors' pieces, once checked
         if self._identity_of is None:
             return True
-        if before is None or before[0] != len(data):
-            return False
         self._identities = {}
         if self.num_shards <= _EAGER_IDENTITY:
             paths = [self.data_path(shard) for shard in range(self.num_shards)]
@@ -181,6 +219,68 @@ class BundleReader:
                     except NotFoundError:
                         self._identities[shard] = None
         return self._identity(self.index_path) == before
+
+    def _open_lazily(self, before: Any) -> Optional[bytes]:
+        """Open the index for lookups through its index block; the header entry's value."""
+        self._index_identity = before
+        self._index_size = int(before[0]) if before is not None else self._fs.size(self.index_path)
+        self._index_handle()
+        self._table = TableReader(self._index_read, self._index_size, self.index_path)
+        return self._table.get(b"")
+
+    def _index_handle(self) -> Any:
+        """The open index file (opened again after :meth:`close`; it must still be the same file)."""
+        with self._lock:
+            if self._index_fd is None:
+                fd = self._fs.open_read(self.index_path)
+                if self._identity_of is not None:
+                    try:
+                        now = self._identity(self.index_path, fd)
+                    except BaseException:
+                        self._fs.close(fd)
+                        raise
+                    if now != self._index_identity:
+                        self._fs.close(fd)
+                        raise self._replaced(self.index_path, "the index differs from the one opened "
+                                                              f"(identity {now} != {self._index_identity})")
+                self._index_fd = fd
+            return self._index_fd
+
+    def _index_read(self, offset: int, size: int) -> bytes:
+        """``size`` bytes of the index file at ``offset`` (the file must be the one opened)."""
+        fd = self._index_handle()
+        buf = bytearray(size)
+        self._fs.pread_into(fd, memoryview(buf), offset, self.index_path)
+        if self._identity_of is not None:
+            now = self._identity(self.index_path, fd)
+            if now != self._index_identity:
+                raise self._replaced(self.index_path, f"the index changed (identity {now} != "
+                                                      f"{self._index_identity})")
+        return bytes(buf)
+
+    def _close_index(self) -> None:
+        with self._lock:
+            if self._index_fd is not None:
+                self._fs.close(self._index_fd)
+                self._index_fd = None
+
+    def _all_entries(self) -> Dict[bytes, bytes]:
+        """Every entry but the header (the whole index is read and checked on first use)."""
+        raw = self._raw
+        if raw is None:
+            raw = dict(read_table(self._index_read(0, self._index_size), self.index_path))
+            raw.pop(b"", None)
+            self._raw = raw
+        return raw
+
+    def _value(self, key: bytes) -> Optional[bytes]:
+        """The stored value of ``key`` (``None`` when absent; the header is not an entry)."""
+        if self._raw is not None:
+            return self._raw.get(key)
+        if not key:
+            return None
+        assert self._table is not None
+        return self._table.get(key)
 
     # -- index -------------------------------------------------------------
     def _parse_header(self, value: bytes) -> pb.BundleHeaderProto:
@@ -204,10 +304,10 @@ class BundleReader:
 
     def keys(self, include_slices: bool = False) -> List[bytes]:
         """All keys in index order; slice entries only with ``include_slices``."""
-        return [k for k in self._raw if include_slices or not is_slice_key(k)]
+        return [k for k in self._all_entries() if include_slices or not is_slice_key(k)]
 
     def __contains__(self, key: KeyLike) -> bool:
-        return _key_bytes(key) in self._raw
+        return self._value(_key_bytes(key)) is not None
 
     def entry(self, key: KeyLike) -> pb.BundleEntryProto:
         """The parsed and checked ``BundleEntryProto`` of ``key``."""
@@ -215,7 +315,7 @@ class BundleReader:
         cached = self._entries.get(kb)
         if cached is not None:
             return cached
-        value = self._raw.get(kb)
+        value = self._value(kb)
         if value is None:
             raise NotFoundError("key not found in checkpoint", path=self.prefix, key=kb)
         entry = pb.BundleEntryProto()
@@ -242,27 +342,52 @@ class BundleReader:
     def pieces(self, key: KeyLike) -> List[StoredPiece]:
         """Where the tensor's values are stored: one piece, or one per slice."""
         kb = _key_bytes(key)
+        cached = self._pieces.get(kb)
+        if cached is not None:
+            return list(cached)
         entry = self.entry(kb)
         shape = self.shape(kb)
         if not entry.slices:
             return [StoredPiece(full_box(shape), kb, entry, kb)]
-        out = []
+        out = [self._slice_piece(kb, entry, tslice, box) for tslice, box in self._slice_boxes(kb, entry, shape)]
+        self._pieces[kb] = out
+        return list(out)
+
+    def _slice_boxes(self, kb: bytes, entry: pb.BundleEntryProto,
+                     shape: Tuple[int, ...]) -> Iterator[Tuple[TensorSlice, Box]]:
         for proto in entry.slices:
             tslice = TensorSlice.from_proto(proto)
             try:
                 box = tslice.box(shape)
             except InvalidArgumentError as exc:
                 raise CorruptIndexError(f"bad slice: {exc}", path=self.index_path, key=kb) from None
-            slice_key = encode_tensor_name_slice(kb, tslice.extents)
-            if slice_key not in self._raw:
-                raise CorruptIndexError(f"slice {tslice} listed but its entry is missing",
-                                        path=self.index_path, key=kb)
+            yield tslice, box
+
+    def _slice_piece(self, kb: bytes, entry: pb.BundleEntryProto, tslice: TensorSlice, box: Box) -> StoredPiece:
+        """The stored piece of one listed slice (its entry looked up and checked against the tensor's)."""
+        slice_key = encode_tensor_name_slice(kb, tslice.extents)
+        try:
             slice_entry = self.entry(slice_key)
-            if slice_entry.dtype != entry.dtype or self.shape(slice_key) != box_shape(box) or slice_entry.slices:
-                raise CorruptIndexError(f"slice {tslice} entry disagrees with the tensor's dtype or shape",
-                                        path=self.index_path, key=kb)
-            out.append(StoredPiece(box, slice_key, slice_entry, kb, tslice))
-        return out
+        except NotFoundError:
+            raise CorruptIndexError(f"slice {tslice} listed but its entry is missing",
+                                    path=self.index_path, key=kb) from None
+        if slice_entry.dtype != entry.dtype or slice_entry.slices or \
+                tuple(int(d.size) for d in slice_entry.shape.dim) != box_shape(box):
+            raise CorruptIndexError(f"slice {tslice} entry disagrees with the tensor's dtype or shape",
+                                    path=self.index_path, key=kb)
+        return StoredPiece(box, slice_key, slice_entry, kb, tslice)
+
+    def _overlapping(self, kb: bytes, box: Box) -> List[Tuple[StoredPiece, Box]]:
+        """The stored pieces of ``kb`` that overlap ``box``, with the common part: only their slice
+        entries are looked up (a region of a tensor sliced many ways costs a few lookups)."""
+        entry = self.entry(kb)
+        shape = self.shape(kb)
+        if not entry.slices or kb in self._pieces or box == full_box(shape):
+            pairs = [(p, intersect(p.box, box)) for p in self.pieces(kb)]
+        else:
+            pairs = [(self._slice_piece(kb, entry, tslice, pbox), intersect(pbox, box))
+                     for tslice, pbox in self._slice_boxes(kb, entry, shape) if intersect(pbox, box) is not None]
+        return [(p, c) for p, c in pairs if c is not None]
 
     # -- data files ----------------------------------------------------------
     def data_path(self, shard_id: int) -> str:
@@ -341,6 +466,7 @@ class BundleReader:
         return fd, path
 
     def close(self) -> None:
+        self._close_index()
         with self._lock:
             for fd in self._fds.values():
                 self._fs.close(fd)
@@ -403,12 +529,7 @@ class BundleReader:
             if len(box) != len(shape) or any(not 0 <= a <= b <= d for (a, b), d in zip(box, shape)):
                 raise InvalidArgumentError(f"region {list(box)} does not fit shape {list(shape)}",
                                            path=self.prefix, key=kb)
-        pieces = self.pieces(kb)
-        overlaps: List[Tuple[StoredPiece, Box]] = []
-        for p in pieces:
-            common = intersect(p.box, box)
-            if common is not None:
-                overlaps.append((p, common))
+        overlaps = self._overlapping(kb, box)
         whole = len(overlaps) == 1 and overlaps[0][1] == box  # the common case: one piece holds it all
         if box_volume(box) > 0 and not whole:
             problem = boxes_tile([common for _, common in overlaps], box)
@@ -416,8 +537,7 @@ class BundleReader:
                 raise NotFoundError(f"does not have sufficient slices for region {list(box)}: {problem}",
                                     path=self.prefix, key=kb)
         region_shape = box_shape(box)
-        for piece, _ in overlaps:  # sizes checked against the files before anything is allocated
-            self._locate(piece, dt)
+        located = [self._locate(piece, dt) for piece, _ in overlaps]  # sizes checked before allocating
         _check_shape(self.entry(kb), self.index_path, kb, dt.itemsize or 8)
         if out is None:
             out = np.empty(region_shape, dtype=dt.numpy)
@@ -425,11 +545,11 @@ class BundleReader:
             raise InvalidArgumentError(f"destination has shape {list(out.shape)} and dtype {out.dtype}; "
                                        f"expected {list(region_shape)} and {dt.numpy}",
                                        path=self.prefix, key=kb)
-        for piece, common in overlaps:
+        for (piece, common), where in zip(overlaps, located):
             local = tuple((a - p0, b - p0) for (a, b), (p0, _) in zip(common, piece.box))
             index = tuple(slice(a - r0, b - r0) for (a, b), (r0, _) in zip(common, box))
             dest = out[index] if index else out
-            self._read_piece(piece, dt, local, dest, verify, session)
+            self._read_piece(piece, dt, local, dest, verify, session, where)
         return out
 
     def read_piece_region(self, piece: StoredPiece, local: Box, out: Optional[np.ndarray] = None, *,
@@ -481,8 +601,8 @@ class BundleReader:
         return bytes(buf)
 
     def _read_piece(self, piece: StoredPiece, dt: DType, local: Box, dest: np.ndarray, verify: bool,
-                    session: Optional["ReadSession"]) -> None:
-        fd, path = self._locate(piece, dt)
+                    session: Optional["ReadSession"], located: Optional[Tuple[Any, str]] = None) -> None:
+        fd, path = located if located is not None else self._locate(piece, dt)
         stored_shape = box_shape(piece.box)
         if not dt.is_numeric:
             values = self._decode_objects(piece, dt, fd, path, verify)
@@ -512,6 +632,20 @@ class BundleReader:
     def _read_whole(self, piece: StoredPiece, fd: Any, path: str, dest: np.ndarray, verify: bool,
                     session: Optional["ReadSession"]) -> None:
         """Read one entry whole into ``dest``: in units on several threads, each unit checksummed as it lands."""
+        size = int(piece.entry.size)
+        if session is None and size <= self._sub:  # one small read: no job, no helpers
+            flat = byte_view(dest)
+            self._fs.pread_into(fd, flat, int(piece.entry.offset), path)
+            if not verify:
+                self._check_unchanged(piece.entry.shard_id)
+                return
+            computed = crc.value(flat)
+            expected = crc.unmask(piece.entry.crc32c)
+            if computed != expected:
+                self._check_unchanged(piece.entry.shard_id)  # a replaced file says so
+                raise DataLossError(f"checksum does not match: stored 0x{expected:08x}, computed "
+                                    f"0x{computed:08x}", path=path, **piece.where())
+            return
         job = _EntryJob(self, piece, fd, path, byte_view(dest), verify)
         job.run(self._context.executor)  # this thread reads units too, until none is left to take
         if session is not None:  # units still in flight on helpers are waited for by the session

@@ -27,6 +27,8 @@ def write_num_increasing(value: int) -> bytes:
 
 
 def _escape(data: bytes) -> bytes:
+    if b"\x00" not in data and b"\xff" not in data:
+        return bytes(data)
     out = bytearray()
     for byte in data:
         if byte == 0x00:

@@ -17,8 +17,11 @@ Layout (all integers little-endian)::
 
 from __future__ import annotations
 
+import bisect
 import struct
-from typing import Iterator, List, Optional, Tuple
+import threading
+from collections import OrderedDict
+from typing import Callable, Iterator, List, Optional, Tuple
 
 from ..errors import CorruptIndexError, InvalidArgumentError, UnsupportedError
 from . import crc, varint
@@ -26,6 +29,7 @@ from . import crc, varint
 __all__ = [
     "TableWriter",
     "read_table",
+    "TableReader",
     "TABLE_MAGIC",
     "FOOTER_SIZE",
     "DEFAULT_BLOCK_SIZE",
@@ -45,6 +49,8 @@ _EMPTY_BLOCK = b"\x00\x00\x00\x00\x01\x00\x00\x00"
 # table is rejected rather than exhausting memory.
 _KEY_BYTES_BASE = 64 << 20
 _KEY_BYTES_PER_BYTE = 16
+_TAIL_READ = 64 << 10  # TableReader's first request: the footer and, usually, the index block with it
+_CACHE_BYTES = 32 << 20  # decoded data blocks TableReader keeps (least recently used dropped first)
 
 
 class _BlockBuilder:
@@ -197,13 +203,18 @@ def _decode_handle(buf: bytes, pos: int, limit: int, path: str) -> Tuple[int, in
     return offset, size, pos
 
 
-def _read_block(data: bytes, offset: int, size: int, path: str, what: str) -> bytes:
+def _check_handle(offset: int, size: int, file_size: int, path: str, what: str) -> None:
     end = offset + size
-    if end + BLOCK_TRAILER_SIZE > len(data) - FOOTER_SIZE:
-        raise _corrupt(path, f"{what} block [{offset}, {end}) lies outside the file ({len(data)} bytes)")
-    contents = data[offset:end]
-    block_type = data[end]
-    (stored,) = struct.unpack_from("<I", data, end + 1)
+    if end + BLOCK_TRAILER_SIZE > file_size - FOOTER_SIZE:
+        raise _corrupt(path, f"{what} block [{offset}, {end}) lies outside the file ({file_size} bytes)")
+
+
+def _decode_block(buf: bytes, start: int, size: int, offset: int, path: str, what: str) -> bytes:
+    """Check the trailer of the block at ``buf[start:start + size]`` (file offset ``offset``); its contents."""
+    end = start + size
+    contents = buf[start:end]
+    block_type = buf[end]
+    (stored,) = struct.unpack_from("<I", buf, end + 1)
     actual = crc.extend(crc.value(contents), bytes((block_type,)))
     if crc.unmask(stored) != actual:
         raise _corrupt(path, f"{what} block at offset {offset}: checksum mismatch "
@@ -221,6 +232,11 @@ def _read_block(data: bytes, offset: int, size: int, path: str, what: str) -> by
         except Exception as exc:  # cramjam raises its own error type
             raise _corrupt(path, f"{what} block at offset {offset}: bad snappy data ({exc})") from None
     raise _corrupt(path, f"{what} block at offset {offset}: bad block type {block_type}")
+
+
+def _read_block(data: bytes, offset: int, size: int, path: str, what: str) -> bytes:
+    _check_handle(offset, size, len(data), path, what)
+    return _decode_block(data, offset, size, offset, path, what)
 
 
 def _iter_block(block: bytes, path: str, what: str) -> Iterator[Tuple[bytes, bytes]]:
@@ -320,3 +336,219 @@ def read_table(data: bytes, path: str = "<memory>") -> Iterator[Tuple[bytes, byt
                                      "(prefix-compression bomb?)")
             last_key = key
             yield key, value
+
+
+
+def _block_entries(block: bytes, path: str, what: str) -> Tuple[List[bytes], List[bytes]]:
+    """Every entry of one block: keys strictly increasing, key bytes within the block's budget."""
+    keys: List[bytes] = []
+    values: List[bytes] = []
+    budget = _KEY_BYTES_BASE + _KEY_BYTES_PER_BYTE * len(block)
+    last: Optional[bytes] = None
+    for key, value in _iter_block(block, path, what):
+        if last is not None and key <= last:
+            raise _corrupt(path, f"keys out of order in a {what} block: {key[:64]!r} after {last[:64]!r}")
+        budget -= len(key)
+        if budget < 0:
+            raise _corrupt(path, f"keys of a {what} block decode to far more bytes than the block holds "
+                                 "(prefix-compression bomb?)")
+        keys.append(key)
+        values.append(value)
+        last = key
+    return keys, values
+
+
+class _Block:
+    """One data block read for lookups: its restart keys checked up front, its groups decoded when needed.
+
+    Every restart point must start an entry with nothing shared, restart keys must be
+    strictly increasing and lie between the index keys around the block, and each group
+    of entries (from one restart point to the next) must end exactly where the next one
+    starts, with keys strictly increasing and below the next restart key. A group is
+    decoded (and checked) the first time a lookup lands in it.
+    """
+
+    __slots__ = ("data", "limit", "starts", "restart_keys", "groups", "held", "path", "offset", "upper")
+
+    def __init__(self, data: bytes, path: str, offset: int, lower: Optional[bytes], upper: bytes) -> None:
+        self.data = data
+        self.path = path
+        self.offset = offset
+        self.upper = upper
+        what = f"data block at offset {offset}"
+        if len(data) < 4:
+            raise _corrupt(path, f"{what} too short ({len(data)} bytes)")
+        (count,) = struct.unpack_from("<I", data, len(data) - 4)
+        self.limit = len(data) - 4 - 4 * count
+        if count == 0 or self.limit < 0:
+            raise _corrupt(path, f"{what}: bad restart count {count}")
+        self.starts = list(struct.unpack_from(f"<{count}I", data, self.limit))
+        self.restart_keys: List[bytes] = []
+        self.groups: dict = {}
+        self.held = len(data)
+        if self.limit == 0:  # an empty block: one restart at 0, no entries
+            self.starts = []
+            return
+        previous = -1
+        for start in self.starts:
+            if start <= previous or start >= self.limit:
+                raise _corrupt(path, f"{what}: bad restart offset {start}")
+            previous = start
+        if self.starts[0] != 0:
+            raise _corrupt(path, f"{what}: first restart offset is {self.starts[0]}, not 0")
+        last = lower
+        try:
+            for start in self.starts:
+                shared, pos = varint.decode(data, start, self.limit, 5)
+                non_shared, pos = varint.decode(data, pos, self.limit, 5)
+                value_len, pos = varint.decode(data, pos, self.limit, 5)
+                if shared != 0 or pos + non_shared + value_len > self.limit:
+                    raise _corrupt(path, f"{what}: bad entry at restart offset {start}")
+                key = data[pos:pos + non_shared]
+                if last is not None and key <= last:
+                    raise _corrupt(path, f"keys out of order: {key[:64]!r} after {last[:64]!r} ({what})")
+                self.restart_keys.append(key)
+                last = key
+        except CorruptIndexError as exc:
+            if exc.path is None:
+                raise _corrupt(path, f"{what}: {exc}") from None
+            raise
+        if last is not None and last > upper:
+            raise _corrupt(path, f"keys out of order: {what} holds keys past its index key")
+
+    def group(self, r: int) -> Tuple[List[bytes], List[bytes]]:
+        """The keys and values of group ``r`` (checked; decoded once)."""
+        found = self.groups.get(r)
+        if found is not None:
+            return found
+        data = self.data
+        end = self.starts[r + 1] if r + 1 < len(self.starts) else self.limit
+        bound = self.restart_keys[r + 1] if r + 1 < len(self.starts) else None
+        what = f"data block at offset {self.offset}"
+        keys: List[bytes] = []
+        values: List[bytes] = []
+        budget = _KEY_BYTES_BASE + _KEY_BYTES_PER_BYTE * len(data)
+        pos = self.starts[r]
+        key = b""
+        try:
+            while pos < end:
+                shared, pos = varint.decode(data, pos, end, 5)
+                non_shared, pos = varint.decode(data, pos, end, 5)
+                value_len, pos = varint.decode(data, pos, end, 5)
+                if shared > len(key) or pos + non_shared + value_len > end:
+                    raise _corrupt(self.path, f"{what}: bad entry at offset {pos}")
+                new = key[:shared] + data[pos:pos + non_shared]
+                if keys and new <= key:
+                    raise _corrupt(self.path, f"keys out of order: {new[:64]!r} after {key[:64]!r} ({what})")
+                key = new
+                budget -= len(key)
+                if budget < 0:
+                    raise _corrupt(self.path, f"keys of a {what} decode to far more bytes than the block "
+                                              "holds (prefix-compression bomb?)")
+                pos += non_shared
+                keys.append(key)
+                values.append(data[pos:pos + value_len])
+                pos += value_len
+        except CorruptIndexError as exc:
+            if exc.path is None:
+                raise _corrupt(self.path, f"{what}: {exc}") from None
+            raise
+        if (bound is not None and key >= bound) or key > self.upper:
+            raise _corrupt(self.path, f"keys out of order: {key[:64]!r} lies past the next restart key "
+                                      f"or the index key ({what})")
+        self.groups[r] = (keys, values)
+        self.held += sum(map(len, keys)) + sum(map(len, values))
+        return keys, values
+
+    def get(self, key: bytes) -> Optional[bytes]:
+        r = bisect.bisect_right(self.restart_keys, key) - 1
+        if r < 0:
+            return None
+        keys, values = self.group(r)
+        j = bisect.bisect_left(keys, key)
+        if j < len(keys) and keys[j] == key:
+            return values[j]
+        return None
+
+
+class TableReader:
+    """Random access to an SSTable without reading all of it: the footer, the index block, and the
+    data blocks that lookups need.
+
+    ``read(offset, size)`` returns ``size`` bytes of the table file (``size`` bytes long);
+    the caller checks that the file did not change between reads. Opening costs one
+    request of at most 64 KiB (footer and index block; a second one when the index block
+    is larger). :meth:`get` binary-searches the index block for the one data block that
+    may hold a key, reads it, checks its CRC and decodes it (a few decoded blocks are
+    kept). Each data block is checked as :func:`read_table` checks the whole table: CRC,
+    well-formed entries, keys strictly increasing within the block and lying between the
+    index keys around it (so blocks are ordered too), key bytes within a budget per
+    block. Blocks never looked at are never checked: use :func:`read_table` to check all.
+    Errors are :class:`CorruptIndexError` naming ``path``. Safe to share between threads.
+    """
+
+    def __init__(self, read: Callable[[int, int], bytes], size: int, path: str = "<memory>", *,
+                 cache_bytes: int = _CACHE_BYTES) -> None:
+        self._read = read
+        self.size = size
+        self.path = path
+        self._cache: "OrderedDict[int, _Block]" = OrderedDict()
+        self._cache_bytes = cache_bytes
+        self._cached = 0
+        self._lock = threading.Lock()
+        if size < FOOTER_SIZE:
+            data = read(0, size)
+            truncated = "index is truncated: " if _starts_like_table(data) else ""
+            raise _corrupt(path, f"{truncated}file is {size} bytes, shorter than the {FOOTER_SIZE}-byte footer")
+        tail_len = min(size, _TAIL_READ)
+        tail_at = size - tail_len
+        tail = read(tail_at, tail_len)
+        footer_at = tail_len - FOOTER_SIZE
+        (magic,) = struct.unpack_from("<Q", tail, footer_at + 40)
+        if magic != TABLE_MAGIC:
+            raise _corrupt(path, _no_footer(read(0, size), magic))
+        _, _, pos = _decode_handle(tail, footer_at, footer_at + 40, path)  # metaindex: ignored
+        index_offset, index_size, _ = _decode_handle(tail, pos, footer_at + 40, path)
+        _check_handle(index_offset, index_size, size, path, "index")
+        if index_offset >= tail_at:
+            block = _decode_block(tail, index_offset - tail_at, index_size, index_offset, path, "index")
+        else:
+            raw = read(index_offset, index_size + BLOCK_TRAILER_SIZE)
+            block = _decode_block(raw, 0, index_size, index_offset, path, "index")
+        self._seps, handles = _block_entries(block, path, "index")
+        self._handles: List[Tuple[int, int]] = []
+        for handle in handles:
+            offset, length, _ = _decode_handle(handle, 0, len(handle), path)
+            _check_handle(offset, length, size, path, "data")
+            self._handles.append((offset, length))
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._handles)
+
+    def get(self, key: bytes) -> Optional[bytes]:
+        """The value stored under ``key``, or ``None``."""
+        i = bisect.bisect_left(self._seps, key)
+        if i == len(self._seps):
+            return None
+        with self._lock:
+            block = self._block(i)
+            before = block.held
+            value = block.get(key)
+            self._cached += block.held - before
+            return value
+
+    def _block(self, i: int) -> _Block:
+        found = self._cache.get(i)
+        if found is not None:
+            self._cache.move_to_end(i)
+            return found
+        offset, length = self._handles[i]
+        raw = self._read(offset, length + BLOCK_TRAILER_SIZE)
+        contents = _decode_block(raw, 0, length, offset, self.path, "data")
+        block = _Block(contents, self.path, offset, self._seps[i - 1] if i else None, self._seps[i])
+        self._cache[i] = block
+        self._cached += block.held
+        while self._cached > self._cache_bytes and len(self._cache) > 1:
+            self._cached -= self._cache.popitem(last=False)[1].held
+        return block

@@ -29,7 +29,10 @@ class CheckpointOptions:
       io_device: the task (a device string such as ``"/job:worker/task:0/device:CPU:0"``)
         that merges the shards, commits the checkpoint and writes the state file; in a
         multi-client save all bytes are then funnelled to it, so it alone touches the
-        filesystem. ``None``: client 0, and every client writes its own shards.
+        filesystem. ``None``: client 0, and every client writes its own shards. On a
+        multi-client restore (``DTensorCheckpoint.restore``/``read``, ``name_based_restore``,
+        ``restore_tensors`` with a coordinator) it alone reads, and sends every other
+        client its pieces; the restore is then collective.
       enable_async: snapshot the values into host buffers, return, and write, commit,
         update the state file and run the callbacks in the background.
       write_callbacks: callables run in order after each save has committed, each
@@ -47,6 +50,9 @@ class CheckpointOptions:
       skip_slot_variables: on restore, ignore optimizer slot variables.
       async_staging_bytes: with ``enable_async``, hold at most this many bytes of staged
         copies: the snapshot then streams (the call returns once the last value is copied).
+      funnel_inflight_bytes: in a funnelled multi-client restore (``io_device`` set), the most
+        bytes the io client holds read but not yet sent (also the largest message); ``None``:
+        64 MiB.
       timeout: seconds each collective step of a multi-client save may wait for the
         other clients (a client that does not arrive is named in the error). ``None``:
         the coordinator's timeout (``get_coordinator(timeout=)``, else the
@@ -61,6 +67,7 @@ class CheckpointOptions:
                  sharding_callback: Optional[ShardingCallback] = None,
                  skip_slot_variables: bool = False, *, async_staging_bytes: Optional[int] = None,
                  timeout: Optional[float] = None, incremental: bool = False, trust_versions: bool = False,
+                 funnel_inflight_bytes: Optional[int] = None,
                  experimental_io_device: Optional[str] = None,
                  experimental_enable_async_checkpoint: bool = False,
                  experimental_write_callbacks: Optional[Sequence[WriteCallback]] = None,
@@ -92,6 +99,9 @@ class CheckpointOptions:
         self.timeout: Optional[float] = None if timeout is None else float(timeout)
         self.incremental = bool(incremental)
         self.trust_versions = bool(trust_versions)
+        if funnel_inflight_bytes is not None and int(funnel_inflight_bytes) <= 0:
+            raise InvalidArgumentError(f"funnel_inflight_bytes must be positive, got {funnel_inflight_bytes}")
+        self.funnel_inflight_bytes = None if funnel_inflight_bytes is None else int(funnel_inflight_bytes)
 
     # TensorFlow's attribute spellings
     experimental_io_device = property(lambda self: self.io_device, doc="TensorFlow's name of ``io_device``.")
@@ -117,7 +127,8 @@ class CheckpointOptions:
         values: Dict[str, Any] = dict(io_device=self.io_device, enable_async=self.enable_async,
                       write_callbacks=self.write_callbacks, sharding_callback=self.sharding_callback,
                       skip_slot_variables=self.skip_slot_variables, async_staging_bytes=self.async_staging_bytes,
-                      timeout=self.timeout, incremental=self.incremental, trust_versions=self.trust_versions)
+                      timeout=self.timeout, incremental=self.incremental, trust_versions=self.trust_versions,
+                      funnel_inflight_bytes=self.funnel_inflight_bytes)
         values.update(changes)
         return CheckpointOptions(**values)
 

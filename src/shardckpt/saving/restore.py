@@ -7,6 +7,9 @@ few threads in parallel, all inside one deferring
 :class:`~shardckpt.format.bundle_reader.ReadSession`: whole entries are read and
 checksummed by the reader's helper threads while the next requests are planned,
 and every read and checksum is complete and checked before the results return.
+
+With ``CheckpointOptions(io_device=...)`` and several clients, :func:`restore_tensors` is
+collective and funnelled: only the io client reads (:mod:`.funnel_restore`).
 """
 
 from __future__ import annotations
@@ -17,10 +20,14 @@ from typing import Any, List, Optional, Sequence, Union
 
 import numpy as np
 
+from ..distributed import get_coordinator
+from ..distributed.coordinator import Coordinator
 from ..errors import InvalidArgumentError
 from ..format.bundle_reader import BundleReader, ReadSession
 from ..format.dtypes import as_dtype
 from ..format.tensor_slice import Box, TensorSlice
+from .funnel_restore import funnelled_reader, run_funnelled
+from .options import CheckpointOptions
 
 __all__ = ["RestoreRequest", "restore_tensors"]
 
@@ -40,19 +47,42 @@ class RestoreRequest:
     dtype: Any = None
 
 
-def _serve(reader: BundleReader, session: ReadSession, request: RestoreRequest, verify: bool) -> np.ndarray:
+def _check_dtype(reader: Any, request: RestoreRequest) -> None:
     if request.dtype is not None:
         stored = reader.dtype(request.key)
         if as_dtype(request.dtype).enum != stored.enum:
             raise InvalidArgumentError(f"expected dtype {as_dtype(request.dtype).name} does not equal the "
                                        f"stored dtype {stored.name}", path=reader.prefix, key=request.key)
+
+
+def _serve(reader: BundleReader, session: ReadSession, request: RestoreRequest, verify: bool) -> np.ndarray:
+    _check_dtype(reader, request)
     return session.read_region(request.key, request.region, request.out, verify=verify)
 
 
 def restore_tensors(prefix: str, requests: Sequence[Union[RestoreRequest, str]], *, verify: bool = True,
-                    max_workers: int = 2, reader: Optional[BundleReader] = None) -> List[np.ndarray]:
-    """Serve ``requests`` (or plain keys) from the checkpoint at ``prefix``; results in order."""
+                    max_workers: int = 2, reader: Optional[BundleReader] = None,
+                    options: Optional[CheckpointOptions] = None,
+                    coordinator: Optional[Coordinator] = None) -> List[np.ndarray]:
+    """Serve ``requests`` (or plain keys) from the checkpoint at ``prefix``; results in order.
+
+    With ``options.io_device`` naming a client and several clients (``coordinator``, default
+    the process-wide one), the call is collective: each client passes its own requests, only
+    the io client reads, and sends every other client its regions.
+    """
     reqs = [r if isinstance(r, RestoreRequest) else RestoreRequest(r) for r in requests]
+    if options is not None and options.io_device is not None and reader is None:
+        funnel = funnelled_reader(prefix, options, coordinator or get_coordinator())
+        if funnel is not None:
+            def plan(funnelled: Any) -> List[np.ndarray]:
+                out = []
+                for r in reqs:
+                    _check_dtype(funnelled, r)
+                    out.append(funnelled.read_region(r.key, r.region, r.out))
+                return out
+
+            results: List[np.ndarray] = run_funnelled(funnel, plan)
+            return results
     own = reader is None
     bundle = reader or BundleReader(prefix)
     try:
