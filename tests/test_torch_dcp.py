@@ -5,7 +5,8 @@ Launches of tests/helpers/torch_dcp_worker.py under ``torchrun --standalone`` (g
 * ``save4``: 4 ranks on a 2x2 mesh save a small transformer-like model and its AdamW state
   (``get_state_dict``) with ``[Shard(0), Shard(1)]``, ``[Replicate(), Shard(0)]``,
   ``[Shard(0), Replicate()]`` and replicated placements, with ``dcp.save`` and
-  ``dcp.async_save`` (training goes on while it writes), and an FSDP2 ``fully_shard`` (HSDP)
+  ``dcp.async_save`` with the thread and the PROCESS checkpointer (training goes on while they
+  write; a failing PROCESS save leaves the previous checkpoint, the next one works), and an FSDP2 ``fully_shard`` (HSDP)
   model with its optimizer; a bad state dict is refused;
 * ``load2`` / ``load3`` / ``load1`` (one process, no torch.distributed): other placements,
   uneven chunks; every value bit-exact and the training continues exactly as the
@@ -85,7 +86,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     data = tmp / "data"
     rc, results, tail = launch("save4", 4, data, tmp)
     assert_done(rc, results, tail)
-    assert set(results[0]["checks"]) == {"bad_object_refused", "bad_uint16_refused", "bad_nothing_written"}
+    assert set(results[0]["checks"]) == {"bad_object_refused", "bad_uint16_refused", "bad_nothing_written",
+                                         "process_bad_refused", "process_again"}
     return data
 
 
@@ -107,11 +109,17 @@ def _stored(prefix: Path) -> Dict[str, Any]:
         return {k.decode(): reader.read(k) for k in reader.keys()}
 
 
-def test_async_checkpoint_equals_sync(saved: Path) -> None:
-    sync, asyn = _stored(saved / "sync" / "ck"), _stored(saved / "async" / "ck")
+@pytest.mark.parametrize("which", ["async", "process"])
+def test_async_checkpoint_equals_sync(saved: Path, which: str) -> None:
+    """``dcp.async_save`` (thread, and PROCESS: the writer pickled to DCP's checkpoint processes) == ``dcp.save``.
+
+    ``process/ck`` was also the target of a failed PROCESS save afterwards: it is as the first one left it.
+    """
+    sync, asyn = _stored(saved / "sync" / "ck"), _stored(saved / which / "ck")
     assert sync.keys() == asyn.keys()
     for key in sync:
         assert sync[key].dtype == asyn[key].dtype and np.array_equal(sync[key], asyn[key]), key
+    assert not list((saved / which).glob("ck_temp_*"))
 
 
 def test_no_pickle_on_disk(saved: Path) -> None:
@@ -147,7 +155,7 @@ def test_tensorflow_reads_every_key(saved: Path, tf_oracle: Any) -> None:
 
 
 def test_shardckpt_verify(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    for which in ("sync", "async"):
+    for which in ("sync", "async", "process", "process_again"):
         assert cli_main(["verify", str(saved / which / "ck")]) == 0
     capsys.readouterr()
 

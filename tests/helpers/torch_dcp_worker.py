@@ -16,7 +16,9 @@ uninterrupted run.
   ``[Replicate(), Shard(0)]``, ``[Shard(0), Replicate()]``, ``[Replicate(), Replicate()]``):
   train :data:`STEPS_BEFORE` steps; ``dcp.save`` the model, AdamW state and plain values
   (``get_state_dict``) at ``DATADIR/sync/ck``; ``dcp.async_save`` of the same state at
-  ``DATADIR/async/ck`` while the next training step already runs; write the values as
+  ``DATADIR/async/ck`` (thread) and ``DATADIR/process/ck`` (PROCESS checkpointer) while the
+  next training step already runs; a PROCESS save of a pickle-only value to ``process/ck``
+  must fail and leave it as it was, and the next PROCESS save (``process_again/ck``) works; write the values as
   saved (``saved.npz``) and, after :data:`STEPS_AFTER` more steps, the losses and final
   parameters of this uninterrupted run (``reference.npz``); an FSDP2 ``fully_shard`` model
   (HSDP on the 2x2 mesh: ``[Replicate(), Shard(0)]``) and its AdamW state at
@@ -56,6 +58,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from shardckpt.torch import TFBundleLoadPlanner, TFBundleReader, TFBundleWriter
 
@@ -184,12 +187,17 @@ def mode_save4(data: Path) -> None:
     sd = state(model, opt, STEPS_BEFORE)
     dcp.save(sd, storage_writer=TFBundleWriter(data / "sync" / "ck"))
     saved = flat_values(sd)
+    # the PROCESS checkpointer: the writer is pickled to DCP's checkpoint process (one per rank)
+    in_process = dcp.async_save(sd, storage_writer=TFBundleWriter(data / "process" / "ck"),
+                                async_checkpointer_type=AsyncCheckpointerType.PROCESS)
     # async: a separate gloo group for DCP's own collectives (training uses the default one)
     pg = dist.new_group(backend="gloo")
     writer = TFBundleWriter(data / "async" / "ck")
     future = dcp.async_save(sd, storage_writer=writer, process_group=pg)
-    losses = train(model, opt, STEPS_BEFORE, 1)  # changes every value while the save runs
+    losses = train(model, opt, STEPS_BEFORE, 1)  # changes every value while both saves run
     future.result()
+    in_process.result()
+    process_failure_and_again(data)
     losses += train(model, opt, STEPS_BEFORE + 1, STEPS_AFTER - 1)
     final = flat_values({"model": get_state_dict(model, opt)[0]})
     if rank() == 0:
@@ -210,6 +218,24 @@ def mode_save4(data: Path) -> None:
             check(f"bad_{what}_refused", False, "no error")
     dist.barrier()
     check("bad_nothing_written", not glob.glob(str(data / "bad" / "*")), str(os.listdir(data)))
+
+
+def process_failure_and_again(data: Path) -> None:
+    """A PROCESS save that fails (a pickle-only value) leaves ``process/ck`` as it was; the next one works."""
+    bad = {"w": torch.zeros(4), "o": object()}
+    try:
+        dcp.async_save(bad, storage_writer=TFBundleWriter(data / "process" / "ck"),
+                       async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+    except BaseException as exc:
+        check("process_bad_refused", "'o'" in str(exc) and "pickle" in str(exc), str(exc)[-500:])
+    else:
+        check("process_bad_refused", False, "no error")
+    again = {"w": torch.arange(10.0), "step": 7}
+    dcp.async_save(again, storage_writer=TFBundleWriter(data / "process_again" / "ck"),
+                   async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+    back = {"w": torch.zeros(10), "step": 0}
+    dcp.load(back, storage_reader=TFBundleReader(data / "process_again" / "ck"))
+    check("process_again", torch.equal(back["w"], again["w"]) and back["step"] == 7, str(back))
 
 
 def fsdp_model(mode: str, seed: int) -> Tiny:
