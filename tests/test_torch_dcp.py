@@ -11,6 +11,8 @@ Launches of tests/helpers/torch_dcp_worker.py under ``torchrun --standalone`` (g
 * ``load2`` / ``load3`` / ``load1`` (one process, no torch.distributed): other placements,
   uneven chunks; every value bit-exact and the training continues exactly as the
   uninterrupted run; ``load2`` also loads a TensorFlow fixture into DTensors;
+* ``save4`` also saves with ``no_dist=True`` inside the job (no coordinator given), and its
+  sync checkpoint is restored into a JAX pytree on a (2, 4) mesh (helpers/jax_from_torch.py);
 * ``kill2``: a rank SIGKILLed in the middle of a save leaves the previous checkpoint loadable.
 
 This process checks what is on disk: TensorFlow (the oracle) reads every key and sees the
@@ -87,7 +89,9 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rc, results, tail = launch("save4", 4, data, tmp)
     assert_done(rc, results, tail)
     assert set(results[0]["checks"]) == {"bad_object_refused", "bad_uint16_refused", "bad_nothing_written",
-                                         "process_bad_refused", "process_again"}
+                                         "process_bad_refused", "process_again", "no_dist_solo",
+                                         "no_dist_solo_async", "no_dist_each_rank"}
+    assert all(set(results[r]["checks"]) >= {"no_dist_each_rank", "process_again"} for r in results)
     return data
 
 
@@ -169,6 +173,31 @@ def test_sharded_keys_are_tf_slices(saved: Path) -> None:
         assert [p.slice for p in reader.pieces("model.emb")] != [None]
         entries = {k.decode() for k in reader.keys()}
         assert "optim.state.emb.exp_avg" in entries and "optim.state.emb.step" in entries
+
+
+def test_no_dist_saves_in_a_multi_rank_job(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``no_dist=True`` with no coordinator given: each save was one process's own (one data file each)."""
+    for name in ("solo", "solo_async", "rank0", "rank1", "rank2", "rank3"):
+        assert sorted(p.name for p in (saved / "nodist").glob(f"{name}.*")) == [
+            f"{name}.data-00000-of-00001", f"{name}.index"], name
+        assert cli_main(["verify", str(saved / "nodist" / name)]) == 0
+    assert not list((saved / "nodist").glob("*_temp_*"))
+    assert np.array_equal(_stored(saved / "nodist" / "rank2")["w"], np.full(5, 2.0, dtype=np.float32))
+    capsys.readouterr()
+
+
+def test_jax_restores_torch_checkpoint(saved: Path, tmp_path: Path) -> None:
+    """The 2x2-mesh DTensor checkpoint (sliced entries) restores bit-exact into a JAX pytree on a (2, 4) mesh."""
+    out = tmp_path / "jax.json"
+    proc = subprocess.run([sys.executable, str(HERE / "helpers" / "jax_from_torch.py"), str(saved / "sync" / "ck"),
+                           str(saved / "saved.npz"), str(out)], env=clean_env(), cwd=str(HERE.parent),
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    expected = set(np.load(saved / "saved.npz").files)
+    assert set(result["checks"]) == expected and result["restored"] == len(expected)
+    assert [k for k, ok in result["checks"].items() if not ok] == []
+    assert result["sliced"] >= 10  # the sharded parameters and their AdamW moments are TF slices
 
 
 def test_kill_mid_save_keeps_previous(tmp_path: Path) -> None:

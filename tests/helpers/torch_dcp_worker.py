@@ -18,7 +18,8 @@ uninterrupted run.
   (``get_state_dict``) at ``DATADIR/sync/ck``; ``dcp.async_save`` of the same state at
   ``DATADIR/async/ck`` (thread) and ``DATADIR/process/ck`` (PROCESS checkpointer) while the
   next training step already runs; a PROCESS save of a pickle-only value to ``process/ck``
-  must fail and leave it as it was, and the next PROCESS save (``process_again/ck``) works; write the values as
+  must fail and leave it as it was, and the next PROCESS save (``process_again/ck``) works;
+  ``no_dist=True`` saves with no coordinator given (:func:`no_dist_saves`); write the values as
   saved (``saved.npz``) and, after :data:`STEPS_AFTER` more steps, the losses and final
   parameters of this uninterrupted run (``reference.npz``); an FSDP2 ``fully_shard`` model
   (HSDP on the 2x2 mesh: ``[Replicate(), Shard(0)]``) and its AdamW state at
@@ -204,6 +205,7 @@ def mode_save4(data: Path) -> None:
         np.savez(data / "saved.npz", **saved)
         np.savez(data / "reference.npz", losses=np.array(losses, dtype=np.float64), **final)
     dist.barrier()
+    no_dist_saves(data)
     fsdp_save(data)
     # a bad state dict: refused on every rank, nothing written
     for what, bad in (("object", {"w": torch.zeros(4), "o": object()}),
@@ -236,6 +238,32 @@ def process_failure_and_again(data: Path) -> None:
     back = {"w": torch.zeros(10), "step": 0}
     dcp.load(back, storage_reader=TFBundleReader(data / "process_again" / "ck"))
     check("process_again", torch.equal(back["w"], again["w"]) and back["step"] == 7, str(back))
+
+
+def no_dist_saves(data: Path) -> None:
+    """``no_dist=True`` inside the 4-rank job, with no coordinator given: each save is one process's own.
+
+    Rank 0 alone saves (``dcp.save`` and a thread ``dcp.async_save``) while the others wait at a
+    barrier (a collective save would wait for them forever); then every rank saves its own values
+    to its own prefix at once. Every checkpoint is read back with ``no_dist`` loads.
+    """
+    me = rank()
+    if me == 0:
+        solo = {"w": torch.arange(12.0).reshape(3, 4), "step": 5}
+        dcp.save(solo, storage_writer=TFBundleWriter(data / "nodist" / "solo"), no_dist=True)
+        dcp.async_save({"w": solo["w"] * 2, "step": 6}, storage_writer=TFBundleWriter(data / "nodist" / "solo_async"),
+                       no_dist=True).result()
+        for name, factor, step in (("solo", 1, 5), ("solo_async", 2, 6)):
+            back = {"w": torch.zeros(3, 4), "step": 0}
+            dcp.load(back, storage_reader=TFBundleReader(data / "nodist" / name), no_dist=True)
+            check(f"no_dist_{name}", torch.equal(back["w"], solo["w"] * factor) and back["step"] == step, str(back))
+    dist.barrier()
+    mine = {"w": torch.full((5,), float(me)), "rank": me}
+    dcp.save(mine, storage_writer=TFBundleWriter(data / "nodist" / f"rank{me}"), no_dist=True)
+    back = {"w": torch.zeros(5), "rank": -1}
+    dcp.load(back, storage_reader=TFBundleReader(data / "nodist" / f"rank{me}"), no_dist=True)
+    check("no_dist_each_rank", torch.equal(back["w"], mine["w"]) and back["rank"] == me, str(back))
+    dist.barrier()
 
 
 def fsdp_model(mode: str, seed: int) -> Tiny:

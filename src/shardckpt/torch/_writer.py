@@ -14,7 +14,7 @@ DCP's call sequence, and what each step does here::
                                  torch coordinator made in the constructor, i.e. in
                                  the caller's thread, with its own gloo group)
     prepare_local_plan     all   every tensor item's dtype is checked (an error names the key)
-    prepare_global_plan    coord nothing to add
+    prepare_global_plan    coord one plan in a multi-rank job (no_dist): write alone
     write_data             all   items -> ShardableTensors (a chunk of a tensor is a slice
                                  entry of its global key in TF's slice spelling; a whole
                                  tensor a plain entry; a non-tensor a JSON string scalar,
@@ -139,7 +139,9 @@ class TFBundleWriter(StorageWriter):
     write callbacks; ``enable_async`` is refused: use ``dcp.async_save``).
     ``coordinator``: the ranks' coordinator (default: one process -> trivial; an
     initialized ``torch.distributed`` -> a torch coordinator over the world, made
-    here, so every rank must construct the writer, as every rank calls ``dcp.save``).
+    here, so every rank must construct the writer, as every rank calls ``dcp.save``;
+    ``dcp.save(..., no_dist=True)`` on some ranks of such a job is detected and written
+    by each process alone, see :meth:`prepare_global_plan`).
     ``fsync``: make data and index durable at the commit.
     """
 
