@@ -13,7 +13,8 @@ Launches of tests/helpers/torch_dcp_worker.py under ``torchrun --standalone`` (g
   uninterrupted run; ``load2`` also loads a TensorFlow fixture into DTensors;
 * ``save4`` also saves with ``no_dist=True`` inside the job (no coordinator given), and its
   sync checkpoint is restored into a JAX pytree on a (2, 4) mesh (helpers/jax_from_torch.py);
-* ``kill2``: a rank SIGKILLed in the middle of a save leaves the previous checkpoint loadable.
+* ``kill2``: a rank SIGKILLed in the middle of a save leaves the previous checkpoint loadable;
+  so does (first) a checkpoint process of DCP's PROCESS checkpointer SIGKILLed mid-save.
 
 This process checks what is on disk: TensorFlow (the oracle) reads every key and sees the
 global values, ``shardckpt verify`` passes, no pickle anywhere, async == sync; TensorFlow
@@ -201,6 +202,7 @@ def test_jax_restores_torch_checkpoint(saved: Path, tmp_path: Path) -> None:
 
 
 def test_kill_mid_save_keeps_previous(tmp_path: Path) -> None:
+    """A rank SIGKILLed mid-save, and before that a PROCESS checkpointer's checkpoint process SIGKILLed mid-save."""
     data = tmp_path / "data"
     rc, results, tail = launch("kill2", 2, data, tmp_path)
     assert rc not in (0, "timeout"), tail
@@ -211,6 +213,15 @@ def test_kill_mid_save_keeps_previous(tmp_path: Path) -> None:
     assert torch.equal(sd["big"], torch.arange(1 << 23, dtype=torch.float32))
     assert torch.equal(sd["w"], torch.arange(1 << 20, dtype=torch.float32) + 1000) and sd["step"] == 1
     assert cli_main(["verify", str(data / "kill" / "ck")]) == 0
+    # the PROCESS checkpointer: every rank's future raised, the first checkpoint is intact and alone
+    assert results[1].get("killed_mid_save"), tail
+    assert all(res["checks"] == {"second_failed": True, "previous_intact": True} for res in results.values())
+    assert "dead" in results[1]["second_error"]
+    assert sorted(p.name for p in (data / "killproc").iterdir()) == [
+        "ck.data-00000-of-00002", "ck.data-00001-of-00002", "ck.index"]
+    sd = {"big": torch.zeros(1 << 23), "step": 0}
+    dcp.load(sd, storage_reader=TFBundleReader(data / "killproc" / "ck"))
+    assert torch.equal(sd["big"], torch.arange(1 << 23, dtype=torch.float32)) and sd["step"] == 1
 
 
 # -- one process ------------------------------------------------------------------------------------------

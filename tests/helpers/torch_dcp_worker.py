@@ -34,6 +34,9 @@ uninterrupted run.
 * ``load1`` (one process, no torch.distributed): the same with plain tensors.
 * ``kill2`` (2 ranks): ``DATADIR/kill/ck`` is saved, then saved again with other values while
   rank 1 SIGKILLs itself as soon as the save's first file appears in its temporary folder.
+  Before that (:func:`mode_killproc2`), the same with ``dcp.async_save`` and the PROCESS
+  checkpointer at ``DATADIR/killproc/ck``, rank 1 SIGKILLing its checkpoint process (not
+  itself): both ranks' futures raise, and both load the first checkpoint, intact.
 
 Each rank writes ``OUTDIR/rank<R>.json`` (``done`` and its checks); failures are raised.
 """
@@ -351,6 +354,7 @@ def load_fixture_dtensors() -> None:
 
 
 def mode_kill2(data: Path) -> None:
+    mode_killproc2(data)
     prefix = data / "kill" / "ck"
     first = {"w": torch.arange(1 << 20, dtype=torch.float32) + 1000, "step": 1}  # the same on every rank
     from torch.distributed.device_mesh import init_device_mesh
@@ -372,6 +376,47 @@ def mode_kill2(data: Path) -> None:
     dcp.save({"big": distribute_tensor(big * 2, mesh, [Shard(0)]), "w": first["w"] * 2, "step": 2},
              storage_writer=TFBundleWriter(prefix))
     RESULT["second_saved"] = True  # never reached: rank 1 died, rank 0 waits in a collective until ended
+
+
+def mode_killproc2(data: Path) -> None:
+    """PROCESS checkpointer: rank 1 SIGKILLs its checkpoint process mid-save; the previous checkpoint stays."""
+    import multiprocessing
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from shardckpt import CheckpointOptions
+
+    prefix = data / "killproc" / "ck"
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    big = torch.arange(1 << 23, dtype=torch.float32)
+    options = CheckpointOptions(timeout=20)
+    dcp.async_save({"big": distribute_tensor(big, mesh, [Shard(0)]), "step": 1},
+                   storage_writer=TFBundleWriter(prefix, options=options),
+                   async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+    dist.barrier()
+    if rank() == 1:
+        (child,) = multiprocessing.active_children()  # DCP's checkpoint process
+
+        def watch() -> None:
+            while not glob.glob(str(prefix) + "_temp_*/*"):
+                time.sleep(0.0005)
+            os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            RESULT["killed_mid_save"] = True  # its first file was in the temporary folder
+        threading.Thread(target=watch, daemon=True).start()
+    try:
+        dcp.async_save({"big": distribute_tensor(big * 2, mesh, [Shard(0)]), "step": 2},
+                       storage_writer=TFBundleWriter(prefix, options=options),
+                       async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+    except BaseException as exc:
+        RESULT["second_error"] = f"{type(exc).__name__}: {exc}"[-2000:]
+        check("second_failed", True)
+    else:
+        check("second_failed", False, "the save with a killed checkpoint process succeeded")
+    dist.barrier()
+    back = {"big": distribute_tensor(torch.zeros(1 << 23), mesh, [Shard(0)]), "step": 0}
+    dcp.load(back, storage_reader=TFBundleReader(prefix))
+    check("previous_intact", torch.equal(back["big"].full_tensor(), big) and back["step"] == 1)
 
 
 def _write_result() -> None:
