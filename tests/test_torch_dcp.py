@@ -266,6 +266,22 @@ def test_dtypes_round_trip_one_process(tmp_path: Path) -> None:
             "bfloat16": "bfloat16", "float8_e4m3fn": "float8_e4m3fn", "complex128": "complex128", "bool": "bool"}
 
 
+def test_writer_pickles_without_its_process_state(tmp_path: Path) -> None:
+    """What DCP's PROCESS checkpointer does to the writer (in memory): the copy saves like the original."""
+    import pickle
+
+    writer = TFBundleWriter(tmp_path / "ck", fsync=False)
+    writer.stage({"w": torch.ones(3)})  # a staging ticket of this process's stager: it stays here
+    copy = pickle.loads(pickle.dumps(writer))
+    assert copy._ticket is None and copy._background is None and copy._stager is writer._stager
+    sd = {"w": torch.arange(6.0).reshape(2, 3), "step": 4}
+    dcp.save(sd, storage_writer=copy)
+    back = {"w": torch.zeros(2, 3), "step": 0}
+    dcp.load(back, storage_reader=TFBundleReader(tmp_path / "ck"))
+    assert torch.equal(back["w"], sd["w"]) and back["step"] == 4
+    writer._stager.release(writer._ticket)  # type: ignore[arg-type]
+
+
 def test_objects_round_trip_exactly() -> None:
     from shardckpt.torch._objects import encode_object
 

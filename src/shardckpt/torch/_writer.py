@@ -38,7 +38,10 @@ background write runs on a clone of the coordinator made during ``stage``. With 
 PROCESS checkpointer DCP pickles the writer (in memory) to its checkpoint process:
 the coordinators and the stager stay behind (``__getstate__``), and the checkpoint
 process makes its own world coordinator in ``write_data`` (its torch.distributed world
-is the gloo default group DCP initialized there, the same ranks).
+is the gloo default group DCP initialized there, the same ranks). The staged copy
+travels in shared memory, and this process cannot tell when the checkpoint process is
+done with it, so with that checkpointer each staging gets new buffers (the old ones are
+freed with DCP's request) instead of reusing them.
 """
 
 from __future__ import annotations
