@@ -90,9 +90,10 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rc, results, tail = launch("save4", 4, data, tmp)
     assert_done(rc, results, tail)
     assert set(results[0]["checks"]) == {"bad_object_refused", "bad_uint16_refused", "bad_nothing_written",
-                                         "process_bad_refused", "process_again", "no_dist_solo",
+                                         "process_bad_refused", "process_again", "process_pair_refused", "no_dist_solo",
                                          "no_dist_solo_async", "no_dist_each_rank"}
     assert all(set(results[r]["checks"]) >= {"no_dist_each_rank", "process_again"} for r in results)
+    assert [r for r in results if "process_pair_refused" in results[r]["checks"]] == [0, 1]
     return data
 
 

@@ -19,6 +19,7 @@ uninterrupted run.
   ``DATADIR/async/ck`` (thread) and ``DATADIR/process/ck`` (PROCESS checkpointer) while the
   next training step already runs; a PROCESS save of a pickle-only value to ``process/ck``
   must fail and leave it as it was, and the next PROCESS save (``process_again/ck``) works;
+  a writer with a coordinator of ranks 0 and 1 only refuses to be pickled (names THREAD);
   ``no_dist=True`` saves with no coordinator given (:func:`no_dist_saves`); write the values as
   saved (``saved.npz``) and, after :data:`STEPS_AFTER` more steps, the losses and final
   parameters of this uninterrupted run (``reference.npz``); an FSDP2 ``fully_shard`` model
@@ -241,6 +242,21 @@ def process_failure_and_again(data: Path) -> None:
     back = {"w": torch.zeros(10), "step": 0}
     dcp.load(back, storage_reader=TFBundleReader(data / "process_again" / "ck"))
     check("process_again", torch.equal(back["w"], again["w"]) and back["step"] == 7, str(back))
+    # a coordinator of some ranks only cannot travel to a checkpoint process: a clear error, before the save
+    import pickle
+
+    from shardckpt.distributed.torch_backend import TorchCoordinator
+
+    pair = dist.new_group([0, 1], backend="gloo")
+    if rank() < 2:
+        writer = TFBundleWriter(data / "process_pair" / "ck", coordinator=TorchCoordinator(group=pair))
+        try:
+            pickle.dumps(writer)  # in memory, as DCP's PROCESS checkpointer does
+        except Exception as exc:
+            check("process_pair_refused", "THREAD" in str(exc) and "torch coordinator of 2 ranks" in str(exc),
+                  str(exc))
+        else:
+            check("process_pair_refused", False, "pickled")
 
 
 def no_dist_saves(data: Path) -> None:
