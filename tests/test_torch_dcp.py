@@ -5,12 +5,16 @@ Launches of tests/helpers/torch_dcp_worker.py under ``torchrun --standalone`` (g
 * ``save4``: 4 ranks on a 2x2 mesh save a small transformer-like model and its AdamW state
   (``get_state_dict``) with ``[Shard(0), Shard(1)]``, ``[Replicate(), Shard(0)]``,
   ``[Shard(0), Replicate()]`` and replicated placements, with ``dcp.save`` and
-  ``dcp.async_save`` (training goes on while it writes), and an FSDP2 ``fully_shard`` (HSDP)
+  ``dcp.async_save`` with the thread and the PROCESS checkpointer (training goes on while they
+  write; a failing PROCESS save leaves the previous checkpoint, the next one works), and an FSDP2 ``fully_shard`` (HSDP)
   model with its optimizer; a bad state dict is refused;
 * ``load2`` / ``load3`` / ``load1`` (one process, no torch.distributed): other placements,
   uneven chunks; every value bit-exact and the training continues exactly as the
   uninterrupted run; ``load2`` also loads a TensorFlow fixture into DTensors;
-* ``kill2``: a rank SIGKILLed in the middle of a save leaves the previous checkpoint loadable.
+* ``save4`` also saves with ``no_dist=True`` inside the job (no coordinator given), and its
+  sync checkpoint is restored into a JAX pytree on a (2, 4) mesh (helpers/jax_from_torch.py);
+* ``kill2``: a rank SIGKILLed in the middle of a save leaves the previous checkpoint loadable;
+  so does (first) a checkpoint process of DCP's PROCESS checkpointer SIGKILLed mid-save.
 
 This process checks what is on disk: TensorFlow (the oracle) reads every key and sees the
 global values, ``shardckpt verify`` passes, no pickle anywhere, async == sync; TensorFlow
@@ -85,7 +89,11 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     data = tmp / "data"
     rc, results, tail = launch("save4", 4, data, tmp)
     assert_done(rc, results, tail)
-    assert set(results[0]["checks"]) == {"bad_object_refused", "bad_uint16_refused", "bad_nothing_written"}
+    assert set(results[0]["checks"]) == {"bad_object_refused", "bad_uint16_refused", "bad_nothing_written",
+                                         "process_bad_refused", "process_again", "process_pair_refused", "no_dist_solo",
+                                         "no_dist_solo_async", "no_dist_each_rank"}
+    assert all(set(results[r]["checks"]) >= {"no_dist_each_rank", "process_again"} for r in results)
+    assert [r for r in results if "process_pair_refused" in results[r]["checks"]] == [0, 1]
     return data
 
 
@@ -107,11 +115,17 @@ def _stored(prefix: Path) -> Dict[str, Any]:
         return {k.decode(): reader.read(k) for k in reader.keys()}
 
 
-def test_async_checkpoint_equals_sync(saved: Path) -> None:
-    sync, asyn = _stored(saved / "sync" / "ck"), _stored(saved / "async" / "ck")
+@pytest.mark.parametrize("which", ["async", "process"])
+def test_async_checkpoint_equals_sync(saved: Path, which: str) -> None:
+    """``dcp.async_save`` (thread, and PROCESS: the writer pickled to DCP's checkpoint processes) == ``dcp.save``.
+
+    ``process/ck`` was also the target of a failed PROCESS save afterwards: it is as the first one left it.
+    """
+    sync, asyn = _stored(saved / "sync" / "ck"), _stored(saved / which / "ck")
     assert sync.keys() == asyn.keys()
     for key in sync:
         assert sync[key].dtype == asyn[key].dtype and np.array_equal(sync[key], asyn[key]), key
+    assert not list((saved / which).glob("ck_temp_*"))
 
 
 def test_no_pickle_on_disk(saved: Path) -> None:
@@ -147,7 +161,7 @@ def test_tensorflow_reads_every_key(saved: Path, tf_oracle: Any) -> None:
 
 
 def test_shardckpt_verify(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    for which in ("sync", "async"):
+    for which in ("sync", "async", "process", "process_again"):
         assert cli_main(["verify", str(saved / which / "ck")]) == 0
     capsys.readouterr()
 
@@ -163,7 +177,33 @@ def test_sharded_keys_are_tf_slices(saved: Path) -> None:
         assert "optim.state.emb.exp_avg" in entries and "optim.state.emb.step" in entries
 
 
+def test_no_dist_saves_in_a_multi_rank_job(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``no_dist=True`` with no coordinator given: each save was one process's own (one data file each)."""
+    for name in ("solo", "solo_async", "rank0", "rank1", "rank2", "rank3"):
+        assert sorted(p.name for p in (saved / "nodist").glob(f"{name}.*")) == [
+            f"{name}.data-00000-of-00001", f"{name}.index"], name
+        assert cli_main(["verify", str(saved / "nodist" / name)]) == 0
+    assert not list((saved / "nodist").glob("*_temp_*"))
+    assert np.array_equal(_stored(saved / "nodist" / "rank2")["w"], np.full(5, 2.0, dtype=np.float32))
+    capsys.readouterr()
+
+
+def test_jax_restores_torch_checkpoint(saved: Path, tmp_path: Path) -> None:
+    """The 2x2-mesh DTensor checkpoint (sliced entries) restores bit-exact into a JAX pytree on a (2, 4) mesh."""
+    out = tmp_path / "jax.json"
+    proc = subprocess.run([sys.executable, str(HERE / "helpers" / "jax_from_torch.py"), str(saved / "sync" / "ck"),
+                           str(saved / "saved.npz"), str(out)], env=clean_env(), cwd=str(HERE.parent),
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    expected = set(np.load(saved / "saved.npz").files)
+    assert set(result["checks"]) == expected and result["restored"] == len(expected)
+    assert [k for k, ok in result["checks"].items() if not ok] == []
+    assert result["sliced"] >= 10  # the sharded parameters and their AdamW moments are TF slices
+
+
 def test_kill_mid_save_keeps_previous(tmp_path: Path) -> None:
+    """A rank SIGKILLed mid-save, and before that a PROCESS checkpointer's checkpoint process SIGKILLed mid-save."""
     data = tmp_path / "data"
     rc, results, tail = launch("kill2", 2, data, tmp_path)
     assert rc not in (0, "timeout"), tail
@@ -174,6 +214,15 @@ def test_kill_mid_save_keeps_previous(tmp_path: Path) -> None:
     assert torch.equal(sd["big"], torch.arange(1 << 23, dtype=torch.float32))
     assert torch.equal(sd["w"], torch.arange(1 << 20, dtype=torch.float32) + 1000) and sd["step"] == 1
     assert cli_main(["verify", str(data / "kill" / "ck")]) == 0
+    # the PROCESS checkpointer: every rank's future raised, the first checkpoint is intact and alone
+    assert results[1].get("killed_mid_save"), tail
+    assert all(res["checks"] == {"second_failed": True, "previous_intact": True} for res in results.values())
+    assert "dead" in results[1]["second_error"]
+    assert sorted(p.name for p in (data / "killproc").iterdir()) == [
+        "ck.data-00000-of-00002", "ck.data-00001-of-00002", "ck.index"]
+    sd = {"big": torch.zeros(1 << 23), "step": 0}
+    dcp.load(sd, storage_reader=TFBundleReader(data / "killproc" / "ck"))
+    assert torch.equal(sd["big"], torch.arange(1 << 23, dtype=torch.float32)) and sd["step"] == 1
 
 
 # -- one process ------------------------------------------------------------------------------------------
@@ -216,6 +265,22 @@ def test_dtypes_round_trip_one_process(tmp_path: Path) -> None:
     with BundleReader(str(prefix)) as reader:
         assert {k: reader.dtype(k).name for k in ("bfloat16", "float8_e4m3fn", "complex128", "bool")} == {
             "bfloat16": "bfloat16", "float8_e4m3fn": "float8_e4m3fn", "complex128": "complex128", "bool": "bool"}
+
+
+def test_writer_pickles_without_its_process_state(tmp_path: Path) -> None:
+    """What DCP's PROCESS checkpointer does to the writer (in memory): the copy saves like the original."""
+    import pickle
+
+    writer = TFBundleWriter(tmp_path / "ck", fsync=False)
+    writer.stage({"w": torch.ones(3)})  # a staging ticket of this process's stager: it stays here
+    copy = pickle.loads(pickle.dumps(writer))
+    assert copy._ticket is None and copy._background is None and copy._stager is writer._stager
+    sd = {"w": torch.arange(6.0).reshape(2, 3), "step": 4}
+    dcp.save(sd, storage_writer=copy)
+    back = {"w": torch.zeros(2, 3), "step": 0}
+    dcp.load(back, storage_reader=TFBundleReader(tmp_path / "ck"))
+    assert torch.equal(back["w"], sd["w"]) and back["step"] == 4
+    writer._stager.release(writer._ticket)  # type: ignore[arg-type]
 
 
 def test_objects_round_trip_exactly() -> None:

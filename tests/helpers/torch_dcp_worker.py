@@ -16,7 +16,11 @@ uninterrupted run.
   ``[Replicate(), Shard(0)]``, ``[Shard(0), Replicate()]``, ``[Replicate(), Replicate()]``):
   train :data:`STEPS_BEFORE` steps; ``dcp.save`` the model, AdamW state and plain values
   (``get_state_dict``) at ``DATADIR/sync/ck``; ``dcp.async_save`` of the same state at
-  ``DATADIR/async/ck`` while the next training step already runs; write the values as
+  ``DATADIR/async/ck`` (thread) and ``DATADIR/process/ck`` (PROCESS checkpointer) while the
+  next training step already runs; a PROCESS save of a pickle-only value to ``process/ck``
+  must fail and leave it as it was, and the next PROCESS save (``process_again/ck``) works;
+  a writer with a coordinator of ranks 0 and 1 only refuses to be pickled (names THREAD);
+  ``no_dist=True`` saves with no coordinator given (:func:`no_dist_saves`); write the values as
   saved (``saved.npz``) and, after :data:`STEPS_AFTER` more steps, the losses and final
   parameters of this uninterrupted run (``reference.npz``); an FSDP2 ``fully_shard`` model
   (HSDP on the 2x2 mesh: ``[Replicate(), Shard(0)]``) and its AdamW state at
@@ -31,6 +35,9 @@ uninterrupted run.
 * ``load1`` (one process, no torch.distributed): the same with plain tensors.
 * ``kill2`` (2 ranks): ``DATADIR/kill/ck`` is saved, then saved again with other values while
   rank 1 SIGKILLs itself as soon as the save's first file appears in its temporary folder.
+  Before that (:func:`mode_killproc2`), the same with ``dcp.async_save`` and the PROCESS
+  checkpointer at ``DATADIR/killproc/ck``, rank 1 SIGKILLing its checkpoint process (not
+  itself): both ranks' futures raise, and both load the first checkpoint, intact.
 
 Each rank writes ``OUTDIR/rank<R>.json`` (``done`` and its checks); failures are raised.
 """
@@ -56,6 +63,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from shardckpt.torch import TFBundleLoadPlanner, TFBundleReader, TFBundleWriter
 
@@ -184,18 +192,24 @@ def mode_save4(data: Path) -> None:
     sd = state(model, opt, STEPS_BEFORE)
     dcp.save(sd, storage_writer=TFBundleWriter(data / "sync" / "ck"))
     saved = flat_values(sd)
+    # the PROCESS checkpointer: the writer is pickled to DCP's checkpoint process (one per rank)
+    in_process = dcp.async_save(sd, storage_writer=TFBundleWriter(data / "process" / "ck"),
+                                async_checkpointer_type=AsyncCheckpointerType.PROCESS)
     # async: a separate gloo group for DCP's own collectives (training uses the default one)
     pg = dist.new_group(backend="gloo")
     writer = TFBundleWriter(data / "async" / "ck")
     future = dcp.async_save(sd, storage_writer=writer, process_group=pg)
-    losses = train(model, opt, STEPS_BEFORE, 1)  # changes every value while the save runs
+    losses = train(model, opt, STEPS_BEFORE, 1)  # changes every value while both saves run
     future.result()
+    in_process.result()
+    process_failure_and_again(data)
     losses += train(model, opt, STEPS_BEFORE + 1, STEPS_AFTER - 1)
     final = flat_values({"model": get_state_dict(model, opt)[0]})
     if rank() == 0:
         np.savez(data / "saved.npz", **saved)
         np.savez(data / "reference.npz", losses=np.array(losses, dtype=np.float64), **final)
     dist.barrier()
+    no_dist_saves(data)
     fsdp_save(data)
     # a bad state dict: refused on every rank, nothing written
     for what, bad in (("object", {"w": torch.zeros(4), "o": object()}),
@@ -210,6 +224,65 @@ def mode_save4(data: Path) -> None:
             check(f"bad_{what}_refused", False, "no error")
     dist.barrier()
     check("bad_nothing_written", not glob.glob(str(data / "bad" / "*")), str(os.listdir(data)))
+
+
+def process_failure_and_again(data: Path) -> None:
+    """A PROCESS save that fails (a pickle-only value) leaves ``process/ck`` as it was; the next one works."""
+    bad = {"w": torch.zeros(4), "o": object()}
+    try:
+        dcp.async_save(bad, storage_writer=TFBundleWriter(data / "process" / "ck"),
+                       async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+    except BaseException as exc:
+        check("process_bad_refused", "'o'" in str(exc) and "pickle" in str(exc), str(exc)[-500:])
+    else:
+        check("process_bad_refused", False, "no error")
+    again = {"w": torch.arange(10.0), "step": 7}
+    dcp.async_save(again, storage_writer=TFBundleWriter(data / "process_again" / "ck"),
+                   async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+    back = {"w": torch.zeros(10), "step": 0}
+    dcp.load(back, storage_reader=TFBundleReader(data / "process_again" / "ck"))
+    check("process_again", torch.equal(back["w"], again["w"]) and back["step"] == 7, str(back))
+    # a coordinator of some ranks only cannot travel to a checkpoint process: a clear error, before the save
+    import pickle
+
+    from shardckpt.distributed.torch_backend import TorchCoordinator
+
+    pair = dist.new_group([0, 1], backend="gloo")
+    if rank() < 2:
+        writer = TFBundleWriter(data / "process_pair" / "ck", coordinator=TorchCoordinator(group=pair))
+        try:
+            pickle.dumps(writer)  # in memory, as DCP's PROCESS checkpointer does
+        except Exception as exc:
+            check("process_pair_refused", "THREAD" in str(exc) and "torch coordinator of 2 ranks" in str(exc),
+                  str(exc))
+        else:
+            check("process_pair_refused", False, "pickled")
+
+
+def no_dist_saves(data: Path) -> None:
+    """``no_dist=True`` inside the 4-rank job, with no coordinator given: each save is one process's own.
+
+    Rank 0 alone saves (``dcp.save`` and a thread ``dcp.async_save``) while the others wait at a
+    barrier (a collective save would wait for them forever); then every rank saves its own values
+    to its own prefix at once. Every checkpoint is read back with ``no_dist`` loads.
+    """
+    me = rank()
+    if me == 0:
+        solo = {"w": torch.arange(12.0).reshape(3, 4), "step": 5}
+        dcp.save(solo, storage_writer=TFBundleWriter(data / "nodist" / "solo"), no_dist=True)
+        dcp.async_save({"w": solo["w"] * 2, "step": 6}, storage_writer=TFBundleWriter(data / "nodist" / "solo_async"),
+                       no_dist=True).result()
+        for name, factor, step in (("solo", 1, 5), ("solo_async", 2, 6)):
+            back = {"w": torch.zeros(3, 4), "step": 0}
+            dcp.load(back, storage_reader=TFBundleReader(data / "nodist" / name), no_dist=True)
+            check(f"no_dist_{name}", torch.equal(back["w"], solo["w"] * factor) and back["step"] == step, str(back))
+    dist.barrier()
+    mine = {"w": torch.full((5,), float(me)), "rank": me}
+    dcp.save(mine, storage_writer=TFBundleWriter(data / "nodist" / f"rank{me}"), no_dist=True)
+    back = {"w": torch.zeros(5), "rank": -1}
+    dcp.load(back, storage_reader=TFBundleReader(data / "nodist" / f"rank{me}"), no_dist=True)
+    check("no_dist_each_rank", torch.equal(back["w"], mine["w"]) and back["rank"] == me, str(back))
+    dist.barrier()
 
 
 def fsdp_model(mode: str, seed: int) -> Tiny:
@@ -297,6 +370,7 @@ def load_fixture_dtensors() -> None:
 
 
 def mode_kill2(data: Path) -> None:
+    mode_killproc2(data)
     prefix = data / "kill" / "ck"
     first = {"w": torch.arange(1 << 20, dtype=torch.float32) + 1000, "step": 1}  # the same on every rank
     from torch.distributed.device_mesh import init_device_mesh
@@ -318,6 +392,47 @@ def mode_kill2(data: Path) -> None:
     dcp.save({"big": distribute_tensor(big * 2, mesh, [Shard(0)]), "w": first["w"] * 2, "step": 2},
              storage_writer=TFBundleWriter(prefix))
     RESULT["second_saved"] = True  # never reached: rank 1 died, rank 0 waits in a collective until ended
+
+
+def mode_killproc2(data: Path) -> None:
+    """PROCESS checkpointer: rank 1 SIGKILLs its checkpoint process mid-save; the previous checkpoint stays."""
+    import multiprocessing
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from shardckpt import CheckpointOptions
+
+    prefix = data / "killproc" / "ck"
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    big = torch.arange(1 << 23, dtype=torch.float32)
+    options = CheckpointOptions(timeout=20)
+    dcp.async_save({"big": distribute_tensor(big, mesh, [Shard(0)]), "step": 1},
+                   storage_writer=TFBundleWriter(prefix, options=options),
+                   async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+    dist.barrier()
+    if rank() == 1:
+        (child,) = multiprocessing.active_children()  # DCP's checkpoint process
+
+        def watch() -> None:
+            while not glob.glob(str(prefix) + "_temp_*/*"):
+                time.sleep(0.0005)
+            os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            RESULT["killed_mid_save"] = True  # its first file was in the temporary folder
+        threading.Thread(target=watch, daemon=True).start()
+    try:
+        dcp.async_save({"big": distribute_tensor(big * 2, mesh, [Shard(0)]), "step": 2},
+                       storage_writer=TFBundleWriter(prefix, options=options),
+                       async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+    except BaseException as exc:
+        RESULT["second_error"] = f"{type(exc).__name__}: {exc}"[-2000:]
+        check("second_failed", True)
+    else:
+        check("second_failed", False, "the save with a killed checkpoint process succeeded")
+    dist.barrier()
+    back = {"big": distribute_tensor(torch.zeros(1 << 23), mesh, [Shard(0)]), "step": 0}
+    dcp.load(back, storage_reader=TFBundleReader(prefix))
+    check("previous_intact", torch.equal(back["big"].full_tensor(), big) and back["step"] == 1)
 
 
 def _write_result() -> None:

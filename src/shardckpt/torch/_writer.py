@@ -14,7 +14,7 @@ DCP's call sequence, and what each step does here::
                                  torch coordinator made in the constructor, i.e. in
                                  the caller's thread, with its own gloo group)
     prepare_local_plan     all   every tensor item's dtype is checked (an error names the key)
-    prepare_global_plan    coord nothing to add
+    prepare_global_plan    coord one plan in a multi-rank job (no_dist): write alone
     write_data             all   items -> ShardableTensors (a chunk of a tensor is a slice
                                  entry of its global key in TF's slice spelling; a whole
                                  tensor a plain entry; a non-tensor a JSON string scalar,
@@ -34,14 +34,22 @@ CPU tensors are written from their own memory (NumPy views, no copy); tensors on
 other devices are copied to host when their shard is written. For
 ``dcp.async_save`` the writer is also DCP's ``AsyncStager``: ``stage`` copies the
 state dict into reusable (pinned, for CUDA) host buffers (:mod:`._staging`), and the
-background write runs on a clone of the coordinator made during ``stage``.
+background write runs on a clone of the coordinator made during ``stage``. With the
+PROCESS checkpointer DCP pickles the writer (in memory) to its checkpoint process:
+the coordinators and the stager stay behind (``__getstate__``), and the checkpoint
+process makes its own world coordinator in ``write_data`` (its torch.distributed world
+is the gloo default group DCP initialized there, the same ranks). The staged copy
+travels in shared memory, and this process cannot tell when the checkpoint process is
+done with it, so with that checkpointer each staging gets new buffers (the old ones are
+freed with DCP's request) instead of reusing them.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -85,6 +93,35 @@ def _world_coordinator() -> Coordinator:
         return _OWN[0]
 
 
+def _world_size() -> int:
+    """The initialized torch.distributed world's size (1 without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _world_coordinator_or_none() -> Optional[Coordinator]:
+    """The world's coordinator when this process is one of several initialized ranks, else ``None``."""
+    return _world_coordinator() if _world_size() > 1 else None
+
+
+def _async_save_mode() -> Tuple[bool, bool]:
+    """``(no_dist, process)`` of the ``dcp.async_save`` call that is staging (``(False, False)`` if none found).
+
+    DCP does not tell a stager how the save will run, and both matter before the
+    save starts: a ``no_dist`` save on one rank must not make the collective clone
+    of the coordinator, and a save in DCP's checkpoint process has no use for it. The
+    arguments are read from ``async_save``'s frame on the stack (its parameter
+    names, public API); without such a frame the save is taken as collective.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "async_save" and str(frame.f_globals.get("__name__", "")).startswith(
+                "torch.distributed.checkpoint"):
+            kind = frame.f_locals.get("async_checkpointer_type")
+            return bool(frame.f_locals.get("no_dist", False)), getattr(kind, "name", "") == "PROCESS"
+        frame = frame.f_back  # type: ignore[assignment]
+    return False, False
+
+
 def _device(rank: int) -> str:
     return f"/job:localhost/replica:0/task:{rank}/device:CPU:0"
 
@@ -105,7 +142,9 @@ class TFBundleWriter(StorageWriter):
     write callbacks; ``enable_async`` is refused: use ``dcp.async_save``).
     ``coordinator``: the ranks' coordinator (default: one process -> trivial; an
     initialized ``torch.distributed`` -> a torch coordinator over the world, made
-    here, so every rank must construct the writer, as every rank calls ``dcp.save``).
+    here, so every rank must construct the writer, as every rank calls ``dcp.save``;
+    ``dcp.save(..., no_dist=True)`` on some ranks of such a job is detected and written
+    by each process alone, see :meth:`prepare_global_plan`).
     ``fsync``: make data and index durable at the commit.
     """
 
@@ -121,8 +160,9 @@ class TFBundleWriter(StorageWriter):
                                        "use torch.distributed.checkpoint.async_save")
         self._options = options
         self._fsync = fsync
-        if coordinator is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            coordinator = _world_coordinator()
+        self._world = coordinator is None  # the coordinator is (re)made from the process's own world
+        if coordinator is None:
+            coordinator = _world_coordinator_or_none()
         self._coordinator = coordinator
         self._background: Optional[Coordinator] = None
         self._ticket: Optional[int] = None  # the staging of the next write_data (dcp.async_save)
@@ -140,6 +180,12 @@ class TFBundleWriter(StorageWriter):
         """Learn this rank and whether DCP runs collectively (``no_dist`` / ``use_collectives=False``: one process)."""
         rank = int(kwargs.get("rank", 0))
         use_collectives = bool(kwargs.get("use_collectives", True))
+        if self._coordinator is None and self._world and _world_size() > 1:
+            # unpickled in DCP's checkpoint process: its world's coordinator is made by _write, once
+            # prepare_global_plan has told whether the other ranks take part (making it is collective)
+            self._collective = use_collectives and rank == dist.get_rank()
+            self._rank = rank if self._collective else 0
+            return
         coordinator = self._coordinator
         self._collective = (coordinator is not None and coordinator.size > 1 and use_collectives
                             and rank == coordinator.rank)
@@ -153,7 +199,16 @@ class TFBundleWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
-        """Nothing to add: the engine numbers the shards itself."""
+        """One plan in a multi-rank job: DCP saves without the other ranks (``no_dist``) -> write alone.
+
+        DCP calls this on its coordinator only, with every participant's plan: a
+        collective save brings the world's plans, ``no_dist=True`` (every process its own
+        coordinator) or a one-rank ``process_group`` brings one. The engine numbers the
+        shards itself, so the plans are returned as they are.
+        """
+        if len(plans) == 1 and self._collective:
+            self._collective = False
+            self._rank = 0
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> "Future[List[WriteResult]]":
@@ -184,8 +239,10 @@ class TFBundleWriter(StorageWriter):
 
     def stage(self, state_dict: Any) -> Any:
         """Copy ``state_dict`` into reusable host buffers; runs on the caller's thread, before the background save."""
-        if self._collective and self._coordinator is not None:
-            self._background = default_context().background(self._coordinator)  # collective the first time
+        alone, in_process = _async_save_mode()
+        coordinator = self._coordinator
+        if not alone and not in_process and coordinator is not None and coordinator.size > 1:
+            self._background = default_context().background(coordinator)  # collective the first time
         staged, self._ticket = self._stager.stage(state_dict)
         return staged
 
@@ -195,6 +252,35 @@ class TFBundleWriter(StorageWriter):
     def close(self) -> None:
         """Nothing to close (the staging buffers belong to the process's stager and are reused)."""
 
+    # -- pickling (dcp.async_save with the PROCESS checkpointer sends the writer to its checkpoint process) --
+    def __getstate__(self) -> Dict[str, Any]:
+        """Everything but the coordinators and the stager, which belong to this process.
+
+        The checkpoint process remakes the coordinator from its own torch.distributed
+        world (DCP initializes a gloo default group there, one process per rank) the first
+        time DCP sets the writer up. A coordinator given to the constructor other than a
+        one-process one cannot go along: that is an error naming the thread checkpointer.
+        """
+        state = dict(self.__dict__)
+        coordinator = self._coordinator
+        if coordinator is not None and coordinator.size > 1:
+            if not (self._world or (coordinator.backend == "torch" and dist.is_initialized()
+                                    and coordinator.size == dist.get_world_size())):
+                raise InvalidArgumentError(
+                    f"a TFBundleWriter with a {coordinator.backend} coordinator of {coordinator.size} ranks cannot "
+                    "be sent to another process; use dcp.async_save with the THREAD checkpointer, or give no "
+                    "coordinator", path=self._path)
+            state["_world"] = True
+            state["_coordinator"] = None
+        state["_background"] = None
+        state["_ticket"] = None  # the staging's buffers are this process's; the copy arrives with the request
+        del state["_stager"]
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._stager = default_stager()
+
     # -- the write ---------------------------------------------------------------------------------------
     def _write(self, plan: SavePlan, planner: SavePlanner, staged: bool) -> "Future[List[WriteResult]]":
         if self._path is None:
@@ -202,7 +288,8 @@ class TFBundleWriter(StorageWriter):
                                        "dcp.save(checkpoint_id=...)")
         coordinator: Coordinator = SingleProcessCoordinator()
         if self._collective:
-            assert self._coordinator is not None
+            if self._coordinator is None:  # in DCP's checkpoint process, every rank's is here now
+                self._coordinator = _world_coordinator()
             coordinator = self._background if staged and self._background is not None else self._coordinator
         problem: Optional[Exception] = None
         tensors: List[ShardableTensor] = []
