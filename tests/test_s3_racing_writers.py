@@ -80,7 +80,7 @@ def test_threads_racing_on_one_prefix_leave_one_whole_checkpoint(s3_server: Any,
 
 def test_processes_racing_on_one_prefix_leave_one_whole_checkpoint(s3_server: Any, tmp_path: Any) -> None:
     prefix = s3_server.url(f"race-p-{uuid.uuid4().hex[:8]}", "ck")
-    rounds = 5
+    rounds = 4
     start = time.time() + 8.0  # both interpreters are up and warmed by then
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")])}
     procs = []

@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 KEYS = ("t0", "t1", "t2", "t3")
-ROUND_SECONDS = 2.0
+ROUND_SECONDS = 5.0  # a round must hold a whole save even on a loaded 2-core machine
 
 
 def values(fill: int) -> Dict[str, np.ndarray]:
