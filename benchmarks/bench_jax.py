@@ -107,7 +107,7 @@ def worker(args: argparse.Namespace) -> None:
         for phase, path in (("save", folder / "a"), ("async_first", folder / "b"), ("async", folder / "c")):
             probe = Probe().start()
             if system == "shardckpt":
-                opts = shardckpt.CheckpointOptions(enable_async=phase == "async")
+                opts = shardckpt.CheckpointOptions(enable_async=phase != "save")
                 sj.save(str(path), state, options=opts)
                 blocking = probe.sample()["seconds"]
                 sj.wait_until_finished()
