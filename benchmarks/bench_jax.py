@@ -22,6 +22,10 @@ Medians over ``--repeats``; ratios are Orbax time / shardckpt time (> 1: shardck
 
     .venv/bin/python benchmarks/bench_jax.py --size 256MiB --repeats 3
     .venv/bin/python benchmarks/bench_jax.py --size 64MiB --repeats 1     # smoke test
+
+``--baseline-src DIR`` adds a third system, shardckpt run from another source tree
+(e.g. ``git archive main src | tar -x -C /tmp/base``), interleaved with the other two:
+before/after numbers from one run.
 """
 
 from __future__ import annotations
@@ -96,7 +100,7 @@ def worker(args: argparse.Namespace) -> None:
         import orbax.checkpoint as ocp
 
         checkpointer = ocp.StandardCheckpointer()
-    else:  # imported before any timing, as Orbax is
+    else:  # imported before any timing, as Orbax is (shardckpt or the baseline tree)
         import shardckpt
         import shardckpt.jax as sj
     if op == "save":
@@ -106,7 +110,7 @@ def worker(args: argparse.Namespace) -> None:
         # as every later save of a training loop does
         for phase, path in (("save", folder / "a"), ("async_first", folder / "b"), ("async", folder / "c")):
             probe = Probe().start()
-            if system == "shardckpt":
+            if system != "orbax":
                 opts = shardckpt.CheckpointOptions(enable_async=phase != "save")
                 sj.save(str(path), state, options=opts)
                 blocking = probe.sample()["seconds"]
@@ -121,7 +125,7 @@ def worker(args: argparse.Namespace) -> None:
         for phase, reshard in (("restore", False), ("reshard", True)):
             target = _state(args.size, reshard)
             probe = Probe().start()
-            if system == "shardckpt":
+            if system != "orbax":
                 restored = sj.restore(str(folder / "a"), target)
             else:
                 restored = checkpointer.restore(folder / "a", target)
@@ -135,11 +139,10 @@ def worker(args: argparse.Namespace) -> None:
     emit(out)
 
 
-def launch(system: str, op: str, size: int, folder: Path) -> Dict[str, Any]:
+def launch(system: str, op: str, size: int, folder: Path, src: str) -> Dict[str, Any]:
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     env["JAX_PLATFORMS"] = "cpu"
-    src = str(HERE.parent / "src")
     env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
     cmd = [sys.executable, __file__, "--worker", "--system", system, "--op", op, "--size", str(size),
            "--folder", str(folder)]
@@ -155,6 +158,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="folder for the checkpoints (default: a temporary one)")
     parser.add_argument("--json", action="store_true", help="print the medians as JSON")
+    parser.add_argument("--baseline-src", default=None,
+                        help="also run shardckpt from this source tree (its src/ folder or the tree holding it)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", help=argparse.SUPPRESS)
     parser.add_argument("--op", help=argparse.SUPPRESS)
@@ -165,15 +170,19 @@ def main() -> None:
         worker(args)
         return
     base = Path(args.dir or tempfile.mkdtemp(prefix="bench_jax_"))
-    runs: Dict[str, List[Dict[str, Any]]] = {"shardckpt": [], "orbax": []}
+    srcs = {"shardckpt": str(HERE.parent / "src"), "orbax": str(HERE.parent / "src")}
+    if args.baseline_src:
+        base_src = Path(args.baseline_src)
+        srcs["baseline"] = str(base_src / "src" if (base_src / "src").is_dir() else base_src)
+    runs: Dict[str, List[Dict[str, Any]]] = {name: [] for name in srcs}
     try:
         for r in range(args.repeats):
             for system in runs:  # interleaved, so both see the same machine
                 folder = base / f"{system}-{r}"
                 shutil.rmtree(folder, ignore_errors=True)
                 folder.mkdir(parents=True)
-                saved = launch(system, "save", args.size, folder)
-                restored = launch(system, "restore", args.size, folder)
+                saved = launch(system, "save", args.size, folder, srcs[system])
+                restored = launch(system, "restore", args.size, folder, srcs[system])
                 if not (restored["restore"]["ok"] and restored["reshard"]["ok"]):
                     raise RuntimeError(f"{system}: restored values differ")
                 runs[system].append({**saved, **restored})
@@ -198,21 +207,22 @@ def main() -> None:
         print(json.dumps({"size": args.size, "repeats": args.repeats, "table": table}, indent=1))
         return
     size = args.size
+    base = table.get("baseline")
     print(f"pytree of {fmt_size(size)} (16 float32 arrays), one process, 8 CPU devices; "
           f"medians of {args.repeats}; ratio = Orbax / shardckpt")
-    print(f"{'':28}{'shardckpt':>14}{'Orbax':>14}{'ratio':>8}")
+    print(f"{'':28}{'shardckpt':>14}{'Orbax':>14}{'ratio':>8}" + (f"{'baseline':>14}" if base else ""))
     for label, key in (("save (committed)", "save_s"), ("async: blocking (first)", "async_first_blocking_s"),
                        ("async: blocking (later)", "async_blocking_s"),
                        ("async: until committed", "async_total_s"), ("restore", "restore_s"),
                        ("resharded restore", "reshard_s")):
         a, b = ours[key], theirs[key]
-        print(f"{label:28}{a:>11.3f} s {b:>11.3f} s {b / a:>7.2f}x   "
-              f"({size / MIB / a:.0f} vs {size / MIB / b:.0f} MiB/s)")
+        print(f"{label:28}{a:>11.3f} s {b:>11.3f} s {b / a:>7.2f}x" + (f"{base[key]:>11.3f} s" if base else "")
+              + f"   ({size / MIB / a:.0f} vs {size / MIB / b:.0f} MiB/s)")
     for label, key in (("restore peak extra RSS", "restore_peak_extra"),
                        ("reshard peak extra RSS", "reshard_peak_extra")):
         a, b = ours[key], theirs[key]
-        print(f"{label:28}{fmt_size(a):>14}{fmt_size(b):>14}{(b / a if a else float('nan')):>7.2f}x")
-
+        print(f"{label:28}{fmt_size(a):>14}{fmt_size(b):>14}{(b / a if a else float('nan')):>7.2f}x"
+              + (f"{fmt_size(base[key]):>14}" if base else ""))
 
 if __name__ == "__main__":
     main()
