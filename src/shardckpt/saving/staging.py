@@ -73,6 +73,10 @@ def stage_value(value: Any, out: np.ndarray) -> None:
         np.copyto(out, np.asarray(value), casting="no" if out.dtype != object else "unsafe")
 
 
+_READY = threading.Event()  # shared by every held value: ready from the start, never waited on long
+_READY.set()
+
+
 class StagedValue:
     """The staged copy of one value: the :class:`~shardckpt.saving.plan.ValueSource` of a staged plan's item.
 
@@ -94,7 +98,7 @@ class StagedValue:
         self._taken = False
         self._block: Optional[np.ndarray] = None
         self._shape, self._dtype = shape, dtype
-        self._ready = threading.Event()
+        self._ready = _READY if held else threading.Event()
 
     def get(self) -> np.ndarray:
         """The staged copy (waits for it while the snapshot streams)."""
@@ -223,7 +227,6 @@ class StagingPool:
             if held is not None:  # no copy: the bytes cannot change while the staged value holds them
                 staged = StagedValue(held, self, 0, held=True)
                 staged._taken = True
-                staged._ready.set()
                 return staged
             source = item.source.get()
             array = np.asarray(source) if _stager_for(source) is None else None
