@@ -1,4 +1,4 @@
-"""Benchmark ``shardckpt.jax`` against Orbax's ``StandardCheckpointer`` on the same pytree, one process, 8 CPU devices.
+"""Benchmark ``shardckpt.jax`` against Orbax's ``StandardCheckpointer`` on the same pytree, 8 CPU devices.
 
 The state: ``--size`` bytes of float32 in 16 arrays of ``(rows, 1024)`` on a (2, 4) mesh
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``), alternating
@@ -22,6 +22,14 @@ Medians over ``--repeats``; ratios are Orbax time / shardckpt time (> 1: shardck
 
     .venv/bin/python benchmarks/bench_jax.py --size 256MiB --repeats 3
     .venv/bin/python benchmarks/bench_jax.py --size 64MiB --repeats 1     # smoke test
+
+``--processes 2`` runs every worker as 2 processes of 4 CPU devices each over
+``jax.distributed.initialize`` on loopback (the same global mesh); each phase counts
+its slowest process (peak memory: the largest process's).
+
+``--baseline-src DIR`` adds a third system, shardckpt run from another source tree
+(e.g. ``git archive main src | tar -x -C /tmp/base``), interleaved with the other two:
+before/after numbers from one run.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -83,20 +92,24 @@ def _check(restored: Any, target: Any) -> bool:
     for (path, got), tgt in zip(jax.tree_util.tree_flatten_with_path(restored)[0], jax.tree.leaves(target)):
         seed = int(jax.tree_util.keystr(path).split("layer")[1][:2])
         value = np.random.default_rng(seed).standard_normal(tgt.shape, dtype=np.float32)
-        ok = ok and got.sharding == tgt.sharding and np.array_equal(np.asarray(got), value)
+        ok = ok and got.sharding == tgt.sharding and all(np.array_equal(np.asarray(shard.data), value[shard.index])
+                                                         for shard in got.addressable_shards)
     return ok
 
 
 def worker(args: argparse.Namespace) -> None:
     import jax
 
+    if args.processes > 1:  # the same 8 devices, 8 / processes per process, over JAX's distributed runtime
+        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.processes,
+                                   process_id=args.rank, initialization_timeout=120)
     system, op, folder = args.system, args.op, Path(args.folder)
-    out: Dict[str, Any] = {"system": system, "op": op, "devices": len(jax.devices())}
+    out: Dict[str, Any] = {"system": system, "op": op, "devices": len(jax.devices()), "rank": args.rank}
     if system == "orbax":
         import orbax.checkpoint as ocp
 
         checkpointer = ocp.StandardCheckpointer()
-    else:  # imported before any timing, as Orbax is
+    else:  # imported before any timing, as Orbax is (shardckpt or the baseline tree)
         import shardckpt
         import shardckpt.jax as sj
     if op == "save":
@@ -106,8 +119,8 @@ def worker(args: argparse.Namespace) -> None:
         # as every later save of a training loop does
         for phase, path in (("save", folder / "a"), ("async_first", folder / "b"), ("async", folder / "c")):
             probe = Probe().start()
-            if system == "shardckpt":
-                opts = shardckpt.CheckpointOptions(enable_async=phase == "async")
+            if system != "orbax":
+                opts = shardckpt.CheckpointOptions(enable_async=phase != "save")
                 sj.save(str(path), state, options=opts)
                 blocking = probe.sample()["seconds"]
                 sj.wait_until_finished()
@@ -121,7 +134,7 @@ def worker(args: argparse.Namespace) -> None:
         for phase, reshard in (("restore", False), ("reshard", True)):
             target = _state(args.size, reshard)
             probe = Probe().start()
-            if system == "shardckpt":
+            if system != "orbax":
                 restored = sj.restore(str(folder / "a"), target)
             else:
                 restored = checkpointer.restore(folder / "a", target)
@@ -135,18 +148,38 @@ def worker(args: argparse.Namespace) -> None:
     emit(out)
 
 
-def launch(system: str, op: str, size: int, folder: Path) -> Dict[str, Any]:
+def launch(system: str, op: str, size: int, folder: Path, src: str, processes: int = 1) -> Dict[str, Any]:
+    """Run one worker (or ``processes`` of them); with several, each phase's slowest process counts."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // processes}"
     env["JAX_PLATFORMS"] = "cpu"
-    src = str(HERE.parent / "src")
     env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, __file__, "--worker", "--system", system, "--op", op, "--size", str(size),
-           "--folder", str(folder)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    if done.returncode != 0:
-        raise RuntimeError(f"{system} {op} worker failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return parse_result(done.stdout)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    cmds = [[sys.executable, __file__, "--worker", "--system", system, "--op", op, "--size", str(size),
+             "--folder", str(folder), "--processes", str(processes), "--rank", str(rank), "--port", str(port)]
+            for rank in range(processes)]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd in cmds]
+    results = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=1200)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{system} {op} worker failed:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+            results.append(parse_result(stdout))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    merged = dict(results[0])
+    for phase, value in merged.items():
+        if isinstance(value, dict):
+            merged[phase] = {k: (all(r[phase][k] for r in results) if isinstance(v, bool) else
+                                 max(r[phase][k] or 0 for r in results)) for k, v in value.items()}
+    return merged
 
 
 def main() -> None:
@@ -155,7 +188,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="folder for the checkpoints (default: a temporary one)")
     parser.add_argument("--json", action="store_true", help="print the medians as JSON")
+    parser.add_argument("--baseline-src", default=None,
+                        help="also run shardckpt from this source tree (its src/ folder or the tree holding it)")
+    parser.add_argument("--processes", type=int, default=1, choices=(1, 2, 4, 8),
+                        help="processes sharing the 8 CPU devices (jax.distributed on loopback)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--system", help=argparse.SUPPRESS)
     parser.add_argument("--op", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
@@ -165,15 +204,19 @@ def main() -> None:
         worker(args)
         return
     base = Path(args.dir or tempfile.mkdtemp(prefix="bench_jax_"))
-    runs: Dict[str, List[Dict[str, Any]]] = {"shardckpt": [], "orbax": []}
+    srcs = {"shardckpt": str(HERE.parent / "src"), "orbax": str(HERE.parent / "src")}
+    if args.baseline_src:
+        base_src = Path(args.baseline_src)
+        srcs["baseline"] = str(base_src / "src" if (base_src / "src").is_dir() else base_src)
+    runs: Dict[str, List[Dict[str, Any]]] = {name: [] for name in srcs}
     try:
         for r in range(args.repeats):
             for system in runs:  # interleaved, so both see the same machine
                 folder = base / f"{system}-{r}"
                 shutil.rmtree(folder, ignore_errors=True)
                 folder.mkdir(parents=True)
-                saved = launch(system, "save", args.size, folder)
-                restored = launch(system, "restore", args.size, folder)
+                saved = launch(system, "save", args.size, folder, srcs[system], args.processes)
+                restored = launch(system, "restore", args.size, folder, srcs[system], args.processes)
                 if not (restored["restore"]["ok"] and restored["reshard"]["ok"]):
                     raise RuntimeError(f"{system}: restored values differ")
                 runs[system].append({**saved, **restored})
@@ -195,24 +238,27 @@ def main() -> None:
         }
     ours, theirs = table["shardckpt"], table["orbax"]
     if args.json:
-        print(json.dumps({"size": args.size, "repeats": args.repeats, "table": table}, indent=1))
+        print(json.dumps({"size": args.size, "repeats": args.repeats, "processes": args.processes, "table": table},
+                         indent=1))
         return
     size = args.size
-    print(f"pytree of {fmt_size(size)} (16 float32 arrays), one process, 8 CPU devices; "
+    base = table.get("baseline")
+    where = "one process" if args.processes == 1 else f"{args.processes} processes"
+    print(f"pytree of {fmt_size(size)} (16 float32 arrays), {where}, 8 CPU devices; "
           f"medians of {args.repeats}; ratio = Orbax / shardckpt")
-    print(f"{'':28}{'shardckpt':>14}{'Orbax':>14}{'ratio':>8}")
+    print(f"{'':28}{'shardckpt':>14}{'Orbax':>14}{'ratio':>8}" + (f"{'baseline':>14}" if base else ""))
     for label, key in (("save (committed)", "save_s"), ("async: blocking (first)", "async_first_blocking_s"),
                        ("async: blocking (later)", "async_blocking_s"),
                        ("async: until committed", "async_total_s"), ("restore", "restore_s"),
                        ("resharded restore", "reshard_s")):
         a, b = ours[key], theirs[key]
-        print(f"{label:28}{a:>11.3f} s {b:>11.3f} s {b / a:>7.2f}x   "
-              f"({size / MIB / a:.0f} vs {size / MIB / b:.0f} MiB/s)")
+        print(f"{label:28}{a:>11.3f} s {b:>11.3f} s {b / a:>7.2f}x" + (f"{base[key]:>11.3f} s" if base else "")
+              + f"   ({size / MIB / a:.0f} vs {size / MIB / b:.0f} MiB/s)")
     for label, key in (("restore peak extra RSS", "restore_peak_extra"),
                        ("reshard peak extra RSS", "reshard_peak_extra")):
         a, b = ours[key], theirs[key]
-        print(f"{label:28}{fmt_size(a):>14}{fmt_size(b):>14}{(b / a if a else float('nan')):>7.2f}x")
-
+        print(f"{label:28}{fmt_size(a):>14}{fmt_size(b):>14}{(b / a if a else float('nan')):>7.2f}x"
+              + (f"{fmt_size(base[key]):>14}" if base else ""))
 
 if __name__ == "__main__":
     main()

@@ -74,8 +74,12 @@ from shardckpt import (
 )
 from shardckpt.checkpoint.graph import OBJECT_GRAPH_KEY
 from shardckpt.distributed.coordinator import Coordinator
-from shardckpt.saving.async_save import AsyncSaveError
-from shardckpt.saving.staging import StagingPool
+from shardckpt.distributed.single import SingleProcessCoordinator
+from shardckpt.format.bundle_reader import BundleReader
+from shardckpt.saving.async_save import AsyncSaveError, AsyncSaver
+from shardckpt.saving.distributed import save_tensors_distributed
+from shardckpt.saving.staging import StagingPool, register_holder
+from shardckpt.sharding.shardable import ShardableTensor
 from shardckpt.storage.local import LocalFileSystem
 from shardckpt.storage.registry import mounted
 from shardckpt.storage.wrappers import FileSystemWrapper
@@ -569,6 +573,49 @@ def test_byte_budget_bounds_the_memory_the_pool_holds(tmp_path: Path) -> None:
     ckpt.sync()
     pool = ckpt.__dict__["_shardckpt_saver"].pool
     assert pool.nbytes <= BUDGET + ITEM, f"pool holds {pool.nbytes} bytes with a budget of {BUDGET}"
+
+
+class _Frozen:
+    """A value whose bytes never change (as a jax.Array's): staging may hold it instead of copying."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self.array.flags.writeable = False
+
+    def __call__(self) -> np.ndarray:
+        return self.array
+
+
+@pytest.mark.parametrize("budget", [None, 1024])
+def test_held_values_are_served_without_a_copy_and_let_go_once_written(tmp_path: Path, budget: Optional[int],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    register_holder(_Frozen, lambda v: v.array)
+    held = _Frozen(np.arange(65536, dtype=np.float32))
+    copied = np.full(300, 7, np.int32)
+    whole = ShardableTensor.from_value("held", held.array)
+    pieces = [ShardableTensor(checkpoint_key="held", tensor=held, dtype=whole.dtype, shape=whole.shape,
+                              device=whole.device), ShardableTensor.from_value("copied", copied)]
+    staged_sources: Dict[str, Any] = {}
+    original = StagingPool.stage_plan
+
+    def stage_plan(pool: StagingPool, plan: Any) -> Any:
+        staged, fill = original(pool, plan)
+        for item in staged.items:
+            staged_sources[item.key] = item.source
+        assert staged_sources["held"].array is held.array  # no copy: the value itself
+        return staged, fill
+
+    monkeypatch.setattr(StagingPool, "stage_plan", stage_plan)
+    saver = AsyncSaver(budget)
+    save_tensors_distributed(str(tmp_path / "ck"), pieces,
+                             CheckpointOptions(enable_async=True, async_staging_bytes=budget),
+                             SingleProcessCoordinator(), saver=saver)
+    saver.wait()
+    assert staged_sources["held"].array is None  # written: the reference is dropped
+    assert saver.pool.nbytes == copied.nbytes  # a buffer for the copied value only
+    with BundleReader(str(tmp_path / "ck")) as reader:
+        assert np.array_equal(reader.read("held"), held.array)
+        assert np.array_equal(reader.read("copied"), copied)
 
 
 def _run_script(code: str, timeout: float) -> subprocess.CompletedProcess:

@@ -169,6 +169,8 @@ def boxes_tile(boxes: Iterable[Box], region: Box) -> Optional[str]:
     pairwise checks only when that grid would be huge.
     """
     boxes = [b for b in boxes if box_volume(b) > 0]
+    if len(boxes) == 1 and boxes[0] == region:  # the common case (one piece per region): nothing to paint
+        return None
     for box in boxes:
         if intersect(box, region) != box:
             return f"slice {list(box)} lies outside {list(region)}"

@@ -12,10 +12,14 @@ merged and committed atomically by the io process (see
 run over :func:`default_coordinator`: one process needs none; several use JAX's
 own distributed runtime (:class:`~shardckpt.distributed.jax_backend.JaxCoordinator`).
 
-With ``CheckpointOptions(enable_async=True)`` the device data is copied to host
-staging buffers (device-to-host copies are started for all shards first), the
+With ``CheckpointOptions(enable_async=True)`` the device data is snapshotted, the
 call returns, and the write and commit run in the background;
-:func:`wait_until_finished` waits for them and raises their error.
+:func:`wait_until_finished` waits for them and raises their error. The snapshot of
+a shard on a CPU device is a zero-copy hold of its buffer (JAX neither frees nor
+donates a buffer while it is held, see :class:`~shardckpt.jax._values.ShardBytes`),
+released once written; other shards are copied to the saver's reused host staging
+buffers (device-to-host copies are started for all shards first). What the caller
+waits for is then planning plus those copies.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ ones among its ``addressable_shards``, each as a :class:`ShardableTensor` on its
 device (``/job:localhost/replica:0/task:<process>/device:<PLATFORM>:<id>``) with
 the shard's slice of the global shape (``""`` when one shard holds everything).
 The bytes are taken (``np.asarray`` of the shard's data) only when the engine
-writes or stages them.
+writes or stages them. An async save of a shard on a CPU device stages no copy: it
+holds the zero-copy NumPy view of the shard's buffer (see :class:`ShardBytes`).
 
 Restoring: :func:`read_onto` builds a new array of the wanted shape, dtype and
 sharding with ``jax.make_array_from_callback``; each distinct region among this
@@ -16,7 +17,7 @@ bytes) and placed on every local device that holds it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -25,9 +26,10 @@ from ..errors import InvalidArgumentError
 from ..format.bundle_reader import BundleReader
 from ..format.dtypes import as_dtype
 from ..format.tensor_slice import FULL, Box, TensorSlice, box_shape, box_volume, format_shape_and_slice, full_box
+from ..saving.staging import register_holder
 from ..sharding.shardable import ShardableTensor
 
-__all__ = ["JaxValue", "device_name", "box_of", "distinct_boxes", "read_onto"]
+__all__ = ["JaxValue", "ShardBytes", "device_name", "box_of", "distinct_boxes", "read_onto"]
 
 
 def device_name(device: Any) -> str:
@@ -82,7 +84,7 @@ class JaxValue:
             else:
                 extents = tuple((0, FULL) if (a, b) == (0, d) else (a, b - a) for (a, b), d in zip(box, shape))
                 spec = format_shape_and_slice(shape, TensorSlice(extents))
-            out.append(ShardableTensor(checkpoint_key=key, tensor=_host(shard.data), dtype=dtype,
+            out.append(ShardableTensor(checkpoint_key=key, tensor=ShardBytes(shard.data), dtype=dtype,
                                        shape=box_shape(box), slice_spec=spec, device=device_name(shard.device)))
         return out
 
@@ -91,11 +93,34 @@ class JaxValue:
         self.array = read_onto(reader, key, self.array.shape, self.array.dtype, self.array.sharding)
 
 
-def _host(data: jax.Array) -> Callable[[], np.ndarray]:
-    def get() -> np.ndarray:
-        return np.asarray(data)
+class ShardBytes:
+    """The bytes of one shard (a single-device ``jax.Array``), taken when called.
 
-    return get
+    Staging an async save holds, instead of copying, the bytes of a shard on a CPU
+    device: there ``np.asarray`` is a read-only view of the device buffer that carries
+    an external reference, and while such a reference lives JAX neither frees the
+    buffer (``delete()``, garbage collection) nor donates it (a ``jit`` with
+    ``donate_argnums`` then leaves the input alive and writes a new buffer), and
+    ``jax.Array``s are otherwise immutable. On other platforms ``np.asarray`` is a
+    fresh device-to-host copy, which staging copies into its reused buffers.
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: jax.Array) -> None:
+        self.data = data
+
+    def __call__(self) -> np.ndarray:
+        return np.asarray(self.data)
+
+    def held(self) -> Optional[np.ndarray]:
+        """The bytes without a copy when they cannot change while referenced (CPU devices), else ``None``."""
+        if self.data.is_deleted() or any(d.platform != "cpu" for d in self.data.devices()):
+            return None
+        return np.asarray(self.data)
+
+
+register_holder(ShardBytes, ShardBytes.held)
 
 
 def read_onto(reader: BundleReader, key: str, shape: Tuple[int, ...], dtype: Any, sharding: Any,

@@ -2,8 +2,9 @@
 
 An :class:`AsyncSaver` runs at most one save at a time. ``submit`` first waits for
 the previous save to commit (raising its error, if it failed), then stages the
-new save's values into reused host buffers — the only part the caller waits for
-— and starts a thread that writes the shards, commits, updates the state file
+new save's values into reused host buffers (or holds values whose bytes cannot
+change, see :func:`~shardckpt.saving.staging.register_holder`) — the only part the
+caller waits for — and starts a thread that writes the shards, commits, updates the state file
 and runs the write callbacks, in that order.
 
 An error in the background is kept and raised, chained to the original, by the

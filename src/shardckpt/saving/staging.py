@@ -11,6 +11,13 @@ Values that are not NumPy arrays are copied by a *stager* registered for their
 type (:func:`register_stager`): e.g. a PyTorch adapter copies a device tensor into
 a pinned host buffer. The staging step only needs "copy this value into that
 host array".
+
+Some values need no copy at all: a *holder* registered for their type
+(:func:`register_holder`) may return a host array whose bytes cannot change for as
+long as it is referenced (e.g. a view of an immutable ``jax.Array`` on a CPU device:
+JAX neither frees nor donates a buffer with an outside reference). The staged plan
+then serves that array itself, costs no buffer and no budget, and drops the reference
+once the writer has released it.
 """
 
 from __future__ import annotations
@@ -23,15 +30,31 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from .plan import PlanItem, SavePlan
 
-__all__ = ["StagingPool", "register_stager", "stage_value", "StagedValue"]
+__all__ = ["StagingPool", "register_stager", "register_holder", "stage_value", "StagedValue"]
 
 Stager = Callable[[Any, np.ndarray], None]
+Holder = Callable[[Any], Optional[np.ndarray]]
 _STAGERS: Dict[Type[Any], Stager] = {}
+_HOLDERS: Dict[Type[Any], Holder] = {}
 
 
 def register_stager(kind: Type[Any], stager: Stager) -> None:
     """Copy values of type ``kind`` into host arrays with ``stager(value, out)``."""
     _STAGERS[kind] = stager
+
+
+def register_holder(kind: Type[Any], holder: Holder) -> None:
+    """Snapshot values of type ``kind`` (a plan item's value or the callable producing it) without a copy:
+    ``holder(value)`` returns a host array whose bytes stay unchanged while it is referenced, or ``None``
+    when the value must be copied."""
+    _HOLDERS[kind] = holder
+
+
+def _held(value: Any) -> Optional[np.ndarray]:
+    for kind in type(value).__mro__:
+        if kind in _HOLDERS:
+            return _HOLDERS[kind](value)
+    return None
 
 
 def _stager_for(value: Any) -> Optional[Stager]:
@@ -50,6 +73,10 @@ def stage_value(value: Any, out: np.ndarray) -> None:
         np.copyto(out, np.asarray(value), casting="no" if out.dtype != object else "unsafe")
 
 
+_READY = threading.Event()  # shared by every held value: ready from the start, never waited on long
+_READY.set()
+
+
 class StagedValue:
     """The staged copy of one value: the :class:`~shardckpt.saving.plan.ValueSource` of a staged plan's item.
 
@@ -58,18 +85,20 @@ class StagedValue:
     to the pool's budget.
     """
 
-    __slots__ = ("array", "_pool", "_nbytes", "_released", "_ready", "_taken", "_block", "_shape", "_dtype")
+    __slots__ = ("array", "_pool", "_nbytes", "_released", "_ready", "_taken", "_block", "_shape", "_dtype",
+                 "_held")
 
     def __init__(self, array: Optional[np.ndarray], pool: "StagingPool", nbytes: int,
-                 shape: Tuple[int, ...] = (), dtype: Any = None) -> None:
+                 shape: Tuple[int, ...] = (), dtype: Any = None, held: bool = False) -> None:
         self.array = array
+        self._held = held
         self._pool = pool
         self._nbytes = nbytes
         self._released = False
         self._taken = False
         self._block: Optional[np.ndarray] = None
         self._shape, self._dtype = shape, dtype
-        self._ready = threading.Event()
+        self._ready = _READY if held else threading.Event()
 
     def get(self) -> np.ndarray:
         """The staged copy (waits for it while the snapshot streams)."""
@@ -140,6 +169,10 @@ class StagingPool:
         staged.array = block[:n].view(staged._dtype).reshape(staged._shape)
 
     def _release(self, staged: StagedValue) -> None:
+        if staged._held:  # written: the caller's buffer is its own again (JAX may donate it)
+            staged._released = True
+            staged.array = None
+            return
         with self._cond:
             if staged._released or not staged._taken:
                 staged._released = True
@@ -190,6 +223,11 @@ class StagingPool:
         work: List[Tuple[Any, StagedValue]] = []
 
         def stage(item: PlanItem) -> StagedValue:
+            held = _held(getattr(item.source, "value", None))
+            if held is not None:  # no copy: the bytes cannot change while the staged value holds them
+                staged = StagedValue(held, self, 0, held=True)
+                staged._taken = True
+                return staged
             source = item.source.get()
             array = np.asarray(source) if _stager_for(source) is None else None
             shape = tuple(array.shape) if array is not None else item.shape

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any, Callable, List, Optional, Tuple, Union
 
 import numpy as np
@@ -97,6 +97,7 @@ def _fields(device: str) -> dict:
     return found
 
 
+@lru_cache(maxsize=4096)  # device strings repeat on every save: parse each once
 def canonical_device(device: Optional[str]) -> str:
     """Spell a device string fully: ``"/task:1/device:CPU:2"`` -> ``"/job:localhost/replica:0/task:1/device:CPU:2"``."""
     if not device:
@@ -105,6 +106,7 @@ def canonical_device(device: Optional[str]) -> str:
     return f"/job:{f['job']}/replica:{f['replica']}/task:{f['task']}/device:{f['device']}"
 
 
+@lru_cache(maxsize=4096)
 def task_of(device: Optional[str]) -> str:
     """The task a device belongs to, as TF groups saves: the device with its type/index set to ``CPU:0``."""
     f = _fields(device or "")
