@@ -10,12 +10,14 @@ checkpoint points into an older one.
 
 **What is on disk.** Beside ``<prefix>.index`` an incremental save writes the sidecar
 ``<prefix>.hashes.json`` (JSON, never pickle), *before* the index (so a committed index
-has its sidecar). It records the xxh3-128 hash of the exact index bytes it belongs to (a
-sidecar whose index was replaced, or never committed, is ignored), and per piece (key,
-slice spec): the xxh3-128 hash of its bytes, its change token (a
-:class:`~shardckpt.Variable`'s version, meaningful only in the process that wrote it),
-which shard record it was written in, and the xxh3-128 hash of its first
-:data:`HEAD_BYTES` bytes (the *head*; absent in older sidecars); per shard record: bytes written, and the
+has its sidecar; not fsynced on its own: one a crash lost or tore fails the checks below
+and only makes the next save a full one). It records the xxh3-128 hash of the exact
+index bytes it belongs to (a sidecar whose index was replaced, or never committed, is
+ignored), and per piece (key, slice spec): the xxh3-128 hash of its bytes, its change
+token (a :class:`~shardckpt.Variable`'s version, meaningful only in the process that
+wrote it), which shard record it was written in, and the xxh3-128 hash of its first
+:data:`HEAD_BYTES` bytes (the *head*; absent in older sidecars); per shard record: bytes
+written, and the
 data file it was linked or copied from (``shardckpt inspect`` shows them).
 
 **Change detection** (:func:`arrange`, on every client, for its own pieces, before any

@@ -17,7 +17,8 @@ file of the previous checkpoint whose pieces are all unchanged into a shard carr
    ever writes into a committed data file.
 2. ``commit``: the merge renames the parts' data files to ``<prefix>.data-I-of-M`` as for
    any save; then ``<prefix>.hashes.json`` (the sidecar, naming the index bytes it
-   belongs to) is written atomically, and the index rename commits. A crash between the
+   belongs to) is written atomically (not fsynced: a lost or torn sidecar fails its
+   checks and only makes the next save a full one), and the index rename commits. A crash between the
    two leaves a sidecar whose index is not there: it is ignored, and the next save
    removes the unreferenced data files as usual.
 
@@ -86,8 +87,11 @@ class LinkRenameCommitter(RenameCommitter):
                 for w in written if "index_entries" in w}
 
     def _before_index(self, written: List[Written], index: bytes) -> None:
+        # Not fsynced on its own: the directory fsync after the index rename covers its name, and a
+        # sidecar lost or torn by a crash only fails its checks (JSON, the index's hash) and makes the
+        # next save a full one; it never makes a checkpoint wrong.
         self.location.fs.write_atomic(sidecar_filename(self.location.prefix),
-                                      sidecar_bytes(written, index, self.location.fs), fsync=self.fsync)
+                                      sidecar_bytes(written, index, self.location.fs))
 
 
 class CopyIndexLastCommitter(IndexLastCommitter):
