@@ -17,8 +17,8 @@ ignored), and per piece (key, slice spec): the xxh3-128 hash of its bytes, its c
 token (a :class:`~shardckpt.Variable`'s version, meaningful only in the process that
 wrote it), which shard record it was written in, and the xxh3-128 hash of its first
 :data:`HEAD_BYTES` bytes (the *head*; absent in older sidecars); per shard record: bytes
-written, and the
-data file it was linked or copied from (``shardckpt inspect`` shows them).
+written, and the data file it was linked or copied from (``shardckpt inspect`` shows
+them).
 
 **Change detection** (:func:`arrange`, on every client, for its own pieces, before any
 byte is staged or written), cheapest first:
