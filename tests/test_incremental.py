@@ -252,6 +252,46 @@ def test_one_flipped_element_of_a_100mb_tensor_is_saved(tmp_path: Path) -> None:
         assert np.array_equal(reader.get_tensor("big"), big)
 
 
+def test_head_pre_check_and_sidecars_without_heads(tmp_path: Path) -> None:
+    """A piece whose first bytes changed is written and hashed while it streams (the sidecar records the
+    new bytes' hash and head); one changed only past its head is caught by the full hash; a sidecar
+    written before heads existed (five fields a piece) is still used."""
+    import xxhash
+
+    from shardckpt.saving.incremental import HEAD_BYTES
+
+    prefix = str(tmp_path / "ck")
+    rng = np.random.default_rng(7)
+    values = {k: rng.standard_normal(300_000).astype(np.float32) for k in ("a", "b", "c")}
+    shardckpt.save_tensors(prefix, values, INCREMENTAL, fsync=False)
+
+    def records() -> Dict[str, List[Any]]:
+        return {p[0]: p for p in json.loads(Path(sidecar_filename(prefix)).read_bytes())["pieces"]}
+
+    for k, v in values.items():
+        assert records()[k][5] == xxhash.xxh3_128(v.tobytes()[:HEAD_BYTES]).hexdigest()
+    values["a"][0] += 1  # the head changes
+    values["b"][-1] += 1  # only the tail changes
+    shardckpt.save_tensors(prefix, values, INCREMENTAL, fsync=False)
+    got, recs = _read_all(prefix), records()
+    for k, v in values.items():
+        assert np.array_equal(got[k], v), k
+        assert recs[k][2] == xxhash.xxh3_128(v.tobytes()).hexdigest(), k
+        assert recs[k][5] == xxhash.xxh3_128(v.tobytes()[:HEAD_BYTES]).hexdigest(), k
+    origins = data_file_origins(prefix, local_fs)
+    assert origins is not None and sorted(o["how"] for o in origins.values()) == ["link", "written"]
+    # an older sidecar: no heads; the full hashes still find every piece unchanged
+    doc = json.loads(Path(sidecar_filename(prefix)).read_bytes())
+    doc["pieces"] = [p[:5] for p in doc["pieces"]]
+    Path(sidecar_filename(prefix)).write_text(json.dumps(doc))
+    values["c"][-1] += 1
+    shardckpt.save_tensors(prefix, values, INCREMENTAL, fsync=False)
+    got = _read_all(prefix)
+    assert all(np.array_equal(got[k], v) for k, v in values.items())
+    origins = data_file_origins(prefix, local_fs)
+    assert origins is not None and sorted(o["how"] for o in origins.values()) == ["link", "written"]
+
+
 # -- where links are impossible --------------------------------------------------------------------
 
 def test_no_hard_links_across_filesystems_falls_back_to_a_copy_and_says_so(

@@ -154,9 +154,7 @@ class BundleWriter:
         running = crc.RunningCrc(self._executor)
         start = self._offset
         for buf in byte_chunks(array):
-            running.update(buf)
-            if digest is not None:
-                digest.update(buf)
+            running.update(buf, digest)  # the digest too, beside the checksum, while we write
             self._write(buf)
         return self._offset - start, running.value()
 

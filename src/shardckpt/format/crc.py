@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Dict, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 import crc32c as _crc32c
 
@@ -62,20 +62,25 @@ class RunningCrc:
         self._executor = executor
         self._pending: "Optional[Future[None]]" = None
 
-    def _add(self, data: Buffer) -> None:
+    def _add(self, data: Buffer, digest: Any = None) -> None:
         self._crc = _crc32c.crc32c(data, self._crc)
+        if digest is not None:
+            digest.update(data)
 
-    def update(self, data: Buffer) -> None:
+    def update(self, data: Buffer, digest: Any = None) -> None:
+        """Add ``data``; with ``digest`` (an object with ``update(bytes)``, fed in order, on the
+        helper too: a content hash costs the writer nothing) also ``digest.update(data)``. The
+        digest is complete once :meth:`value` returns."""
         if self._executor is None or len(data) < self._INLINE_BELOW:
             self._wait()
-            self._add(data)
+            self._add(data, digest)
             return
         previous = self._pending
 
         def task() -> None:
             if previous is not None:
                 previous.result()
-            self._add(data)
+            self._add(data, digest)
 
         self._pending = self._executor.submit(task)
 

@@ -287,7 +287,21 @@ def _write_shards(committer: Committer, shards: Sequence[ShardPlan], first_id: i
     workers = max_workers or default_workers(len(shards))
     if workers == 1 or len(shards) == 1:
         return [committer.write_shard(s, first_id + i) for i, s in enumerate(shards)]
+
+    def run(batch: List[int]) -> List[Written]:
+        return [committer.write_shard(shards[i], first_id + i) for i in batch]
+
+    # Shards to write go one per task, first; reused ones (a link or a server-side copy each: quick,
+    # and an incremental save has hundreds) are spread over ``workers`` tasks, not one task each.
+    fresh = [[i] for i, s in enumerate(shards) if s.reuse is None]
+    reused = [i for i, s in enumerate(shards) if s.reuse is not None]
+    step = max(1, -(-len(reused) // workers))
+    tasks = fresh + [reused[n:n + step] for n in range(0, len(reused), step)]
+    out: List[Optional[Written]] = [None] * len(shards)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardckpt-write") as pool:
-        futures = [pool.submit(committer.write_shard, s, first_id + i) for i, s in enumerate(shards)]
-        return [f.result() for f in futures]
+        futures = [(batch, pool.submit(run, batch)) for batch in tasks]
+        for batch, future in futures:
+            for i, w in zip(batch, future.result()):
+                out[i] = w
+    return [w for w in out if w is not None]
 

@@ -10,19 +10,25 @@ checkpoint points into an older one.
 
 **What is on disk.** Beside ``<prefix>.index`` an incremental save writes the sidecar
 ``<prefix>.hashes.json`` (JSON, never pickle), *before* the index (so a committed index
-has its sidecar). It records the xxh3-128 hash of the exact index bytes it belongs to (a
-sidecar whose index was replaced, or never committed, is ignored), and per piece (key,
-slice spec): the xxh3-128 hash of its bytes, its change token (a
-:class:`~shardckpt.Variable`'s version, meaningful only in the process that wrote it),
-and which shard record it was written in; per shard record: bytes written, and the
-data file it was linked or copied from (``shardckpt inspect`` shows them).
+has its sidecar; not fsynced on its own: one a crash lost or tore fails the checks below
+and only makes the next save a full one). It records the xxh3-128 hash of the exact
+index bytes it belongs to (a sidecar whose index was replaced, or never committed, is
+ignored), and per piece (key, slice spec): the xxh3-128 hash of its bytes, its change
+token (a :class:`~shardckpt.Variable`'s version, meaningful only in the process that
+wrote it), which shard record it was written in, and the xxh3-128 hash of its first
+:data:`HEAD_BYTES` bytes (the *head*; absent in older sidecars); per shard record: bytes
+written, and the data file it was linked or copied from (``shardckpt inspect`` shows
+them).
 
 **Change detection** (:func:`arrange`, on every client, for its own pieces, before any
 byte is staged or written), cheapest first:
 
 1. with ``trust_versions``, a piece whose change token equals the one recorded is
    unchanged (writes into ``Variable.array`` must call ``mark_changed()``);
-2. otherwise its bytes are hashed (xxh3-128, about 10 GB/s) and compared with the
+2. a piece whose head hash (its first :data:`HEAD_BYTES` bytes: microseconds) differs
+   from the recorded one changed: it is written, and hashed while its bytes stream to
+   storage (no extra pass; when every piece changed, detection costs next to nothing);
+3. otherwise its bytes are hashed (xxh3-128, about 10 GB/s) and compared with the
    recorded hash. Pieces the previous checkpoint does not know are hashed while their
    bytes stream to storage (no extra pass). Strings are always written. CRC32C is never
    used as an identity.
@@ -60,9 +66,9 @@ from ..format.tensor_slice import parse_shape_and_slice
 from ..storage.base import FileSystem
 from .plan import PlanItem, Reuse, SavePlan, ShardPlan
 
-__all__ = ["OWN_FILE_BYTES", "SIDECAR_SUFFIX", "sidecar_filename", "content_hash", "new_digest", "Previous",
-           "load_previous", "arrange", "sidecar_bytes", "read_sidecar", "entry_key", "piece_records",
-           "data_file_origins"]
+__all__ = ["OWN_FILE_BYTES", "HEAD_BYTES", "head_hash", "SIDECAR_SUFFIX", "sidecar_filename", "content_hash",
+           "new_digest", "Previous", "load_previous", "arrange", "sidecar_bytes", "read_sidecar", "entry_key",
+           "piece_records", "data_file_origins"]
 
 _log = logging.getLogger("shardckpt")
 
@@ -74,6 +80,8 @@ PieceId = Tuple[str, str]
 
 #: pieces of at least this many bytes get a data file of their own in an incremental save
 OWN_FILE_BYTES = 1 << 20
+#: a piece's first bytes hashed for the cheap pre-check of change detection
+HEAD_BYTES = 4096
 Written = Dict[str, Any]
 
 
@@ -98,6 +106,21 @@ def content_hash(value: Any, dtype: Any) -> Optional[str]:
     return str(digest.hexdigest())
 
 
+def head_hash(value: Any, dtype: Any) -> Optional[str]:
+    """xxh3-128 of the first :data:`HEAD_BYTES` bytes of ``value`` as stored (``None`` for strings)."""
+    array, dt = to_disk_array(value, dtype)
+    if dt.is_string:
+        return None
+    digest = new_digest()
+    left = HEAD_BYTES
+    for buf in byte_chunks(array, HEAD_BYTES):
+        digest.update(buf[:left])
+        left -= min(left, len(buf))
+        if not left:
+            break
+    return str(digest.hexdigest())
+
+
 def entry_key(key: str, slice_spec: str) -> bytes:
     """The index key a piece is stored under (a slice's encoded key; a slice covering its tensor: the key)."""
     if not slice_spec:
@@ -112,6 +135,7 @@ def entry_key(key: str, slice_spec: str) -> bytes:
 class _Record:
     hash: Optional[str]
     token: Optional[str]
+    head: Optional[str] = None
 
 
 @dataclass
@@ -160,7 +184,8 @@ def load_previous(prefix: str, fs: FileSystem) -> Optional[Previous]:
         items = list(read_table(sidecar["_index"], path))
         header = _parse_header(items[0][0], items[0][1], path)
         entries = {k: pb.BundleEntryProto.FromString(v) for k, v in items[1:]}
-        pieces = {(str(p[0]), str(p[1])): _Record(p[2], p[3]) for p in sidecar["pieces"]}
+        pieces = {(str(p[0]), str(p[1])): _Record(p[2], p[3], p[5] if len(p) > 5 else None)
+                  for p in sidecar["pieces"]}
     except Exception as exc:
         _log.info("incremental save: cannot use %s as the previous checkpoint (%s)", prefix, exc)
         return None
@@ -176,18 +201,26 @@ def _same_form(item: PlanItem, entry: pb.BundleEntryProto) -> bool:
         and not entry.slices
 
 
-def _detect(item: PlanItem, previous: Previous, trust_versions: bool) -> Tuple[str, Optional[str]]:
-    """``("unchanged" | "changed" | "new", hash or None)`` for one piece."""
+_Verdict = Tuple[str, Optional[str], Optional[str]]
+
+
+def _detect(item: PlanItem, previous: Previous, trust_versions: bool) -> _Verdict:
+    """``("unchanged" | "changed" | "new", hash or None, head hash or None)`` for one piece; a hash
+    of ``None`` (not a string) is computed while the piece's bytes stream out."""
     if item.dtype.is_string:
-        return "new", None
+        return "new", None, None
     record = previous.pieces.get((item.key, item.slice_spec))
     entry = previous.entries.get(entry_key(item.key, item.slice_spec))
     if record is None or record.hash is None or entry is None or not _same_form(item, entry):
-        return "new", None
+        return "new", None, head_hash(item.source.get(), item.dtype.enum)
     if trust_versions and item.version is not None and item.version == record.token:
-        return "unchanged", record.hash
-    digest = content_hash(item.source.get(), item.dtype.enum)
-    return ("unchanged" if digest == record.hash else "changed"), digest
+        return "unchanged", record.hash, record.head
+    value = item.source.get()
+    head = head_hash(value, item.dtype.enum)
+    if record.head is not None and head != record.head:  # changed for sure: no hashing pass
+        return "changed", None, head
+    digest = content_hash(value, item.dtype.enum)
+    return ("unchanged" if digest == record.hash else "changed"), digest, head
 
 
 def _reuse(previous: Previous, shard_id: int, members: List[PlanItem]) -> Reuse:
@@ -222,10 +255,11 @@ def arrange(plan: SavePlan, previous: Optional[Previous], *, trust_versions: boo
     """This client's plan for an incremental save (see the module docstring): reused data files as shards
     of their own, the callback's shards split into unchanged and changed pieces, hashes attached."""
     if previous is None:  # a full save; hashes computed while the bytes stream
-        shards = tuple(ShardPlan(n, task, group, (None,) * len(group)) for n, (task, group) in enumerate(
-            (s.task, g) for s in plan.shards for g in _split(s.items)))
+        shards = tuple(ShardPlan(n, task, group, (None,) * len(group), heads=tuple(
+            None if i.dtype.is_string else head_hash(i.source.get(), i.dtype.enum) for i in group))
+            for n, (task, group) in enumerate((s.task, g) for s in plan.shards for g in _split(s.items)))
         return replace(plan, shards=shards)
-    verdicts: Dict[int, Tuple[str, Optional[str]]] = {}
+    verdicts: Dict[int, _Verdict] = {}
     by_entry: Dict[bytes, PlanItem] = {}
     for item in plan.items:
         verdicts[id(item)] = _detect(item, previous, trust_versions)
@@ -240,7 +274,7 @@ def arrange(plan: SavePlan, previous: Optional[Previous], *, trust_versions: boo
     for shard_id, members in reused.items():
         task = members[0].tensor.task
         out.append(ShardPlan(len(out), task, tuple(members), tuple(verdicts[id(m)][1] for m in members),
-                             _reuse(previous, shard_id, members)))
+                             _reuse(previous, shard_id, members), tuple(verdicts[id(m)][2] for m in members)))
     for shard in plan.shards:
         rest = [i for i in shard.items if id(i) not in taken]
         stable = [i for i in rest if verdicts[id(i)][0] == "unchanged"]
@@ -248,7 +282,8 @@ def arrange(plan: SavePlan, previous: Optional[Previous], *, trust_versions: boo
         # changed pieces are rewritten anyway: one file (fewer files, fewer fsyncs); unchanged ones
         # that could not be reused get files that later saves can reuse whole
         for group in _split(stable) + ([tuple(moving)] if moving else []):
-            out.append(ShardPlan(len(out), shard.task, group, tuple(verdicts[id(i)][1] for i in group)))
+            out.append(ShardPlan(len(out), shard.task, group, tuple(verdicts[id(i)][1] for i in group),
+                                 heads=tuple(verdicts[id(i)][2] for i in group)))
     reused_bytes = sum(s.reuse.size for s in out if s.reuse is not None)
     _log.info("incremental save: %d of %d data files of %s reused (%d bytes), %d pieces written", len(reused),
               len(previous.files), previous.prefix, reused_bytes, sum(len(s.items) for s in out if s.reuse is None))
@@ -256,8 +291,9 @@ def arrange(plan: SavePlan, previous: Optional[Previous], *, trust_versions: boo
 
 
 def piece_records(shard: ShardPlan, hashes: Sequence[Optional[str]]) -> List[List[Any]]:
-    """What a written shard tells the sidecar about its pieces: ``[key, slice spec, hash, token]`` each."""
-    return [[item.key, item.slice_spec, h, item.version] for item, h in zip(shard.items, hashes)]
+    """What a written shard tells the sidecar about its pieces: ``[key, slice spec, hash, token, head]`` each."""
+    heads = shard.heads or (None,) * len(shard.items)
+    return [[item.key, item.slice_spec, h, item.version, head] for item, h, head in zip(shard.items, hashes, heads)]
 
 
 def sidecar_bytes(written: Sequence[Written], index: bytes, fs: FileSystem) -> bytes:
@@ -265,8 +301,8 @@ def sidecar_bytes(written: Sequence[Written], index: bytes, fs: FileSystem) -> b
     pieces: List[List[Any]] = []
     shards: List[Dict[str, Any]] = []
     for number, w in enumerate(written):
-        for record in w.get("pieces", []):
-            pieces.append(list(record) + [number])
+        for record in w.get("pieces", []):  # stored as [key, slice spec, hash, token, shard record, head]
+            pieces.append(list(record[:4]) + [number] + list(record[4:5]))
         source = w.get("source")
         shards.append({"bytes_written": int(w.get("bytes", 0)), "bytes_reused": int(w.get("reused", 0)),
                        "how": w.get("how", "written"),

@@ -136,6 +136,8 @@ class ShardPlan:
     items: Tuple[PlanItem, ...]
     hashes: Optional[Tuple[Optional[str], ...]] = None
     reuse: Optional[Reuse] = None
+    #: incremental saves: each item's head hash (:func:`shardckpt.saving.incremental.head_hash`)
+    heads: Optional[Tuple[Optional[str], ...]] = None
 
     @property
     def nbytes(self) -> int:

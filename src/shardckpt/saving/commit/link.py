@@ -10,12 +10,15 @@ file of the previous checkpoint whose pieces are all unchanged into a shard carr
 
 1. ``write_shard`` of a reused shard: the previous checkpoint's data file is hard-linked
    to ``<temp>/part-I-of-N.data-00000-of-00001`` (where links are impossible: a reflink,
-   else a copy, made durable; said once in the log), and the part's index is written
-   with the reused entries. The previous checkpoint is never touched: a link is a new
-   name for the same bytes, and nothing ever writes into a committed data file.
+   else a copy, made durable; said once in the log). No part index is written: the
+   reused entries (offsets, sizes, checksums as the previous index has them) travel to
+   the io client with the shard's report and go to the merge in memory. The previous
+   checkpoint is never touched: a link is a new name for the same bytes, and nothing
+   ever writes into a committed data file.
 2. ``commit``: the merge renames the parts' data files to ``<prefix>.data-I-of-M`` as for
    any save; then ``<prefix>.hashes.json`` (the sidecar, naming the index bytes it
-   belongs to) is written atomically, and the index rename commits. A crash between the
+   belongs to) is written atomically (not fsynced: a lost or torn sidecar fails its
+   checks and only makes the next save a full one), and the index rename commits. A crash between the
    two leaves a sidecar whose index is not there: it is ignored, and the next save
    removes the unreferenced data files as usual.
 
@@ -32,11 +35,11 @@ Deleting the previous checkpoint's objects afterwards leaves the copies intact.
 
 from __future__ import annotations
 
+import base64
 import logging
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
-from ...format.merge import index_bytes
-from ...format.naming import data_filename, index_filename
+from ...format.naming import data_filename
 from ...format.protos import tensor_bundle_pb2 as pb
 from ..incremental import piece_records, sidecar_bytes, sidecar_filename
 from ..plan import Reuse, ShardPlan
@@ -71,23 +74,24 @@ class LinkRenameCommitter(RenameCommitter):
     def write_shard(self, shard: ShardPlan, shard_id: int) -> Written:
         if shard.reuse is None:
             return super().write_shard(shard, shard_id)
-        fs = self.location.fs
         part = self._part(shard_id)
-        data = data_filename(part, 0, 1)
-        how = fs.copy_file(shard.reuse.source, data, fsync=self.fsync)
-        entries = _entries(shard.reuse, 0)
-        handle = fs.open_write(index_filename(part))  # in the temp folder: read once by the merge
-        try:
-            fs.write_all(handle, memoryview(index_bytes(entries, 1)), index_filename(part))
-        finally:
-            fs.close(handle)
+        how = self.location.fs.copy_file(shard.reuse.source, data_filename(part, 0, 1), fsync=self.fsync)
         written = _reused(shard, how)
-        written["part"] = part
+        # no part index: the merge takes the entries (shard id 0, offsets into the linked file) from here
+        written.update({"part": part, "index_entries": [[base64.b64encode(k).decode(), base64.b64encode(v).decode()]
+                                                        for k, v in shard.reuse.entries]})
         return written
 
+    def _in_memory(self, written: List[Written]) -> Dict[str, List[Tuple[bytes, bytes]]]:
+        return {str(w["part"]): [(base64.b64decode(k), base64.b64decode(v)) for k, v in w["index_entries"]]
+                for w in written if "index_entries" in w}
+
     def _before_index(self, written: List[Written], index: bytes) -> None:
+        # Not fsynced on its own: the directory fsync after the index rename covers its name, and a
+        # sidecar lost or torn by a crash only fails its checks (JSON, the index's hash) and makes the
+        # next save a full one; it never makes a checkpoint wrong.
         self.location.fs.write_atomic(sidecar_filename(self.location.prefix),
-                                      sidecar_bytes(written, index, self.location.fs), fsync=self.fsync)
+                                      sidecar_bytes(written, index, self.location.fs))
 
 
 class CopyIndexLastCommitter(IndexLastCommitter):

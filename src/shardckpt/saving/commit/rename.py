@@ -35,13 +35,14 @@ unreferenced data files; the next save to the prefix removes them
 from __future__ import annotations
 
 import logging
-from typing import Callable, Collection, Dict, List, Optional, Sequence
+from typing import Callable, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ...errors import InvalidArgumentError, NotFoundError
-from ...format.bundle_writer import BundleWriter
+from ...format.bundle_writer import BundleWriter, make_header
 from ...format.crc import shared_executor
 from ...format.merge import MergeInput, plan_merge, read_index
 from ...format.naming import data_filename, index_filename, sharded_filename
+from ...format.protos import tensor_bundle_pb2 as pb
 from ...storage.base import FileSystem
 from ...storage.location import Location
 from ..incremental import piece_records
@@ -111,6 +112,10 @@ class RenameCommitter(Committer):
     def _before_index(self, written: List[Written], index: bytes) -> None:
         """[io client] Called with the merged index's bytes just before they are written (the commit)."""
 
+    def _in_memory(self, written: List[Written]) -> Dict[str, List[Tuple[bytes, bytes]]]:
+        """Parts whose index entries came with ``written`` rather than as a part index (none here)."""
+        return {}
+
     def commit(self, written: List[Written]) -> None:
         parts = [str(w["part"]) for w in written]
         fs = self.location.fs
@@ -118,7 +123,8 @@ class RenameCommitter(Committer):
             self._avoid = existing_shard_counts(self.location)  # counts in use now: never overwritten
             self.num_shards = merge_bundles(self._extra + parts, self.location.prefix, delete_old_dirs=False,
                                             fsync=self.fsync, synced=parts, avoid_num_shards=self._avoid, fs=fs,
-                                            before_index=lambda index: self._before_index(written, index))
+                                            before_index=lambda index: self._before_index(written, index),
+                                            in_memory=self._in_memory(written))
             self._committed = True
             try:  # the previous checkpoint's files: the count just committed is known, no index read
                 remove_stale_data_files(self.location, self.num_shards)
@@ -151,7 +157,8 @@ class RenameCommitter(Committer):
 def merge_bundles(prefixes: Sequence[str], destination: str, *, delete_old_dirs: bool = True,
                   allow_missing_files: bool = False, fsync: bool = False, synced: Collection[str] = (),
                   avoid_num_shards: Collection[int] = (), fs: Optional[FileSystem] = None,
-                  before_index: Optional[Callable[[bytes], None]] = None) -> int:
+                  before_index: Optional[Callable[[bytes], None]] = None,
+                  in_memory: Optional[Mapping[str, Sequence[Tuple[bytes, bytes]]]] = None) -> int:
     """Merge the bundles at ``prefixes`` (in order) into ``destination`` by renaming; return its ``num_shards``.
 
     TensorFlow's ``MergeV2Checkpoints``: each input's data files get new shard ids in
@@ -166,7 +173,10 @@ def merge_bundles(prefixes: Sequence[str], destination: str, *, delete_old_dirs:
     With ``fsync`` the data files (except the bundles in ``synced``, whose writer made
     them durable), the directory and the index are made durable, in the order that keeps
     the commit last. ``before_index`` is called with the index's bytes right before they are
-    written (a committer's sidecar goes there).
+    written (a committer's sidecar goes there). ``in_memory`` maps inputs that have no
+    ``.index`` file to their ``(key, serialized entry)`` pairs: bundles of one data file
+    (``<prefix>.data-00000-of-00001``, little-endian) whose entries the caller already holds
+    (an incremental save's linked data files), so no index is written or read for them.
     """
     if not prefixes:
         raise InvalidArgumentError("merge needs at least one input prefix")
@@ -174,7 +184,13 @@ def merge_bundles(prefixes: Sequence[str], destination: str, *, delete_old_dirs:
         fs = Location.of(destination).fs
     fs.makedirs(fs.dirname(destination))
     inputs: List[MergeInput] = []
+    given = in_memory or {}
+    one_file = pb.BundleHeaderProto.FromString(make_header(1)) if given else None
     for prefix in prefixes:
+        if prefix in given:
+            assert one_file is not None
+            inputs.append((prefix, one_file, given[prefix]))
+            continue
         if not fs.exists(index_filename(prefix)):
             if allow_missing_files:
                 continue
@@ -211,7 +227,7 @@ def merge_bundles(prefixes: Sequence[str], destination: str, *, delete_old_dirs:
         fs.fsync_dir(fs.dirname(destination))
     dest_dir = fs.normpath(fs.dirname(destination) or ".")
     for prefix, _, _ in inputs:
-        if fs.normpath(prefix) != fs.normpath(destination):
+        if prefix not in given and fs.normpath(prefix) != fs.normpath(destination):
             fs.remove(index_filename(prefix))
     if delete_old_dirs:
         for prefix, _, _ in inputs:
