@@ -1,6 +1,7 @@
 """Write the seed corpora under ``corpus/<harness>/`` from the library's own writers (run once; seeds are committed).
 
-``python tests/fuzz/make_corpus.py`` replaces the seeds with freshly written ones.
+``python tests/fuzz/make_corpus.py`` replaces the seeds with freshly written ones (``regression-*``
+seeds, inputs that once found a bug, are kept).
 """
 
 from __future__ import annotations
@@ -70,10 +71,11 @@ def _converters(tmp: str, prefix: str) -> None:
     shards = sorted(f for f in os.listdir(hf) if f.endswith(".safetensors"))
     index_bytes = open(os.path.join(hf, INDEX_NAME), "rb").read()
     _put("hf_index", _common.pack_files(index_bytes, open(os.path.join(hf, shards[0]), "rb").read()))
+    header = b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+    header += b" " * (-len(header) % 8)
     _put("hf_index", _common.pack_files(b'{"metadata": {"total_size": 8, "x": [1]}, "weight_map": '
                                         b'{"a": "model-00001-of-00001.safetensors"}}',
-                                        b'\x30\0\0\0\0\0\0\0{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
-                                        + b" " * 3 + b"\0" * 8))
+                                        len(header).to_bytes(8, "little") + header + b"\0" * 8))
 
 
 def main() -> None:
@@ -81,7 +83,10 @@ def main() -> None:
     from shardckpt.checkpoint.state import update_checkpoint_state
 
     for name in ("sstable", "bundle", "object_graph", "state_file", "safetensors", "npz", "hf_index"):
-        shutil.rmtree(os.path.join(_common.CORPUS, name), ignore_errors=True)
+        folder = os.path.join(_common.CORPUS, name)
+        for seed in os.listdir(folder) if os.path.isdir(folder) else []:
+            if not seed.startswith("regression-"):  # what fuzzing found stays
+                os.remove(os.path.join(folder, seed))
     tmp = tempfile.mkdtemp()
     try:
         for prefix in _bundles(tmp):
