@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Kill -9 soak of CheckpointManager saves (issue 16): local, mpiexec and torchrun clients, sync and async,
-# and clients that disagree on a save.
+# and clients that disagree on a save or skip one.
 #
 #   scripts/soak.sh [--trials 200] [--clients 4] [--saves 4] [--seed S] [--dir D] [--json FILE]
 #                   [--configs local-sync,local-async,mpi-sync,mpi-async,torch-sync,torch-async,
-#                              mpi-disagree,torch-disagree]      (the default: all; comma-separated, no spaces)
+#                              mpi-disagree,torch-disagree,mpi-skip,torch-skip]
+#                                                                (the default: all; comma-separated, no spaces)
 #
 # Every trial resumes from latest_checkpoint (checking every restored value on every client),
 # saves on, and is SIGKILLed at a random moment (the local process, one random client, or the

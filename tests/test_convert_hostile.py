@@ -122,3 +122,78 @@ def test_damaged_npz(tmp_path: Path, damage: str) -> None:
     with pytest.raises(DataLossError):
         convert(str(src), str(tmp_path / "o.safetensors"))
     assert not (tmp_path / "o.safetensors").exists()
+
+
+# Found or foreseen by the fuzz harnesses (tests/fuzz/fuzz_safetensors.py, fuzz_npz.py): each input reads
+# or raises from shardckpt.errors, and nothing allocates more than the file justifies.
+
+@pytest.mark.parametrize("shape", [[0, 2 ** 62, 2 ** 31], [0] + [2] * 64, [1] * 65])
+def test_safetensors_shape_no_array_can_have(tmp_path: Path, shape: list) -> None:
+    src = st_file(tmp_path / "x.safetensors", {"a": {"dtype": "U8", "shape": shape, "data_offsets": [0, 0]}})
+    with pytest.raises(DataLossError, match="'a'.*(too large|rank)"):
+        convert(src, str(tmp_path / "o.npz"))
+    assert not (tmp_path / "o.npz").exists()
+
+
+def _npz_member(tmp_path: Path, npy: bytes, method: int = 0) -> str:
+    import zipfile
+
+    path = tmp_path / "x.npz"
+    with zipfile.ZipFile(path, "w", compression=method) as zf:
+        zf.writestr("a.npy", npy)
+    return str(path)
+
+
+def test_npz_shorter_than_a_zip_trailer(tmp_path: Path) -> None:
+    """A file of a few bytes made zipfile seek before the start: an OSError escaped (fuzz finding)."""
+    src = tmp_path / "x.npz"
+    src.write_bytes(b"PK\x05")
+    with pytest.raises(DataLossError, match="x.npz.*not a valid"):
+        convert(str(src), str(tmp_path / "o.safetensors"))
+
+
+def test_npz_header_declaring_more_than_the_member_holds(tmp_path: Path) -> None:
+    """NumPy allocates the header's shape before reading: a 1 TB claim in a tiny member must fail first."""
+    import io
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": "<f4", "fortran_order": False, "shape": (1 << 38,)})
+    src = _npz_member(tmp_path, buf.getvalue() + b"\0" * 16)
+    with pytest.raises(DataLossError, match="'a'.*declares 1099511627776 bytes"):
+        convert(src, str(tmp_path / "o.safetensors"))
+
+
+@pytest.mark.parametrize("shape", [(0, 2 ** 62, 2 ** 31), (1,) * 65])
+def test_npz_shape_no_array_can_have(tmp_path: Path, shape: tuple) -> None:
+    import io
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_2_0(buf, {"descr": "|u1", "fortran_order": False, "shape": shape})
+    src = _npz_member(tmp_path, buf.getvalue() + (b"\0" if len(shape) == 65 else b""))
+    with pytest.raises(DataLossError, match="'a'.*(too large|rank)"):
+        convert(src, str(tmp_path / "o.safetensors"))
+
+
+def test_npz_member_claiming_more_than_deflate_can_inflate(tmp_path: Path) -> None:
+    """A zip directory claiming 1 GB from a few hundred deflated bytes is refused before anything is inflated."""
+    import zipfile
+
+    src = _npz_member(tmp_path, _npy(np.zeros(1000, np.uint8)),
+                      zipfile.ZIP_DEFLATED)
+    raw = bytearray(Path(src).read_bytes())
+    with zipfile.ZipFile(src) as zf:
+        info = zf.getinfo("a.npy")
+    central = raw.rindex(b"PK\x01\x02")
+    struct.pack_into("<I", raw, central + 24, 1 << 30)  # the central directory's uncompressed size
+    Path(src).write_bytes(bytes(raw))
+    assert info.compress_size < 200
+    with pytest.raises(DataLossError, match="'a'.*claims 1073741824 bytes"):
+        convert(src, str(tmp_path / "o.safetensors"))
+
+
+def _npy(value: np.ndarray) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, value)
+    return buf.getvalue()

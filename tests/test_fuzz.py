@@ -19,7 +19,8 @@ FUZZ = Path(__file__).parent / "fuzz"
 sys.path.insert(0, str(FUZZ))
 from harnesses import HARNESSES  # noqa: E402
 
-RUNS = {"sstable": 1500, "bundle": 600, "bundle_entries": 2000, "object_graph": 1500, "state_file": 3000}
+RUNS = {"sstable": 1500, "bundle": 600, "bundle_entries": 2000, "object_graph": 1500, "state_file": 3000,
+        "safetensors": 800, "npz": 500, "hf_index": 800}
 RSS_LIMIT_MB = 512  # the interpreter, NumPy and protobuf take ~80 MB; inputs are a few KB
 TIMEOUT_S = 10
 # libFuzzer measures memory as the peak RSS (getrusage), which Linux carries across fork + exec:

@@ -3,7 +3,8 @@
 tests/helpers/soak.py kills, at random moments, ``CheckpointManager`` saves (retention
 ``max_to_keep=2``) of one local process and of 2 clients under ``mpiexec`` and ``torchrun``,
 sync and async (under ``mpiexec`` every third save is first tried with a client that
-disagrees on a tensor's shape: it must fail on every client and commit nothing); after every
+disagrees on a tensor's shape, or skips it and saves the next: it must fail on every client and
+commit nothing); after every
 kill the latest checkpoint must restore bit-exactly to a saved generation (on the resuming
 clients, and read back here with every checksum verified), never be older than a save
 reported committed, every leftover of a dead save must be gone after the next committed
@@ -27,7 +28,7 @@ import soak  # noqa: E402  (tests/helpers)
 
 # local saves are cheap: they get most trials; every launcher and mode is killed (a torchrun start is the dearest)
 CONFIGS = ["local-sync", "local-async", "mpi-disagree", "local-sync", "local-async", "torch-async"] \
-    + ["local-sync", "local-async", "mpi-disagree", "local-sync", "local-async", "local-sync"]
+    + ["local-sync", "local-async", "mpi-skip", "local-sync", "local-async", "local-sync"]
 
 
 def _ended(cmd: list) -> "soak._Job":
@@ -42,9 +43,10 @@ def test_short_kill_soak_leaves_a_whole_latest_checkpoint_every_time(tmp_path: P
     print("\n" + table)
     assert soak.ok(stats), table
     assert sum(s.trials for s in stats.values()) == 12
-    assert {name: s.trials for name, s in stats.items()} == {"local-sync": 5, "local-async": 4, "mpi-disagree": 2,
-                                                             "torch-async": 1}
+    assert {name: s.trials for name, s in stats.items()} == {"local-sync": 5, "local-async": 4, "mpi-disagree": 1,
+                                                             "mpi-skip": 1, "torch-async": 1}
     assert stats["mpi-disagree"].refused >= 1, table  # the final run's third save, at least
+    assert stats["mpi-skip"].refused >= 1, table
     assert sum(s.commits_reported for s in stats.values()) >= 12, table  # the runs saved, not only started
     killed = sum(s.killed_whole_job + s.killed_one_client for s in stats.values())
     assert killed >= 6, table  # most trials were killed mid-run, not after their end
@@ -64,6 +66,8 @@ def test_the_soak_checks_catch_torn_stale_and_missing_checkpoints(tmp_path: Path
         os.replace(os.path.join(directory, "ckpt-1" + suffix), os.path.join(directory, "ckpt-3" + suffix))
     problem = soak.check_checkpoint(os.path.join(directory, "ckpt-3"))
     assert problem is not None and "is not generation 3" in problem, problem
+    problem = soak.check_checkpoint(os.path.join(directory, "ckpt-3"), "skip")  # a skipped generation committed
+    assert problem is not None and "a client skipped" in problem, problem
 
     # a torn data file: one flipped byte is a checksum failure
     data = os.path.join(directory, "ckpt-2.data-00000-of-00001")

@@ -39,8 +39,9 @@ def write(path: str, data: bytes) -> None:
 
 
 def pack_files(*parts: bytes) -> bytes:
-    """Several files in one fuzz input: each as a 4-byte little-endian length, then its bytes."""
-    return b"".join(struct.pack("<I", len(p)) + p for p in parts)
+    """Several files in one fuzz input: each but the last as a 4-byte little-endian length, then its
+    bytes; the last is the rest of the input."""
+    return b"".join(struct.pack("<I", len(p)) + p for p in parts[:-1]) + (parts[-1] if parts else b"")
 
 
 def unpack_files(data: bytes, count: int) -> Tuple[bytes, ...]:

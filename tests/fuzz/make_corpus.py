@@ -1,6 +1,7 @@
 """Write the seed corpora under ``corpus/<harness>/`` from the library's own writers (run once; seeds are committed).
 
-``python tests/fuzz/make_corpus.py`` replaces the seeds with freshly written ones.
+``python tests/fuzz/make_corpus.py`` replaces the seeds with freshly written ones (``regression-*``
+seeds, inputs that once found a bug, are kept).
 """
 
 from __future__ import annotations
@@ -48,12 +49,44 @@ def _bundles(tmp: str) -> list:
     return out
 
 
+def _converters(tmp: str, prefix: str) -> None:
+    """Seeds for the safetensors, npz and HF-folder readers, written by the converters (and NumPy)."""
+    from shardckpt.convert import convert
+    from shardckpt.convert.hf import INDEX_NAME
+
+    values = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.array([1, -2], np.int64),
+              "h": np.ones((2, 0), np.float16), "s": np.float64(2.5), "u": np.array([True, False])}
+    st = os.path.join(tmp, "x.safetensors")
+    convert(prefix, st, dst_format="safetensors")
+    _put("safetensors", open(st, "rb").read())
+    for name, writer in (("plain.npz", np.savez), ("deflated.npz", np.savez_compressed)):
+        path = os.path.join(tmp, name)
+        writer(path, **values)
+        _put("npz", open(path, "rb").read())
+    npz = os.path.join(tmp, "conv.npz")
+    convert(prefix, npz, dst_format="npz")
+    _put("npz", open(npz, "rb").read())
+    hf = os.path.join(tmp, "hf")
+    convert(prefix, hf, dst_format="hf", max_shard_size=1 << 30)
+    shards = sorted(f for f in os.listdir(hf) if f.endswith(".safetensors"))
+    index_bytes = open(os.path.join(hf, INDEX_NAME), "rb").read()
+    _put("hf_index", _common.pack_files(index_bytes, open(os.path.join(hf, shards[0]), "rb").read()))
+    header = b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+    header += b" " * (-len(header) % 8)
+    _put("hf_index", _common.pack_files(b'{"metadata": {"total_size": 8, "x": [1]}, "weight_map": '
+                                        b'{"a": "model-00001-of-00001.safetensors"}}',
+                                        len(header).to_bytes(8, "little") + header + b"\0" * 8))
+
+
 def main() -> None:
     import shardckpt
     from shardckpt.checkpoint.state import update_checkpoint_state
 
-    for name in ("sstable", "bundle", "object_graph", "state_file"):
-        shutil.rmtree(os.path.join(_common.CORPUS, name), ignore_errors=True)
+    for name in ("sstable", "bundle", "object_graph", "state_file", "safetensors", "npz", "hf_index"):
+        folder = os.path.join(_common.CORPUS, name)
+        for seed in os.listdir(folder) if os.path.isdir(folder) else []:
+            if not seed.startswith("regression-"):  # what fuzzing found stays
+                os.remove(os.path.join(folder, seed))
     tmp = tempfile.mkdtemp()
     try:
         for prefix in _bundles(tmp):
@@ -61,6 +94,9 @@ def main() -> None:
             data = open(prefix + ".data-00000-of-00001", "rb").read()
             _put("sstable", index)
             _put("bundle", _common.pack_files(index, data))
+        conv = os.path.join(tmp, "conv")
+        os.makedirs(conv)
+        _converters(conv, _bundles(conv)[0])
         from shardckpt.format.bundle_reader import BundleReader
 
         for extra in ({}, {"w": shardckpt.Variable(np.ones((2, 2), np.float32))}):

@@ -6,7 +6,9 @@
 Each *config* is a launcher (``local``: one process; ``torch``: ``torchrun --standalone``
 with ``--clients`` processes over gloo; ``mpi``: ``mpiexec -n --clients``) and a mode
 (``sync`` / ``async`` saves; ``disagree``: sync saves, every third first tried with one
-client disagreeing on a tensor's shape, which must fail everywhere and commit nothing).
+client disagreeing on a tensor's shape, which must fail everywhere and commit nothing; ``skip``:
+sync saves numbered by generation, every third skipped by one client, which goes on to the next:
+both saves must fail everywhere, commit nothing, and the clients then save on together).
 Every config has a directory of its own. A *trial* runs tests/helpers/soak_worker.py once:
 it resumes through ``CheckpointManager.restore_or_initialize`` from ``latest_checkpoint``
 (checking every restored value on every client), then saves ``--saves`` generations with
@@ -61,7 +63,7 @@ import soak_worker  # noqa: E402  (tests/helpers)
 from launchers import clean_env, tool  # noqa: E402
 
 ALL_CONFIGS = ("local-sync", "local-async", "mpi-sync", "mpi-async", "torch-sync", "torch-async", "mpi-disagree",
-               "torch-disagree")
+               "torch-disagree", "mpi-skip", "torch-skip")
 START_LIMIT = 180.0  # seconds for a job to reach READY (torch imports on a busy machine)
 HANG_LIMIT = soak_worker.TIMEOUT + 60.0  # a job with a dead client must end by itself within this
 FIRST_WINDOW = {"local": 0.5, "mpi": 2.0, "torch": 2.0}  # seconds, before any save was timed
@@ -195,14 +197,19 @@ class _Job:
 
 # -- what is on disk ----------------------------------------------------------------------
 
-def check_checkpoint(prefix: str) -> Optional[str]:
-    """None when ``prefix`` (``.../ckpt-N``) holds generation ``N`` exactly, every entry verified; else why not."""
+def check_checkpoint(prefix: str, mode: str = "sync") -> Optional[str]:
+    """None when ``prefix`` (``.../ckpt-N``) holds generation ``N`` exactly, every entry verified; else why not.
+
+    ``mode`` ``skip``: ``N`` must not be a generation a client skipped, and ``save_counter`` counts the others.
+    """
     import shardckpt
 
     m = _PREFIX.fullmatch(os.path.basename(prefix))
     if m is None:
         return f"unexpected checkpoint name {prefix}"
     generation = int(m.group(1))
+    if soak_worker.skipped(generation, mode):
+        return f"{prefix}: generation {generation}, whose save a client skipped, was committed"
     want = soak_worker.values(generation)
     try:
         with shardckpt.load_checkpoint(prefix) as reader:
@@ -213,7 +220,8 @@ def check_checkpoint(prefix: str) -> Optional[str]:
                 return f"{prefix}: keys {sorted(keys ^ expected)} differ"
             for key in sorted(keys):
                 reader.bundle.verify(key)
-            if int(reader.get_tensor("save_counter/.ATTRIBUTES/VARIABLE_VALUE")) != generation:
+            if int(reader.get_tensor("save_counter/.ATTRIBUTES/VARIABLE_VALUE")) != \
+                    soak_worker.save_counter_of(generation, mode):
                 return f"{prefix}: save_counter is not generation {generation}'s"
             for name, value in want.items():
                 got = reader.get_tensor(soak_worker.checkpoint_key(name))
@@ -386,7 +394,7 @@ class ConfigSoak:
             elif generation > self.newest_reported and (not reported or generation > max(reported)):
                 self.stats.latest_advanced_unreported += 1
             for prefix in dict.fromkeys([latest] + kept):
-                problem = check_checkpoint(prefix)
+                problem = check_checkpoint(prefix, self.mode)
                 if problem is not None:
                     self.stats.corrupt += 1
                     self._fail(f"trial {self.stats.trials}: {problem}")

@@ -8,7 +8,13 @@
 launcher, ``disagree``: sync saves, where the save of every generation divisible by 3 is
 first tried with the last client holding ``w0`` in another global shape; that save must
 fail on every client (``REFUSED <G>``; one that returns is a ``MISMATCH``) and the same
-generation is then saved by clients that agree. The run builds
+generation is then saved by clients that agree; or ``skip``: sync saves numbered by generation
+(``manager.save(checkpoint_number=G)``, as a training loop numbers them by step), where the last
+client skips the save of every generation divisible by 3 and goes on to the next one
+(``ckpt-<G+1>`` with generation ``G+1``'s values) while the others save ``ckpt-<G>``: both saves
+must fail on every client (``REFUSED <G>``), nothing is committed, and then everyone saves
+``G+1`` together (the skipping client for the second time). So a generation divisible by 3 is
+never committed, and ``save_counter`` counts only the others (:func:`save_counter_of`). The run builds
 a model, restores ``latest_checkpoint(DIR)`` through ``CheckpointManager.restore_or_initialize``
 and checks every restored value against :func:`values` of the restored generation (the
 checkpoint number ``N`` of ``DIR/ckpt-N`` holds generation ``N``; ``save_counter`` is ``N``).
@@ -52,6 +58,16 @@ def values(generation: int) -> Dict[str, np.ndarray]:
     out["step"] = np.array(generation, np.int64)
     out["names"] = np.array([f"gen-{generation}-{j}".encode() for j in range(7)], dtype=object)
     return out
+
+
+def save_counter_of(generation: int, mode: str) -> int:
+    """``save_counter`` of ``ckpt-<generation>`` (``skip``: the skipped generations used no number)."""
+    return generation - generation // 3 if mode == "skip" else generation
+
+
+def skipped(generation: int, mode: str) -> bool:
+    """Whether ``mode`` never commits ``generation`` (a client skipped its save)."""
+    return mode == "skip" and generation % 3 == 0
 
 
 def checkpoint_key(name: str) -> str:
@@ -123,7 +139,7 @@ def main(argv: list) -> int:
             if not same:
                 print(f"MISMATCH rank {rank}: {name} of {restored} is not generation {generation}", flush=True)
                 return 3
-        if int(np.asarray(ckpt.save_counter.numpy())) != generation:
+        if int(np.asarray(ckpt.save_counter.numpy())) != save_counter_of(generation, mode):
             print(f"MISMATCH rank {rank}: save_counter {ckpt.save_counter.numpy()} in {restored}", flush=True)
             return 3
     _say(rank, f"RESTORED {generation}")
@@ -134,7 +150,11 @@ def main(argv: list) -> int:
         if mode == "disagree" and multi and g % 3 == 0:
             if not _refused(model, manager, options, rank, size, g):
                 return 3
-        path = manager.save(options=options)
+        if multi and skipped(g, mode):
+            if not _skip_refused(manager, options, rank, size, g, set_values):
+                return 3
+            continue
+        path = manager.save(checkpoint_number=g if mode == "skip" else None, options=options)
         assert path is not None and path.endswith(f"-{g}"), (path, g)
         if pending is not None:  # this save's call waited for the previous background save
             _say(rank, f"COMMITTED {pending}")
@@ -168,6 +188,27 @@ def _refused(model: Any, manager: Any, options: Any, rank: int, size: int, g: in
     finally:
         model.w0 = original
     print(f"MISMATCH rank {rank}: the disagreeing save of generation {g} returned", flush=True)
+    return False
+
+
+def _skip_refused(manager: Any, options: Any, rank: int, size: int, g: int, set_values: Any) -> bool:
+    """Generation ``g``: the last client skips it and saves ``g + 1``; both saves must fail on every client."""
+    from shardckpt.errors import ShardckptError
+
+    skipper = rank == size - 1
+    number = g + 1 if skipper else g
+    if skipper:
+        set_values(values(g + 1))
+    try:
+        manager.save(checkpoint_number=number, options=options)
+    except ShardckptError as exc:
+        if "which save" not in str(exc) and "not committed" not in str(exc):
+            print(f"MISMATCH rank {rank}: the save of {g} a client skipped failed unclearly: {exc}", flush=True)
+            return False
+        _say(rank, f"REFUSED {g}")
+        return True
+    print(f"MISMATCH rank {rank}: the save of generation {g} that client {size - 1} skipped returned "
+          f"(ckpt-{number})", flush=True)
     return False
 
 

@@ -34,7 +34,7 @@ from .atomic import OutputFile, StagedFiles
 from .model import NO_PROGRESS, Fetch, Progress, Sink, Source, TensorInfo
 
 __all__ = ["SafetensorsSource", "SafetensorsSink", "read_header", "MAX_HEADER_BYTES", "ST_DTYPES",
-           "safetensors_dtype", "write_safetensors"]
+           "safetensors_dtype", "write_safetensors", "check_array_shape", "MAX_RANK"]
 
 #: The largest header accepted (the reference implementation's limit too).
 MAX_HEADER_BYTES = 100 << 20
@@ -67,6 +67,24 @@ def _depth(value: Any, limit: int) -> int:
     if isinstance(value, list):
         return min([_depth(v, limit - 1) for v in value] or [limit])
     return limit
+
+
+#: NumPy's largest rank.
+MAX_RANK = 64
+
+
+def check_array_shape(shape: Sequence[int], itemsize: int, path: str, key: str) -> None:
+    """``shape`` is one an array can have: rank <= 64, and its dimensions (zeros counted as ones,
+    as NumPy does even for an empty array) times ``itemsize`` within 2**63 bytes."""
+    if len(shape) > MAX_RANK:
+        raise DataLossError(f"shape of rank {len(shape)}: more than the {MAX_RANK} dimensions an array can have",
+                            path=path, key=key)
+    count = max(itemsize, 1)
+    for d in shape:
+        count *= max(d, 1)
+        if count >= 1 << 63:
+            raise DataLossError(f"shape {list(shape)} is too large for an array (its dimensions, zero ones "
+                                "ignored, multiply to 2**63 bytes or more)", path=path, key=key)
 
 
 def _no_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
@@ -128,11 +146,12 @@ def read_header(fs: FileSystem, handle: Any, path: str, file_size: int
             raise DataLossError(f"shape {shape!r} is not a list of non-negative integers", path=path, key=name)
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
             raise DataLossError(f"data_offsets {offsets!r} is not [begin, end]", path=path, key=name)
+        assert dtype.itemsize is not None
+        check_array_shape(shape, dtype.itemsize, path, name)
         begin, end = offsets
         if begin > end or end > data_len:
             raise DataLossError(f"data_offsets [{begin}, {end}] lie outside the {data_len}-byte buffer",
                                 path=path, key=name)
-        assert dtype.itemsize is not None
         want = math.prod(shape) * dtype.itemsize
         if end - begin != want:
             raise DataLossError(f"data_offsets [{begin}, {end}] hold {end - begin} bytes; dtype {st} and shape "
