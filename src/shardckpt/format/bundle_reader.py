@@ -77,6 +77,20 @@ _EAGER_INDEX_BYTES = 1 << 20  # index files up to this size are read and checked
 KeyLike = Union[str, bytes]
 
 
+def region_box(region: Any, shape: Tuple[int, ...], prefix: str, key: Union[str, bytes]) -> Box:
+    """The box of ``region`` of a tensor of ``shape``: the whole tensor for ``None``, a
+    :class:`TensorSlice` or its text form, or ``(start, stop)`` pairs (checked to fit)."""
+    if region is None:
+        return full_box(shape)
+    if isinstance(region, (TensorSlice, str)):
+        tslice = TensorSlice.parse(region, rank=len(shape)) if isinstance(region, str) else region
+        return tslice.box(shape)
+    box = tuple((int(a), int(b)) for a, b in region)
+    if len(box) != len(shape) or any(not 0 <= a <= b <= d for (a, b), d in zip(box, shape)):
+        raise InvalidArgumentError(f"region {list(box)} does not fit shape {list(shape)}", path=prefix, key=key)
+    return box
+
+
 def _key_bytes(key: KeyLike) -> bytes:
     if isinstance(key, bytes):
         return key
@@ -519,16 +533,7 @@ class BundleReader:
         kb = _key_bytes(key)
         dt = self.dtype(kb)
         shape = self.shape(kb)
-        if region is None:
-            box = full_box(shape)
-        elif isinstance(region, (TensorSlice, str)):
-            tslice = TensorSlice.parse(region, rank=len(shape)) if isinstance(region, str) else region
-            box = tslice.box(shape)
-        else:
-            box = tuple((int(a), int(b)) for a, b in region)
-            if len(box) != len(shape) or any(not 0 <= a <= b <= d for (a, b), d in zip(box, shape)):
-                raise InvalidArgumentError(f"region {list(box)} does not fit shape {list(shape)}",
-                                           path=self.prefix, key=kb)
+        box = region_box(region, shape, self.prefix, kb)
         overlaps = self._overlapping(kb, box)
         whole = len(overlaps) == 1 and overlaps[0][1] == box  # the common case: one piece holds it all
         if box_volume(box) > 0 and not whole:

@@ -51,10 +51,10 @@ from .. import errors as _errors
 from ..distributed.coordinator import CoordinationError, Coordinator
 from ..errors import DataLossError, InvalidArgumentError, NotFoundError, ShardckptError, UnsupportedError
 from ..format import crc
-from ..format.bundle_reader import BundleReader
+from ..format.bundle_reader import BundleReader, region_box
 from ..format.bundle_writer import byte_view
 from ..format.dtypes import DType, from_enum
-from ..format.tensor_slice import Box, TensorSlice, box_shape, box_volume, boxes_tile, full_box, intersect
+from ..format.tensor_slice import Box, TensorSlice, box_shape, box_volume, boxes_tile, intersect
 
 __all__ = ["FunnelledReader", "DEFAULT_INFLIGHT_BYTES", "chunk_boxes", "funnelled_reader", "run_funnelled"]
 
@@ -224,16 +224,7 @@ class FunnelledReader:
                                    path=self.prefix, key=key)
         name = self._name(key)
         dt, shape = self._lookup(name)
-        if region is None:
-            box = full_box(shape)
-        elif isinstance(region, (TensorSlice, str)):
-            tslice = TensorSlice.parse(region, rank=len(shape)) if isinstance(region, str) else region
-            box = tslice.box(shape)
-        else:
-            box = tuple((int(a), int(b)) for a, b in region)
-            if len(box) != len(shape) or any(not 0 <= a <= b <= d for (a, b), d in zip(box, shape)):
-                raise InvalidArgumentError(f"region {list(box)} does not fit shape {list(shape)}",
-                                           path=self.prefix, key=name)
+        box = region_box(region, shape, self.prefix, name)
         region_shape = box_shape(box)
         if out is None:
             out = np.empty(region_shape, dtype=dt.numpy)
