@@ -26,7 +26,7 @@ SCRIPT = HERE / "helpers" / "exit_script.py"
 if str(HERE / "helpers") not in sys.path:
     sys.path.insert(0, str(HERE / "helpers"))
 
-from launchers import clean_env, tool  # noqa: E402  (tests/helpers)
+from launchers import clean_env, launch_command  # noqa: E402  (tests/helpers)
 
 MODES = ["fall-off", "sys-exit", "user-error", "async-pending"]
 RUNS = 3
@@ -34,10 +34,7 @@ RUNS = 3
 
 def _launch(backend: str, mode: str, folder: Path) -> subprocess.CompletedProcess:
     folder.mkdir(parents=True)
-    if backend == "torch":
-        cmd = [str(tool("torchrun")), "--standalone", "--nproc-per-node=4", str(SCRIPT)]
-    else:
-        cmd = [str(tool("mpiexec")), "--allow-run-as-root", "--oversubscribe", "-n", "4", sys.executable, str(SCRIPT)]
+    cmd = launch_command(backend, 4, SCRIPT)
     return subprocess.run(cmd + [mode, str(folder)], capture_output=True, text=True, env=clean_env(),
                           cwd=str(HERE.parent), timeout=240)
 

@@ -28,7 +28,7 @@ WORKER = HELPERS / "disagree_worker.py"
 if str(HELPERS) not in sys.path:
     sys.path.insert(0, str(HELPERS))
 
-from launchers import clean_env, tool  # noqa: E402  (tests/helpers)
+from launchers import clean_env, launch_command  # noqa: E402  (tests/helpers)
 
 DISAGREEING = ["rename", "layout", "mesh", "dtype", "shape"]
 
@@ -40,10 +40,7 @@ def run(request, tmp_path_factory) -> Dict[str, Any]:
     out, data = tmp / "out", tmp / "data"
     out.mkdir()
     data.mkdir()
-    if backend == "torch":
-        cmd = [str(tool("torchrun")), "--standalone", "--nproc-per-node=4", str(WORKER)]
-    else:
-        cmd = [str(tool("mpiexec")), "--allow-run-as-root", "--oversubscribe", "-n", "4", sys.executable, str(WORKER)]
+    cmd = launch_command(backend, 4, WORKER)
     done = subprocess.run(cmd + [str(out), str(data)], capture_output=True, text=True, env=clean_env(),
                           cwd=str(HERE.parent), timeout=300)
     log = (done.stdout + done.stderr)[-4000:]

@@ -55,7 +55,7 @@ if str(HELPERS) not in sys.path:
     sys.path.insert(0, str(HELPERS))
 
 import dtensor_worker as W  # noqa: E402  (tests/helpers)
-from launchers import clean_env, tool  # noqa: E402  (tests/helpers)
+from launchers import clean_env, launch_command  # noqa: E402  (tests/helpers)
 
 LAUNCH_TIMEOUT = 150
 GRACE = 1.0  # the backends' grace period for a late rank 0 (max(1 s, 10 % of the timeout))
@@ -67,11 +67,7 @@ PART = re.compile(r"part-(\d{5})-of-(\d{5})\.data-\d{5}-of-\d{5}")
 def _launch(backend: str, nproc: int, mode: str, tmp: Path, data: Path, *, fault: bool = False) -> Dict[int, dict]:
     out = tmp / f"{mode}-out"
     out.mkdir(parents=True, exist_ok=True)
-    if backend == "torch":
-        cmd = [str(tool("torchrun")), "--standalone", f"--nproc-per-node={nproc}", str(WORKER)]
-    else:
-        cmd = [str(tool("mpiexec")), "--allow-run-as-root", "--oversubscribe", "-n", str(nproc), sys.executable,
-               str(WORKER)]
+    cmd = launch_command(backend, nproc, WORKER)
     log = tmp / f"{mode}.log"
     with open(log, "wb") as f:
         try:

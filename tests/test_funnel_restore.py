@@ -34,7 +34,7 @@ WORKER = HELPERS / "funnel_restore_worker.py"
 if str(HELPERS) not in sys.path:
     sys.path.insert(0, str(HELPERS))
 
-from launchers import clean_env, tool  # noqa: E402  (tests/helpers)
+from launchers import clean_env, launch_command  # noqa: E402  (tests/helpers)
 
 BIG_BYTES = 64 * 8192 * 4
 FAILURE_S = 10.0  # a failed funnelled restore ends this fast on every client (no timeout waited for)
@@ -43,10 +43,7 @@ FAILURE_S = 10.0  # a failed funnelled restore ends this fast on every client (n
 def _launch(backend: str, tmp: Path) -> Dict[int, dict]:
     out, data = tmp / "out", tmp / "data"
     data.mkdir()
-    if backend == "torch":
-        cmd = [str(tool("torchrun")), "--standalone", "--nproc-per-node=4", str(WORKER)]
-    else:
-        cmd = [str(tool("mpiexec")), "--allow-run-as-root", "--oversubscribe", "-n", "4", sys.executable, str(WORKER)]
+    cmd = launch_command(backend, 4, WORKER)
     env = clean_env()
     env["PYTHONPATH"] = str(HERE.parent / "src")
     proc = subprocess.run(cmd + [str(out), str(data)], capture_output=True, text=True, env=env, cwd=str(HERE.parent),

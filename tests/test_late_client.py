@@ -26,7 +26,7 @@ if str(HELPERS) not in sys.path:
     sys.path.insert(0, str(HELPERS))
 
 import late_worker as W  # noqa: E402  (tests/helpers)
-from launchers import clean_env, tool  # noqa: E402  (tests/helpers)
+from launchers import clean_env, launch_command  # noqa: E402  (tests/helpers)
 
 GRACE = 1.0  # the barrier's grace period: max(1 s, 10 % of the timeout)
 SLACK = 4.0  # four processes on two shared cores
@@ -38,10 +38,7 @@ def test_a_client_arriving_after_the_others_timed_out_gets_a_timeout_naming_the_
     out, data = tmp_path / "out", tmp_path / "data"
     out.mkdir()
     data.mkdir()
-    if backend == "torch":
-        cmd = [str(tool("torchrun")), "--standalone", "--nproc-per-node=4", str(WORKER)]
-    else:
-        cmd = [str(tool("mpiexec")), "--allow-run-as-root", "--oversubscribe", "-n", "4", sys.executable, str(WORKER)]
+    cmd = launch_command(backend, 4, WORKER)
     done = subprocess.run(cmd + [mode, str(out), str(data)], capture_output=True, text=True, env=clean_env(),
                           cwd=str(HERE.parent), timeout=240)
     log = (done.stdout + done.stderr)[-4000:]

