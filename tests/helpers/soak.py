@@ -12,8 +12,9 @@ both saves must fail everywhere, commit nothing, and the clients then save on to
 Every config has a directory of its own. A *trial* runs tests/helpers/soak_worker.py once:
 it resumes through ``CheckpointManager.restore_or_initialize`` from ``latest_checkpoint``
 (checking every restored value on every client), then saves ``--saves`` generations with
-``max_to_keep=2``. At a random moment between READY and a bit past the run's expected length
-(learnt from the commits seen so far) the driver SIGKILLs the local process, one random
+``max_to_keep=2``. Every config first runs once to its end, which times its saves; in each
+trial, at a random moment between READY and a bit past the run's expected length (learnt from
+the runs that ended by themselves) the driver SIGKILLs the local process, one random
 client, or the whole job (launcher and clients, as a lost node). After every trial, with no
 process of the job left, it checks the directory:
 
@@ -295,7 +296,8 @@ class ConfigSoak:
         os.makedirs(self.directory, exist_ok=True)
         self.stats = ConfigStats()
         self.window = FIRST_WINDOW[self.launcher]  # until a run shows how long its saves take
-        self.windows: List[float] = []
+        self.windows: List[float] = []  # extrapolated from killed runs
+        self.whole_windows: List[float] = []  # measured on runs that ended by themselves
         self.newest_reported = 0  # the newest generation any run reported committed
         self.pending_leftovers: Dict[Tuple[str, int, int], int] = {}
 
@@ -315,7 +317,7 @@ class ConfigSoak:
         if ready is None or not ended or job.proc.returncode != 0:
             self._fail(f"uninterrupted run failed (exit {job.proc.returncode}):\n{job.output()}")
             return
-        self._after(job, committed_in_run=bool(job.committed()))
+        self._after(job, committed_in_run=bool(job.committed()), whole_run=True)
 
     def trial(self) -> None:
         self.stats.trials += 1
@@ -330,7 +332,8 @@ class ConfigSoak:
         time.sleep(self.rng.uniform(0.0, 1.15 * self.window))
         whole = self.launcher == "local" or self.rng.random() < 0.5
         before = job.committed()
-        if job.proc.poll() is not None:
+        finished = job.proc.poll() is not None
+        if finished:
             self.stats.finished_before_kill += 1
         elif whole:
             job.kill_all()
@@ -352,19 +355,28 @@ class ConfigSoak:
             self.stats.hangs += 1
             self._fail(f"trial {self.stats.trials}: the job did not end within {HANG_LIMIT:.0f} s of a kill")
         self.stats.survivors_killed += job.survivors
-        self._after(job, committed_in_run=bool(job.committed()))
+        self._after(job, committed_in_run=bool(job.committed()), whole_run=finished)
 
-    def _learn_window(self, job: _Job) -> None:
-        """The kill window: READY to the last commit of a whole run, from the commits seen so far."""
+    def _learn_window(self, job: _Job, whole_run: bool) -> None:
+        """The kill window: READY to the last commit of a whole run, from the runs seen so far.
+
+        A run that ended by itself measures it; a killed run only extrapolates from its first
+        commits, which overestimates (the first save pays for lazy imports and pool starts), so
+        extrapolations count only until a whole run was seen."""
         ready = next((t for t, line in job.lines if line == "READY"), None)
         commits = [t for t, line in job.lines if line.startswith("COMMITTED")]
-        if ready is not None and commits:
+        if ready is None or not commits:
+            return
+        if whole_run:
+            self.whole_windows.append(commits[-1] - ready)
+        else:
             self.windows.append((commits[-1] - ready) / len(commits) * self.saves)
-            self.window = float(np.median(self.windows))  # one slow run on a busy machine does not set it
+        # the median: one slow run on a busy machine does not set it
+        self.window = float(np.median(self.whole_windows or self.windows))
 
-    def _after(self, job: _Job, committed_in_run: bool) -> None:
+    def _after(self, job: _Job, committed_in_run: bool, whole_run: bool = False) -> None:
         """The checks after a run (module docstring), with every process of the job gone."""
-        self._learn_window(job)
+        self._learn_window(job, whole_run)
         for _, line in job.lines:
             if line.startswith("MISMATCH"):
                 self.stats.corrupt += 1
@@ -437,6 +449,10 @@ def soak(trials: int, configs: List[str], clients: int = 4, saves: int = 4, seed
         print(f"soak: {trials} trials over {', '.join(configs)}; {clients} clients; seed {seed}; in {root}",
               flush=True)
     soaks = {name: ConfigSoak(name, root, clients, saves, rng, log) for name in dict.fromkeys(configs)}
+    for s in soaks.values():  # one whole run first: it times the saves, so that the first kill lands inside them
+        t0 = time.monotonic()
+        s.run_to_end()
+        s.stats.seconds += time.monotonic() - t0
     for i in range(trials):
         s = soaks[configs[i % len(configs)]]
         t0 = time.monotonic()

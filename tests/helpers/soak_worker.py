@@ -75,9 +75,15 @@ def checkpoint_key(name: str) -> str:
     return f"model/{name}/.ATTRIBUTES/VARIABLE_VALUE"
 
 
+def _line(line: str) -> None:
+    """One line to the driver in one write: clients share the launcher's pipe, and a ``print``
+    writes its text and its newline separately, so two clients' lines could run together."""
+    os.write(1, (line + "\n").encode())
+
+
 def _say(rank: int, line: str) -> None:
     if rank == 0:
-        print(line, flush=True)
+        _line(line)
 
 
 def main(argv: list) -> int:
@@ -94,7 +100,7 @@ def main(argv: list) -> int:
 
         coordinator = get_coordinator()
         rank, size = coordinator.rank, coordinator.size
-        print(f"PID {rank} {os.getpid()}", flush=True)
+        _line(f"PID {rank} {os.getpid()}")
         mesh = dt.create_distributed_mesh([("x", size)])
         sharded = dt.Layout(["x", dt.UNSHARDED], mesh)
         for name, value in start.items():
@@ -114,7 +120,7 @@ def main(argv: list) -> int:
                 var.assign(dt.from_global(value, var.layout) if name.startswith("w") else value)
     else:
         rank, size = 0, 1
-        print(f"PID 0 {os.getpid()}", flush=True)
+        _line(f"PID 0 {os.getpid()}")
         for name, value in start.items():
             setattr(model, name, shardckpt.Variable(value, name=name))
         ckpt = shardckpt.Checkpoint(model=model)
@@ -137,10 +143,10 @@ def main(argv: list) -> int:
             same = ([bytes(x) for x in got.ravel()] == [bytes(x) for x in value.ravel()] if value.dtype == object
                     else got.dtype == value.dtype and np.array_equal(got, value))
             if not same:
-                print(f"MISMATCH rank {rank}: {name} of {restored} is not generation {generation}", flush=True)
+                _line(f"MISMATCH rank {rank}: {name} of {restored} is not generation {generation}")
                 return 3
         if int(np.asarray(ckpt.save_counter.numpy())) != save_counter_of(generation, mode):
-            print(f"MISMATCH rank {rank}: save_counter {ckpt.save_counter.numpy()} in {restored}", flush=True)
+            _line(f"MISMATCH rank {rank}: save_counter {ckpt.save_counter.numpy()} in {restored}")
             return 3
     _say(rank, f"RESTORED {generation}")
     _say(rank, "READY")
@@ -181,13 +187,13 @@ def _refused(model: Any, manager: Any, options: Any, rank: int, size: int, g: in
         manager.save(options=options)
     except ShardckptError as exc:
         if "not committed" not in str(exc):
-            print(f"MISMATCH rank {rank}: the disagreeing save of {g} failed unclearly: {exc}", flush=True)
+            _line(f"MISMATCH rank {rank}: the disagreeing save of {g} failed unclearly: {exc}")
             return False
         _say(rank, f"REFUSED {g}")
         return True
     finally:
         model.w0 = original
-    print(f"MISMATCH rank {rank}: the disagreeing save of generation {g} returned", flush=True)
+    _line(f"MISMATCH rank {rank}: the disagreeing save of generation {g} returned")
     return False
 
 
@@ -203,12 +209,12 @@ def _skip_refused(manager: Any, options: Any, rank: int, size: int, g: int, set_
         manager.save(checkpoint_number=number, options=options)
     except ShardckptError as exc:
         if "which save" not in str(exc) and "not committed" not in str(exc):
-            print(f"MISMATCH rank {rank}: the save of {g} a client skipped failed unclearly: {exc}", flush=True)
+            _line(f"MISMATCH rank {rank}: the save of {g} a client skipped failed unclearly: {exc}")
             return False
         _say(rank, f"REFUSED {g}")
         return True
-    print(f"MISMATCH rank {rank}: the save of generation {g} that client {size - 1} skipped returned "
-          f"(ckpt-{number})", flush=True)
+    _line(f"MISMATCH rank {rank}: the save of generation {g} that client {size - 1} skipped returned "
+          f"(ckpt-{number})")
     return False
 
 
