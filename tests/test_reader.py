@@ -187,6 +187,53 @@ def test_region_reads_through_pread_batch(tmp_path: Path, fs: FileSystem) -> Non
             reader.read_region("c", region, out=np.ascontiguousarray(out))
 
 
+def test_runs_of_a_page_or_more_are_read_in_one_loop(tmp_path: Path) -> None:
+    """``pread_batch`` of page-sized runs: each run lands in its place; a run past the end of the
+    file is a DataLossError; a subclass's ``pread_into`` sees every run."""
+    from shardckpt.storage.base import RunBatch
+
+    path = str(tmp_path / "f")
+    data = os.urandom(1 << 20)
+    with open(path, "wb") as f:
+        f.write(data)
+    offsets = np.arange(0, 1 << 20, 3 * 8192, dtype=np.int64)[:40] + 100  # 8 KiB runs, 16 KiB apart
+    seen: List[int] = []
+
+    class Counting(LocalFileSystem):
+        def pread_into(self, fd: int, buf: memoryview, offset: int, path: str = "") -> None:
+            seen.append(offset)
+            super().pread_into(fd, buf, offset, path)
+
+    for fs in (LocalFileSystem(), Counting()):
+        dest = bytearray(len(offsets) * 8192)
+        fd = fs.open_read(path)
+        try:
+            fs.pread_batch(fd, RunBatch(offsets, 8192, memoryview(dest)), path)
+            with pytest.raises(DataLossError, match="end of file"):
+                fs.pread_batch(fd, RunBatch(np.array([0, (1 << 20) - 4096], np.int64), 8192,
+                                            memoryview(bytearray(2 * 8192))), path)
+        finally:
+            fs.close(fd)
+        assert bytes(dest) == b"".join(data[o:o + 8192] for o in offsets.tolist())
+    assert seen[:len(offsets)] == offsets.tolist()
+
+
+def test_a_reader_without_helper_threads_reads_and_checks_whole_entries(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "ck")
+    big = np.arange(3 << 20, dtype=np.float32)  # 12 MiB: several units, all read by the calling thread
+    shardckpt.save_tensors(prefix, {"big": big})
+    solo = crc.ChecksumContext(workers=0)
+    with BundleReader(prefix, context=solo) as reader:
+        with reader.session() as session:
+            got = session.read("big")
+        np.testing.assert_array_equal(got, big)
+    assert solo._executor is None
+    _flip(prefix + DATA, 5 << 20)
+    with BundleReader(prefix, context=solo) as reader:
+        with pytest.raises(DataLossError, match="checksum"):
+            reader.read("big")
+
+
 def test_run_batch_is_a_sequence_of_requests() -> None:
     from shardckpt.storage.base import RunBatch
 

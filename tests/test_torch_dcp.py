@@ -25,6 +25,7 @@ plans equal DCP's and take well under 50 ms for an 80x80-chunk tensor.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -41,7 +42,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorPr
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from shardckpt.cli.main import main as cli_main
-from shardckpt.errors import UnsupportedError
+from shardckpt.errors import DataLossError, UnsupportedError
 from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.torch import TFBundleReader, TFBundleWriter, read_items_for_chunks
 from shardckpt.torch._objects import MAGIC, decode_object
@@ -491,3 +492,72 @@ def test_key_map_drops_and_refuses_collisions(tf_fixtures_dir: Path) -> None:
         TFBundleReader(prefix, key_map=lambda k: "same").read_metadata()
     with pytest.raises(ValueError, match="callable or a dict"):
         TFBundleReader(prefix, key_map=["not", "a", "map"])  # type: ignore[arg-type]
+
+
+def _chunks(boxes: Any) -> Any:
+    return [ChunkStorageMetadata(offsets=torch.Size([a for a, _ in box]), sizes=torch.Size([b - a for a, b in box]))
+            for box in boxes]
+
+
+def test_small_and_array_grids_agree() -> None:
+    """The plain-Python grid (few chunks) and the NumPy one find the same grids and refuse the same non-grids."""
+    from shardckpt.torch._planner import _array_grid, _small_grid
+
+    cases = {
+        "2x3": [((r, r + 5), (c, c + 4)) for r in (0, 5) for c in (0, 4, 8)],
+        "uneven 3x1": [((0, 4), (0, 9)), ((4, 5), (0, 9)), ((5, 11), (0, 9))],
+        "1-D shuffled": [((6, 9),), ((0, 2),), ((2, 6),)],
+        "3-D": [((a, a + 2), (b, b + 3), (0, 4)) for a in (0, 2) for b in (0, 3, 6)],
+        "gap": [((0, 4), (0, 2)), ((5, 8), (0, 2))],
+        "overlap": [((0, 4),), ((3, 8),)],
+        "two sizes at one start": [((0, 4), (0, 2)), ((0, 4), (2, 4)), ((4, 8), (0, 3)), ((4, 8), (3, 4))],
+        "missing cell": [((0, 2), (0, 2)), ((0, 2), (2, 4)), ((2, 4), (0, 2))],
+        "duplicate cell": [((0, 2), (0, 2)), ((0, 2), (0, 2)), ((2, 4), (0, 2)), ((2, 4), (0, 2))],
+        "empty size": [((0, 0), (0, 2))],
+    }
+    for name, boxes in cases.items():
+        chunks = _chunks(boxes)
+        small, array = _small_grid(chunks, len(boxes[0])), _array_grid(chunks, len(boxes[0]))
+        assert (small is None) == (array is None), name
+        assert (small is None) == (name in ("gap", "overlap", "two sizes at one start", "missing cell",
+                                            "duplicate cell", "empty size")), name
+        if small is not None and array is not None:
+            assert (small.cuts, small.strides, small.cells) == (array.cuts, array.strides, array.cells), name
+
+
+def test_reader_threads_follow_the_ranks_on_the_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With as many ranks on the host as cores, the reader reads on the calling thread without
+    checksum helpers, and still checks every whole chunk it reads."""
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    from shardckpt.torch import _reader
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
+    assert _reader.threads_per_rank() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert _reader.threads_per_rank() == cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
+    prefix = tmp_path / "ck"
+    w = torch.randn(1024, 1024)  # 4 MiB: one entry of several read units
+    dcp.save({"w": w}, storage_writer=TFBundleWriter(prefix))
+    reader = TFBundleReader(prefix)
+    md = reader.read_metadata()
+    assert reader._workers == 1 and reader._bundle is not None and reader._bundle._context.workers == 0
+    items = read_items_for_chunks("w", md.state_dict_metadata["w"], [
+        ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([1024, 1024]))])
+    dest = torch.zeros(1024, 1024)
+    reader.read_data(LoadPlan(items), _RegionPlanner(dest)).wait()  # type: ignore[arg-type]
+    assert torch.equal(dest, w)
+    reader.close()
+    data = next(p for p in tmp_path.iterdir() if ".data-" in p.name)
+    with open(data, "r+b") as f:  # one flipped bit in the middle of the entry
+        f.seek(2 << 20)
+        byte = f.read(1)
+        f.seek(2 << 20)
+        f.write(bytes([byte[0] ^ 1]))
+    reader = TFBundleReader(prefix)
+    md = reader.read_metadata()
+    with pytest.raises(DataLossError, match="checksum"):
+        reader.read_data(LoadPlan(items), _RegionPlanner(torch.zeros(1024, 1024)))  # type: ignore[arg-type]
+    reader.close()

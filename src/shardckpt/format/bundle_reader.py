@@ -367,6 +367,19 @@ class BundleReader:
         self._pieces[kb] = out
         return list(out)
 
+    def piece_boxes(self, key: KeyLike) -> List[Box]:
+        """Where the tensor's stored pieces lie (as :meth:`pieces` gives them), from its own entry
+        only: the slice entries are looked up (and checked) when :meth:`pieces` is called."""
+        kb = _key_bytes(key)
+        cached = self._pieces.get(kb)
+        if cached is not None:
+            return [p.box for p in cached]
+        entry = self.entry(kb)
+        shape = self.shape(kb)
+        if not entry.slices:
+            return [full_box(shape)]
+        return [box for _, box in self._slice_boxes(kb, entry, shape)]
+
     def _slice_boxes(self, kb: bytes, entry: pb.BundleEntryProto,
                      shape: Tuple[int, ...]) -> Iterator[Tuple[TensorSlice, Box]]:
         for proto in entry.slices:
@@ -652,7 +665,7 @@ class BundleReader:
                                     f"0x{computed:08x}", path=path, **piece.where())
             return
         job = _EntryJob(self, piece, fd, path, byte_view(dest), verify)
-        job.run(self._context.executor)  # this thread reads units too, until none is left to take
+        job.run(self._context.executor if self._context.workers else None)  # this thread reads units too
         if session is not None:  # units still in flight on helpers are waited for by the session
             session._add(job)
             return
@@ -804,9 +817,9 @@ class _EntryJob:
                 return n
         return count
 
-    def run(self, executor: ThreadPoolExecutor) -> None:
-        """Read the units on this thread, helped by the pool for entries of several units."""
-        if len(self.bounds) > 1:
+    def run(self, executor: Optional[ThreadPoolExecutor]) -> None:
+        """Read the units on this thread, helped by the pool (if any) for entries of several units."""
+        if len(self.bounds) > 1 and executor is not None:
             self._helpers(executor, min(len(self.bounds) - 1, self.reader._context.workers))
         self.work()
 

@@ -161,12 +161,16 @@ class ChecksumContext:
     """
 
     def __init__(self, workers: Optional[int] = None) -> None:
-        self.workers = max(1, int(workers if workers is not None else (os.cpu_count() or 1)))
+        # workers=0: no helper threads, the calling thread does all the work (for processes that
+        # already share the cores with others, e.g. several ranks on one host)
+        self.workers = max(0, int(workers)) if workers is not None else max(1, os.cpu_count() or 1)
         self._lock = threading.Lock()
         self._executor: Optional[ThreadPoolExecutor] = None
 
     @property
     def executor(self) -> ThreadPoolExecutor:
+        if self.workers == 0:
+            raise RuntimeError("this ChecksumContext has no helper threads (workers=0)")
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="shardckpt-crc")

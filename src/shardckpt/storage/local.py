@@ -2,6 +2,12 @@
 
 Everything the format and saving rooms do with files goes through
 :class:`LocalFileSystem`, so that other stores can offer the same small surface.
+
+Batches of runs (:class:`~shardckpt.storage.base.RunBatch`, a region read of many rows):
+runs below a page are served by covering reads; runs of a page or more by one
+positional read each, issued from a single loop with no per-run Python work beyond a
+view, unless a subclass overrides :meth:`LocalFileSystem.pread_into` (then every run
+goes through it, so that what it counts or injects sees every read).
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import logging
 import os
 import secrets
@@ -107,8 +114,11 @@ class LocalFileSystem(FileSystem):
 
     def pread_batch(self, fd: int, requests: Sequence[Tuple[int, memoryview]], path: str = "") -> None:
         """Fill every ``(offset, buffer)``; runs shorter than a page less than a page apart share one read."""
-        if isinstance(requests, RunBatch) and len(requests) and requests.run_bytes < _COALESCE_GAP:
-            self._pread_small_runs(fd, requests, path)
+        if isinstance(requests, RunBatch) and len(requests):
+            if requests.run_bytes < _COALESCE_GAP:
+                self._pread_small_runs(fd, requests, path)
+            else:
+                self._pread_runs(fd, requests, path)
             return
         reqs = [(o, b if b.format == "B" and b.ndim == 1 else b.cast("B")) for o, b in requests if len(b)]
         if any(reqs[i][0] > reqs[i + 1][0] for i in range(len(reqs) - 1)):
@@ -136,6 +146,32 @@ class LocalFileSystem(FileSystem):
                 for off, buf in reqs[i:j]:
                     buf[:] = cover[off - start:off - start + len(buf)]
             i = j
+
+    def _pread_runs(self, fd: int, batch: RunBatch, path: str) -> None:
+        """Runs of a page or more: one positional read each, straight into its part of ``batch.dest``.
+
+        The reads are issued from one ``map`` over precomputed offsets and views (a
+        resharded load may read tens of thousands of rows; per-run Python work would
+        cost as much as the reads). Runs a read left short (end of file, a signal)
+        are finished by :meth:`pread_into`, which raises for a file too short.
+        """
+        if type(self).pread_into is not _PREAD_INTO:  # a subclass's (or a test's) pread_into sees every run
+            for offset, buf in batch:
+                self.pread_into(fd, buf, offset, path)
+            return
+        rb = batch.run_bytes
+        n = len(batch)
+        dest = batch.dest if batch.dest.format == "B" and batch.dest.ndim == 1 else batch.dest.cast("B")
+        offsets = batch.offsets.tolist() if hasattr(batch.offsets, "tolist") else [int(o) for o in batch.offsets]
+        views = [[dest[i:i + rb]] for i in range(0, n * rb, rb)]
+        try:
+            done = list(map(os.preadv, itertools.repeat(fd, n), views, offsets))
+        except OSError as exc:
+            raise _wrap(exc, path, "read") from None
+        if done.count(rb) != n:
+            for (view,), offset, got in zip(views, offsets, done):
+                if got != rb:
+                    self.pread_into(fd, view[got:], offset + got, path)
 
     def _pread_small_runs(self, fd: int, batch: RunBatch, path: str) -> None:
         """Many runs below a page: covering reads of up to ``_COALESCE_SPAN``, runs copied out in bulk.
@@ -422,4 +458,5 @@ class LocalFileSystem(FileSystem):
         return os.path.normpath(path)
 
 
+_PREAD_INTO = LocalFileSystem.pread_into
 local_fs = LocalFileSystem()

@@ -44,13 +44,22 @@ class _Grid:
         self.cells = cells  # flat cell number -> index of the stored chunk
 
 
+_SMALL = 64  # up to this many chunks the grid is found in plain Python (NumPy's per-call cost dominates)
+
+
 def _grid(chunks: Sequence[ChunkStorageMetadata]) -> Optional[_Grid]:
-    """The grid the chunks form, or ``None``; O(C) with NumPy doing the per-chunk work."""
+    """The grid the chunks form, or ``None``; O(C) (NumPy does the per-chunk work for many chunks)."""
     if not chunks or len(chunks[0].offsets) == 0:
         return None
     rank, count = len(chunks[0].offsets), len(chunks)
     if any(len(c.offsets) != rank or len(c.sizes) != rank for c in chunks):
         return None
+    return _small_grid(chunks, rank) if count <= _SMALL else _array_grid(chunks, rank)
+
+
+def _array_grid(chunks: Sequence[ChunkStorageMetadata], rank: int) -> Optional[_Grid]:
+    """:func:`_grid` with NumPy doing the per-chunk work (many chunks)."""
+    count = len(chunks)
     offsets = np.fromiter(itertools.chain.from_iterable(c.offsets for c in chunks), np.int64,
                           count * rank).reshape(count, rank)
     sizes = np.fromiter(itertools.chain.from_iterable(c.sizes for c in chunks), np.int64,
@@ -77,6 +86,35 @@ def _grid(chunks: Sequence[ChunkStorageMetadata]) -> Optional[_Grid]:
         return None  # two chunks in one cell
     strides = [int(np.prod(shape[d + 1:], dtype=np.int64)) for d in range(len(shape))]
     return _Grid(cuts, strides, cells.tolist())
+
+
+def _small_grid(chunks: Sequence[ChunkStorageMetadata], rank: int) -> Optional[_Grid]:
+    """:func:`_grid` for a few chunks (same checks: one size per start along each dimension,
+    starts that follow each other without gaps, one chunk per cell)."""
+    widths: List[Dict[int, int]] = [{} for _ in range(rank)]  # per dimension: start -> size
+    for c in chunks:
+        for d, (o, n) in enumerate(zip(c.offsets, c.sizes)):
+            if n <= 0 or widths[d].setdefault(int(o), int(n)) != n:
+                return None
+    cuts: List[List[int]] = []
+    for d in range(rank):
+        starts = sorted(widths[d])
+        if any(a + widths[d][a] != b for a, b in zip(starts, starts[1:])):
+            return None
+        cuts.append(starts + [starts[-1] + widths[d][starts[-1]]])
+    strides = [1] * rank
+    for d in range(rank - 2, -1, -1):
+        strides[d] = strides[d + 1] * (len(cuts[d + 1]) - 1)
+    if strides[0] * (len(cuts[0]) - 1) != len(chunks):
+        return None
+    position = [{start: i for i, start in enumerate(cut[:-1])} for cut in cuts]
+    cells = [-1] * len(chunks)
+    for k, c in enumerate(chunks):
+        flat = sum(position[d][int(o)] * strides[d] for d, o in enumerate(c.offsets))
+        if cells[flat] >= 0:
+            return None  # two chunks in one cell
+        cells[flat] = k
+    return _Grid(cuts, strides, cells)
 
 
 def read_items_for_chunks(fqn: str, md: TensorStorageMetadata, local_chunks: Sequence[ChunkStorageMetadata]

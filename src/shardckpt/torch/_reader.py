@@ -13,7 +13,8 @@ DCP's call sequence, and what each step does here::
     read_metadata          DCP's Metadata, rebuilt from the index: every tensor key
                            (its name passed through ``key_map``) with its torch dtype,
                            global shape and stored chunks (one per stored slice, or
-                           the whole tensor); string scalars holding an encoded
+                           the whole tensor; the slice entries themselves are looked
+                           up when a chunk is first read); string scalars holding an encoded
                            object (see _objects) and other string scalars (as bytes)
                            are BytesStorageMetadata. Keys whose dtype torch lacks,
                            and string tensors of rank > 0, are left out.
@@ -24,7 +25,11 @@ DCP's call sequence, and what each step does here::
                            destination tensor's memory when it is a CPU tensor of the
                            stored dtype (else into a temporary of that one item, then
                            copy_, which casts as DCP's own reader does); whole chunks
-                           are checksummed. Non-tensors are handed to the planner the way
+                           are checksummed (a part of a chunk cannot be: its file's
+                           identity is checked after the read instead). Items are read
+                           on ``max_workers`` threads; with one (the default where the
+                           host's ranks have a core each or fewer), reads and checksums
+                           run on the calling thread. Non-tensors are handed to the planner the way
                            DCP's API requires (torch.save of the JSON-decoded plain
                            value into an in-memory buffer).
 
@@ -54,6 +59,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import InvalidArgumentError, NotFoundError
+from ..format import crc
 from ..format.bundle_reader import BundleReader, ReadSession, StoredPiece
 from ..format.dtypes import DType
 from ..format.naming import index_filename
@@ -69,32 +75,43 @@ KeyMap = Union[Callable[[str], Optional[str]], Mapping[str, str], None]
 
 
 class _Stored:
-    """One tensor of the checkpoint as DCP sees it: its key, dtype and pieces by chunk offset."""
+    """One tensor of the checkpoint as DCP sees it: its key, dtype and (once read) pieces by chunk offset."""
 
-    __slots__ = ("key", "dtype", "pieces")
+    __slots__ = ("key", "dtype", "_pieces")
 
-    def __init__(self, key: bytes, dtype: DType, pieces: Dict[Tuple[int, ...], StoredPiece]) -> None:
+    def __init__(self, key: bytes, dtype: DType) -> None:
         self.key = key
         self.dtype = dtype
-        self.pieces = pieces
+        self._pieces: Optional[Dict[Tuple[int, ...], StoredPiece]] = None
+
+    def piece(self, bundle: BundleReader, offset: Tuple[int, ...]) -> Optional[StoredPiece]:
+        """The stored piece whose box starts at ``offset`` (slice entries looked up on the first read)."""
+        pieces = self._pieces
+        if pieces is None:  # two threads may both build it: the same dict either way
+            pieces = self._pieces = {tuple(a for a, _ in p.box): p for p in bundle.pieces(self.key)}
+        return pieces.get(offset)
 
 
 class TFBundleReader(StorageReader):
     """Read a tensor-bundle checkpoint at ``path`` (a prefix) into DCP state dicts (see the module docstring).
 
     ``key_map``: checkpoint key -> FQN (callable or dict). ``verify``: check the
-    CRC32C of every chunk read whole. ``max_workers``: threads reading at once.
+    CRC32C of every chunk read whole. ``max_workers``: threads reading at once; by
+    default the cores this process may use divided among the ranks on this host
+    (torchrun's ``LOCAL_WORLD_SIZE``), at most 4. With one, every read and checksum
+    runs on the calling thread (no thread hand-offs where the ranks already keep
+    every core busy).
     """
 
     def __init__(self, path: Any = None, *, key_map: KeyMap = None, verify: bool = True,
-                 max_workers: int = 4) -> None:
+                 max_workers: Optional[int] = None) -> None:
         super().__init__()
         self._path: Optional[str] = None if path is None else os.fspath(path)
         if key_map is not None and not callable(key_map) and not isinstance(key_map, Mapping):
             raise InvalidArgumentError(f"key_map must be a callable or a dict, got {type(key_map).__name__}")
         self._key_map = key_map
         self._verify = verify
-        self._workers = max(1, int(max_workers))
+        self._workers = max(1, int(max_workers)) if max_workers is not None else min(4, threads_per_rank())
         self._bundle: Optional[BundleReader] = None
         self._tensors: Dict[str, _Stored] = {}
         self._objects: Dict[str, Any] = {}
@@ -186,7 +203,8 @@ class TFBundleReader(StorageReader):
         if self._path is None:
             raise InvalidArgumentError("TFBundleReader has no path: give one to the constructor or as "
                                        "dcp.load(checkpoint_id=...)")
-        bundle = self._bundle = BundleReader(self._path)
+        # one thread: no checksum helpers either (the calling thread reads and checksums each entry)
+        bundle = self._bundle = BundleReader(self._path, context=_SOLO if self._workers == 1 else None)
         entries: Dict[str, Any] = {}
         owners: Dict[str, str] = {}
         for raw in bundle.keys():
@@ -206,9 +224,8 @@ class TFBundleReader(StorageReader):
                 torch_dtype = to_torch_dtype(dtype)
                 if torch_dtype is None:
                     continue
-                pieces = {tuple(a for a, _ in p.box): p for p in bundle.pieces(raw)}
-                chunks = [ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(box_shape(p.box)))
-                          for off, p in pieces.items()]
+                chunks = [ChunkStorageMetadata(offsets=torch.Size([a for a, _ in box]),
+                                               sizes=torch.Size(box_shape(box))) for box in bundle.piece_boxes(raw)]
                 md = TensorStorageMetadata(properties=TensorProperties(dtype=torch_dtype), size=torch.Size(shape),
                                            chunks=chunks)
             if fqn in owners:
@@ -219,7 +236,7 @@ class TFBundleReader(StorageReader):
             if isinstance(md, BytesStorageMetadata):
                 self._objects[fqn] = value
             else:
-                self._tensors[fqn] = _Stored(raw, dtype, pieces)
+                self._tensors[fqn] = _Stored(raw, dtype)
         return Metadata(state_dict_metadata=entries, planner_data=None, storage_data={})
 
     # -- reads --------------------------------------------------------------------------------------------
@@ -230,7 +247,7 @@ class TFBundleReader(StorageReader):
         if stored is None:
             raise NotFoundError("no such tensor in the checkpoint", path=self._path, key=fqn)
         offset = tuple(int(d) for d in (item.storage_index.offset or ()))
-        piece = stored.pieces.get(offset)
+        piece = stored.piece(bundle, offset)
         if piece is None:
             raise NotFoundError(f"no stored chunk at offset {list(offset)}", path=self._path, key=fqn)
         local = tuple((int(o), int(o) + int(n)) for o, n in zip(item.storage_offsets, item.lengths))
@@ -252,4 +269,18 @@ class TFBundleReader(StorageReader):
         return item, target
 
 
+def threads_per_rank() -> int:
+    """The cores this process may run on, shared among the ranks on this host (``LOCAL_WORLD_SIZE``)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cores = os.cpu_count() or 1
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local = 1
+    return max(1, cores // max(1, local))
+
+
+_SOLO = crc.ChecksumContext(workers=0)  # no helper threads: whole entries are read and checksummed by the caller
 _CARRIERS = {1: np.uint8, 2: np.int16}  # NumPy views of ml_dtypes values that torch.from_numpy accepts
