@@ -9,7 +9,9 @@ One run, the same processes, the same bytes, medians over ``--repeats``::
   host memory), ``dcp.async_save`` (time until the call returns);
 * launch 2 (2 ranks, every tensor ``Shard(1)``): the resharded load 4 -> 2 of both
   checkpoints (throughput, bytes read by the processes' read calls (``/proc/self/io``
-  ``rchar``) against the bytes the ranks need, peak extra host memory);
+  ``rchar``) against the bytes the ranks need, peak extra host memory), and of
+  shardckpt's with ``TFBundleReader(map_reads=True)`` (its bytes read: ``rchar`` plus
+  the pages it copied out of memory maps, which ``rchar`` does not see);
 * this process: planning a rank's read items for an 80x80-chunk tensor (its chunk an
   eighth of the rows; and 80x80 local chunks) with ``read_items_for_chunks`` against
   DCP's ``create_read_items_for_chunk_list``.
@@ -39,6 +41,7 @@ sys.path.insert(0, str(HERE))
 from common import fmt_size, parse_size  # noqa: E402
 
 SYSTEMS = ("shardckpt", "dcp")
+RESHARD_SYSTEMS = ("shardckpt", "shardckpt+map", "dcp")  # +map: TFBundleReader(map_reads=True), opt-in
 TENSORS = 16
 
 
@@ -126,13 +129,15 @@ def _reader(system: str, path: Path) -> Any:
 
     from shardckpt.torch import TFBundleReader
 
-    return TFBundleReader(path / "ck") if system == "shardckpt" else FileSystemReader(str(path))
+    if system.startswith("shardckpt"):
+        return TFBundleReader(path / "ck", map_reads=system == "shardckpt+map")
+    return FileSystemReader(str(path))
 
 
 def _planner(system: str) -> Any:
     from shardckpt.torch import TFBundleLoadPlanner
 
-    return TFBundleLoadPlanner() if system == "shardckpt" else None
+    return TFBundleLoadPlanner() if system.startswith("shardckpt") else None
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -220,15 +225,17 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
         nbytes = sum(v.numel() * 4 for v in sd.values() if hasattr(v, "numel"))
         result["bytes"] = nbytes
         figures: Dict[str, Dict[str, List[float]]] = {s: {"load_s": [], "bytes_read": [], "load_peak_extra": []}
-                                                      for s in SYSTEMS}
+                                                      for s in RESHARD_SYSTEMS}
+        systems = RESHARD_SYSTEMS
         for rep in range(repeats + 1):  # round 0 warms up (untimed); the systems take turns going first
-            for system in (SYSTEMS if rep % 2 else SYSTEMS[::-1]):
+            for system in systems[rep % len(systems):] + systems[:rep % len(systems)]:
                 target = _zeros_like(sd)
+                reader = _reader(system, folder / system.split("+")[0] / "final")
                 before = _rchar()
                 with _PeakRSS() as mem:
-                    seconds = _timed(lambda system=system, target=target: dcp.load(
-                        target, storage_reader=_reader(system, folder / system / "final"), planner=_planner(system)))
-                read = sum(_gather(_rchar() - before))
+                    seconds = _timed(lambda system=system, target=target, reader=reader: dcp.load(
+                        target, storage_reader=reader, planner=_planner(system)))
+                read = sum(_gather(_rchar() - before + getattr(reader, "mapped_bytes", 0)))
                 peak = max(_gather(mem.peak - mem.base))
                 _check_resharded(sd, target, rank, system)
                 if rep:
@@ -330,10 +337,17 @@ def main() -> None:
         nbytes / med(d2["load_s"]) / 2**20, "MiB/s", "higher")
     row("bytes read / bytes needed (4 -> 2)", med(s2["bytes_read"]) / nbytes, med(d2["bytes_read"]) / nbytes, "x",
         "lower")
+    m2 = two["shardckpt+map"]
+    row("resharded load (4 -> 2), map_reads=True (opt-in)", nbytes / med(m2["load_s"]) / 2**20,
+        nbytes / med(d2["load_s"]) / 2**20, "MiB/s", "higher")
+    row("bytes read (incl. mapped pages) / needed, map_reads=True", med(m2["bytes_read"]) / nbytes,
+        med(d2["bytes_read"]) / nbytes, "x", "lower")
     row("async_save blocking time", med(s["async_block_s"]) * 1e3, med(d["async_block_s"]) * 1e3, "ms", "lower")
     row("peak extra host memory, load 4 -> 4 (per rank, % of state)", 100 * med(s["load_peak_extra"]) / nbytes,
         100 * med(d["load_peak_extra"]) / nbytes, "%", "lower")
     row("peak extra host memory, load 4 -> 2 (per rank, % of state)", 100 * med(s2["load_peak_extra"]) / nbytes,
+        100 * med(d2["load_peak_extra"]) / nbytes, "%", "lower")
+    row("peak extra host memory, load 4 -> 2, map_reads=True (%)", 100 * med(m2["load_peak_extra"]) / nbytes,
         100 * med(d2["load_peak_extra"]) / nbytes, "%", "lower")
     for name, figures in planning.items():
         row(f"planning, 80x80 stored chunks, {name}", figures["shardckpt"] * 1e3, figures["dcp"] * 1e3, "ms",
