@@ -67,11 +67,12 @@ class LocalFileSystem(FileSystem):
 
     supports_rename = True
     read_step = None
+    map_runs = False
+    mapped_bytes = 0  # bytes of the pages that run batches read through a map
+    _count_lock = threading.Lock()
 
     def __init__(self, *, map_runs: bool = False) -> None:
         self.map_runs = map_runs
-        self.mapped_bytes = 0  # bytes of the pages that run batches read through a map
-        self._count_lock = threading.Lock()
 
     # -- reading ---------------------------------------------------------
     def open_read(self, path: str) -> int:
@@ -130,7 +131,7 @@ class LocalFileSystem(FileSystem):
     def pread_batch(self, fd: int, requests: Sequence[Tuple[int, memoryview]], path: str = "") -> None:
         """Fill every ``(offset, buffer)``; runs shorter than a page less than a page apart share one read."""
         if isinstance(requests, RunBatch) and len(requests):
-            if self.map_runs and len(requests) > 1 and self._map_runs(fd, requests):
+            if self.map_runs and len(requests) > 1 and self._map_runs(fd, requests, path):
                 return
             if requests.run_bytes < _COALESCE_GAP:
                 self._pread_small_runs(fd, requests, path)
@@ -190,7 +191,7 @@ class LocalFileSystem(FileSystem):
                 if got != rb:
                     self.pread_into(fd, view[got:], offset + got, path)
 
-    def _map_runs(self, fd: int, batch: RunBatch) -> bool:
+    def _map_runs(self, fd: int, batch: RunBatch, path: str) -> bool:
         """Copy the runs out of read-only maps of the file, a window of up to ``_MAP_WINDOW`` at a time.
 
         False (nothing read) where a map does not fit: runs not ascending and disjoint, a
@@ -218,9 +219,11 @@ class LocalFileSystem(FileSystem):
             end = int(offsets[j - 1]) + rb
             try:
                 window = mmap.mmap(fd, end - base, access=mmap.ACCESS_READ, offset=base)
-            except (OSError, ValueError):
+            except (OSError, ValueError) as exc:
                 if i == 0:
                     return False  # e.g. a filesystem without maps: the read calls serve the batch
+                if isinstance(exc, OSError):
+                    raise _wrap(exc, path, "map") from None
                 raise
             try:
                 src = np.frombuffer(window, dtype=np.uint8)
@@ -236,7 +239,10 @@ class LocalFileSystem(FileSystem):
                         dest[k] = src[r:r + rb]
                 del src
             finally:
-                window.close()
+                try:
+                    window.close()
+                except BufferError:  # a view still alive (a failed copy's traceback): unmapped when it dies
+                    pass
             first = offsets[i:j] // mmap.PAGESIZE
             last = (offsets[i:j] + rb - 1) // mmap.PAGESIZE  # runs may share a page: count each page once
             pages = int((last - first + 1).sum() - (first[1:] <= last[:-1]).sum())
