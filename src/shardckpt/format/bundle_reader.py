@@ -733,10 +733,11 @@ def _unit_bounds(size: int, unit: int, min_unit: int, workers: int) -> List[Tupl
     """Split ``size`` bytes into nearly equal units of at most ``unit`` bytes (64 KiB aligned).
 
     An entry of at least two ``min_unit`` is split into one unit per worker at least,
-    so a single large-ish read uses every core.
+    so a single large-ish read uses every core. Without helpers (``workers`` 0) the
+    entry is one unit: the calling thread reads it all, with no CRCs to combine.
     """
-    if size <= 0:
-        return [(0, 0)]
+    if size <= 0 or workers == 0:
+        return [(0, max(size, 0))]
     count = max(-(-size // unit), min(workers, size // min_unit))
     step = -(-size // count)
     step = -(-step // _ALIGN) * _ALIGN
