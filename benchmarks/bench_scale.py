@@ -121,15 +121,14 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
 
     # object-store commit: entries gathered as JSON, merged in memory, index bytes
     sample = _encode_entries(client_entries(0))
-    out["gather_entries_bytes_per_entry"] = len(json.dumps(sample)) / len(sample)
+    out["gather_entries_bytes_per_entry"] = len(json.dumps(sample)) / (2 * t)
     gathered = [_encode_entries(client_entries(r)) for r in range(n)]
     t0 = time.perf_counter()
-    parts = [(f"part{r}", sorted(_decode_entries(g).items())) for r, g in enumerate(gathered)]
-    merged = merge_entries(parts)
+    merged = merge_entries((f"part{r}", _decode_entries(g)) for r, g in enumerate(gathered))
     index = index_bytes(merged, n)
     out["merge_mem_s"] = time.perf_counter() - t0
     out["index_bytes"] = len(index)
-    del gathered, parts, merged, index
+    del gathered, merged, index
 
     # local commit: N part indexes on disk, read back, merged, index written
     prefix = os.path.join(folder, "model")
@@ -142,18 +141,15 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
         for e in entries.values():
             e.shard_id = 0
         with open(index_filename(part), "wb") as f:
-            f.write(index_bytes(entries, 1))
+            f.write(index_bytes({k: e.SerializeToString() for k, e in entries.items()}, 1))
         part_prefixes.append(part)
     t0 = time.perf_counter()
-    inputs = []
-    for part in part_prefixes:
-        header, items = read_index(part, local_fs)
-        inputs.append((part, header, items))
+    inputs = ((part,) + read_index(part, local_fs) for part in part_prefixes)  # as merge_bundles reads them
     merged_plan = plan_merge(inputs)
     index = merged_plan.index(n)
     local_fs.write_atomic(index_filename(prefix), index)
     out["merge_files_s"] = time.perf_counter() - t0
-    del inputs, merged_plan, index
+    del merged_plan, index
     shutil.rmtree(parts_dir)
     for r in range(n):  # sparse data files of the right size (zeros)
         with open(data_filename(prefix, r, n), "wb") as f:
