@@ -24,7 +24,7 @@ from shardckpt.format.bundle_writer import make_header
 from shardckpt.format.merge import _Layouts, index_bytes, merge_entries, plan_merge
 from shardckpt.format.naming import data_filename, index_filename
 from shardckpt.format.protos import tensor_bundle_pb2 as pb
-from shardckpt.format.sstable import read_table
+from shardckpt.format.sstable import TableWriter, read_table
 from shardckpt.saving.commit.index_last import _decode_entries, _encode_entries, encode_pairs
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -318,3 +318,38 @@ def test_merged_index_reads_back(tmp_path) -> None:  # type: ignore[no-untyped-d
     full = pb.BundleEntryProto.FromString(table[b"w"])
     assert [(s.extent[0].start, s.extent[0].length) for s in full.slices] == [(0, 2), (2, 2), (4, 2)]
     assert [pb.BundleEntryProto.FromString(table[b"\x00w%d" % r]).shard_id for r in range(3)] == [0, 1, 2]
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.binary(max_size=300), st.binary(max_size=300)), max_size=200),
+       st.integers(1, 600), st.integers(1, 20), st.integers(0, 200))
+def test_table_extend_writes_what_add_writes(pairs: List[Tuple[bytes, bytes]], block_size: int, restart: int,
+                                             split: int) -> None:
+    """:meth:`TableWriter.extend` (the merged index's writer) against :meth:`TableWriter.add`, entry by entry."""
+    items = sorted(dict(pairs).items())
+    one, other = TableWriter(block_size, restart), TableWriter(block_size, restart)
+    for key, value in items:
+        one.add(key, value)
+    other.extend(items[:split])  # in two calls, with add between them
+    if split < len(items):
+        other.add(*items[split])
+    other.extend(items[split + 1:])
+    assert other.finish() == one.finish()
+    with pytest.raises(InvalidArgumentError, match="strictly increasing"):
+        TableWriter().extend([(b"b", b""), (b"a", b"")])
+
+
+def test_entries_the_fast_path_leaves_to_protobuf() -> None:
+    """A shard id as a 5-byte varint (protobuf keeps its low 32 bits), a huge dtype, a bare dtype, nothing."""
+    header = pb.BundleHeaderProto.FromString(make_header(2))
+    shape = pb.BundleEntryProto()
+    shape.shape.dim.add(size=3)
+    wrapped = shape.SerializeToString() + b"\x18" + bytes([0x81, 0x80, 0x80, 0x80, 0x10])  # 2^32 + 1 -> 1
+    assert pb.BundleEntryProto.FromString(wrapped).shard_id == 1
+    items = sorted([(b"a", wrapped), (b"b", pb.BundleEntryProto(dtype=20000).SerializeToString()),
+                    (b"c", pb.BundleEntryProto(dtype=1).SerializeToString()), (b"d", b"")])
+    inputs: List[Input] = [("/tmp/x/part", header, items)]
+    merged, sources = reference_plan(inputs)
+    plan = plan_merge(inputs)
+    assert plan.sources == sources == [data_filename("/tmp/x/part", 1, 2), data_filename("/tmp/x/part", 0, 2)]
+    assert plan.index(2) == index_bytes({k: v.SerializeToString() for k, v in merged.items()}, 2)

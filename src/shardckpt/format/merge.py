@@ -32,7 +32,6 @@ every entry gives (what TensorFlow's merge writes).
 
 from __future__ import annotations
 
-import re
 import struct
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
@@ -51,34 +50,30 @@ __all__ = ["merge_entries", "index_bytes", "read_index", "read_index_header", "p
 #: A merged entry: serialized (``bytearray`` once slices were appended to it).
 EntryValue = Union[bytes, bytearray]
 
-# A serialized BundleEntryProto as protobuf lays it out: fields in number order, each at
-# most once. dtype (an enum below 2^14); shape (group 1: its length, when below 128; group
-# 2: its dims, each with a size only, its length byte matching its varint: so the dims
-# need no other check); shard_id (group 3; int32 of at most 5 varint bytes here: a
-# negative one takes 10 bytes and the protobuf path); offset, size (at most 9 varint
-# bytes: non-negative); crc32c; slices (group 4: any number of records, checked one by
-# one). The length of the shape is checked against group 2 after the match.
-_VARINT_9 = rb"[\x80-\xff]{0,8}[\x00-\x7f]"
-_DIM = b"|".join([rb"\x12\x00"] + [rb"\x12" + re.escape(bytes((n + 2,))) + rb"\x08[\x80-\xff]{%d}[\x00-\x7f]" % n
-                                  for n in range(9)])
-_ENTRY = re.compile(
-    rb"(?:\x08[\x80-\xff]?[\x00-\x7f])?"
-    rb"(?:\x12([\x00-\x7f])((?:" + _DIM + rb")*))?"
-    rb"(?:\x18([\x80-\xff]{0,4}[\x00-\x7f]))?"
-    rb"(?:\x20" + _VARINT_9 + rb")?"
-    rb"(?:\x28" + _VARINT_9 + rb")?"
-    rb"(?:\x35[\x00-\xff]{4})?"
-    rb"(\x3a[\x00-\xff]*)?"
-)
-_DTYPE_TAG = 0x08
+_DTYPE_TAG = 0x08  # the tags (field number << 3 | wire type) of BundleEntryProto's fields
+_SHAPE_TAG = 0x12
+_SHARD_TAG = 0x18
+_OFFSET_TAG = 0x20
+_SIZE_TAG = 0x28
+_CRC_TAG = 0x35
 _SLICE_TAG = 0x3A
-_CHECKED_LIMIT = 1 << 16  # distinct slice messages remembered as well-formed
+_MOST = 9  # varint bytes of a non-negative int64
+_CHECKED_LIMIT = 1 << 16  # distinct slice messages (and entries) remembered as well-formed
 
 
 class _Layouts:
-    """Where the fields of serialized entries lie; slice messages parsed once per distinct value."""
+    """Where the fields of serialized entries lie; shape and slice messages parsed once per distinct value.
+
+    An entry is taken as protobuf lays it out: fields in number order, each at most once
+    (slices: any number of records, last), tags of one byte, varints of at most
+    ``_MOST`` bytes (a negative or huge value takes the protobuf path), a ``dtype``
+    below 2^14, a ``shape`` shorter than 128 bytes. The ``shape`` and ``slices``
+    messages are checked by parsing them (once per distinct record); the other fields
+    need no check beyond their bounds. Anything else is ``None``: the protobuf path.
+    """
 
     def __init__(self) -> None:
+        self._shapes: Set[bytes] = set()
         self._slices: Set[bytes] = set()
 
     @staticmethod
@@ -98,54 +93,79 @@ class _Layouts:
         ``value[:head]`` holds ``dtype`` and ``shape``; the ``shard_id`` field, if any,
         spans ``value[head:shard_end]``; the ``slices`` records span ``value[slices:]``.
         """
-        match = _ENTRY.fullmatch(value)
-        if match is None:
-            return None
-        length = match.group(1)
-        if length is None:
-            head = _head_without_shape(value)
-        else:
-            head = match.end(2)
-            if head - match.start(2) != length[0]:
-                return None
-        raw = match.group(3)
-        if raw is None:
-            shard, shard_end = 0, head
-        else:
-            shard = raw[0] if len(raw) == 1 else varint.decode(raw, 0, len(raw))[0]
-            shard_end = match.end(3)
         n = len(value)
-        slices = match.start(4)
-        if slices < 0:
-            return head, shard, shard_end, n
-        at = slices
-        seen = self._slices
-        try:
-            while at < n:  # slice records: tag, length, TensorSliceProto
-                if value[at] != _SLICE_TAG:
+        try:  # an entry cut short raises IndexError: the protobuf path
+            pos = 0
+            if n and value[0] == _DTYPE_TAG:  # dtype
+                pos = 2 if value[1] < 0x80 else 3 if value[2] < 0x80 else n + 1
+            if pos >= n:  # nothing past the dtype
+                return (n, 0, n, n) if pos == n else None
+            head = pos
+            if value[pos] == _SHAPE_TAG:  # shape
+                head = pos + 2 + value[pos + 1]
+                if value[pos + 1] >= 0x80 or head > n:
                     return None
-                if at + 1 < n and value[at + 1] < 0x80:
-                    start = at + 2
-                    end = start + value[at + 1]
+                record = value[pos:head]
+                if record not in self._shapes and \
+                        not self._check(self._shapes, record, value[pos + 2:head], pb.TensorShapeProto):
+                    return None
+            pos = head
+            shard = 0
+            if pos < n and value[pos] == _SHARD_TAG:  # shard_id: below 2^28 here (a count is below 2^24)
+                start = pos = pos + 1
+                while value[pos] >= 0x80:
+                    pos += 1
+                pos += 1
+                if pos - start == 1:
+                    shard = value[start]
+                elif pos - start <= 4:
+                    shard = varint.decode(value, start, pos)[0]
                 else:
-                    size, start = varint.decode(value, at + 1, n)
-                    end = start + size
-                if end > n:
                     return None
-                record = value[at:end]
-                if record not in seen and not self._check(seen, record, value[start:end], pb.TensorSliceProto):
+            shard_end = pos
+            if pos < n and value[pos] == _OFFSET_TAG:  # offset: non-negative
+                start = pos = pos + 1
+                while value[pos] >= 0x80:
+                    pos += 1
+                pos += 1
+                if pos - start > _MOST:
                     return None
-                at = end
-        except CorruptIndexError:
+            if pos < n and value[pos] == _SIZE_TAG:  # size: non-negative
+                start = pos = pos + 1
+                while value[pos] >= 0x80:
+                    pos += 1
+                pos += 1
+                if pos - start > _MOST:
+                    return None
+            if pos < n and value[pos] == _CRC_TAG:  # crc32c: four bytes
+                pos += 5
+                if pos > n:
+                    return None
+        except IndexError:
             return None
+        if pos == n:
+            return head, shard, shard_end, n
+        slices = pos
+        seen = self._slices
+        while pos < n:  # slice records: tag, length, TensorSliceProto
+            if value[pos] != _SLICE_TAG or pos + 1 == n:
+                return None
+            if value[pos + 1] < 0x80:
+                start = pos + 2
+                end = start + value[pos + 1]
+            else:
+                try:
+                    size, start = varint.decode(value, pos + 1, n, _MOST)
+                except CorruptIndexError:
+                    return None
+                end = start + size
+            if end > n:
+                return None
+            record = value[pos:end]
+            if record not in seen and not self._check(seen, record, value[start:end], pb.TensorSliceProto):
+                return None
+            pos = end
         return head, shard, shard_end, slices
-
-
-def _head_without_shape(value: bytes) -> int:
-    """Where the ``dtype`` field ends in an entry with no ``shape`` field (0: no ``dtype`` either)."""
-    if not value or value[0] != _DTYPE_TAG:
-        return 0
-    return 2 if value[1] < 0x80 else 3
 
 
 def _shard_field(shard_id: int) -> bytes:
@@ -168,17 +188,30 @@ class _Merged:
     def __init__(self) -> None:
         self.entries: Dict[bytes, Union[EntryValue, pb.BundleEntryProto]] = {}
         self.layouts = _Layouts()
-        self._heads: Dict[bytes, bytes] = {}  # combined entries: key -> their dtype and shape fields
+        self.heads: Dict[bytes, bytes] = {}  # combined entries: key -> their dtype and shape fields
+        # entries whose slices were appended: value -> (head, slices) of its layout (full entries of
+        # tensors of one shape repeat, one per client and layout)
+        self.known: Dict[bytes, Tuple[int, int]] = {}
 
     def combine(self, key: bytes, value: bytes, source: str, path: Optional[str] = None) -> None:
         """Add the slices of ``value`` to the entry already held under ``key``."""
-        where = path or source
         existing = self.entries[key]
+        if isinstance(existing, bytearray):  # the usual case: an entry like one seen (and checked) before
+            known = self.known.get(value)
+            if known is not None:
+                head = self.heads[key]
+                if known[0] == len(head) and value.startswith(head):
+                    existing += memoryview(value)[known[1]:]
+                    return
+        self._combine(key, existing, value, source, path or source)
+
+    def _combine(self, key: bytes, existing: Union[EntryValue, pb.BundleEntryProto], value: bytes, source: str,
+                 where: str) -> None:
         if isinstance(existing, pb.BundleEntryProto):
             self._combine_messages(key, existing, _parse(value, where, key), source, where)
             return
         if isinstance(existing, bytearray):
-            head: Optional[bytes] = self._heads[key]
+            head: Optional[bytes] = self.heads[key]
             has_slices = True
         else:
             held = self.layouts.of(existing)
@@ -200,8 +233,11 @@ class _Merged:
         if isinstance(existing, bytes):
             existing = bytearray(existing)
             self.entries[key] = existing
-            self._heads[key] = head
+            self.heads[key] = head
         existing += memoryview(value)[laid[3]:]
+        if len(self.known) >= _CHECKED_LIMIT:
+            self.known.clear()
+        self.known[value] = (laid[0], laid[3])
 
     def _as_message(self, key: bytes) -> pb.BundleEntryProto:
         held = self.entries[key]
@@ -209,7 +245,7 @@ class _Merged:
             return held
         message = pb.BundleEntryProto.FromString(bytes(held))  # held entries parse: checked or ours
         self.entries[key] = message
-        self._heads.pop(key, None)
+        self.heads.pop(key, None)
         return message
 
     @staticmethod
@@ -228,7 +264,7 @@ class _Merged:
         entries = self.entries
         for key in [k for k, v in entries.items() if isinstance(v, pb.BundleEntryProto)]:
             entries[key] = entries[key].SerializeToString()  # type: ignore[union-attr]
-        self._heads.clear()
+        self.heads.clear()
         return entries  # type: ignore[return-value]
 
 
@@ -254,9 +290,8 @@ def index_bytes(entries: Mapping[bytes, EntryValue], num_shards: int, big_endian
     """The ``.index`` file of a bundle with serialized ``entries`` and ``num_shards`` data files."""
     table = TableWriter()
     table.add(b"", make_header(num_shards, big_endian))
-    add = table.add
-    for key in sorted(entries):
-        add(key, entries[key])
+    keys = sorted(entries)
+    table.extend(zip(keys, map(entries.__getitem__, keys)))
     return table.finish()
 
 
@@ -405,8 +440,18 @@ def _merge_input(merged: _Merged, prefix: str, num_shards: int, items: Iterable[
         fields[shard] = _shard_field(new_ids[source])
         return new_ids[source]
 
+    known = merged.known
+    heads = merged.heads
     for key, value in items:
-        if key in entries:
+        existing = entries.get(key)
+        if existing is not None:
+            if existing.__class__ is bytearray:  # merged.combine's usual case, inline
+                seen = known.get(value)
+                if seen is not None:
+                    same = heads[key]
+                    if seen[0] == len(same) and value.startswith(same):
+                        existing += memoryview(value)[seen[1]:]  # type: ignore[operator]
+                        continue
             merged.combine(key, value, prefix, path)
             continue
         laid = layout(value)

@@ -23,7 +23,7 @@ import operator
 import struct
 import threading
 from collections import OrderedDict
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Tuple
 
 from ..errors import CorruptIndexError, InvalidArgumentError, UnsupportedError
 from . import crc, varint
@@ -180,6 +180,67 @@ class TableWriter:
         if self._data_block.size_estimate() >= self._block_size:
             self._flush()
 
+    def extend(self, items: Iterable[Tuple[bytes, "bytes | bytearray"]]) -> None:
+        """:meth:`add` each ``(key, value)`` in turn (the same bytes; the data block built inline, for many entries)."""
+        if self._finished:
+            raise InvalidArgumentError("table already finished")
+        block = self._data_block
+        interval = block._interval
+        block_size = self._block_size
+        big = 2 * block_size
+        pack = _THREE_BYTES.pack
+        encode = varint.encode
+        buf, restarts, counter, previous = block._buf, block._restarts, block._counter, block._last_key
+        last = self._last_key
+        try:
+            for key, value in items:
+                key_len = len(key)
+                value_len = len(value)
+                if last is not None:
+                    if key <= last:
+                        raise InvalidArgumentError(
+                            f"table keys must be strictly increasing: {key!r} after {last!r}")
+                    if key_len + value_len >= big and buf:
+                        block._counter, block._last_key = counter, previous
+                        self._flush()
+                        buf, restarts, counter, previous = block._buf, block._restarts, block._counter, block._last_key
+                    if self._pending_handle is not None:
+                        self._index_block.add(_shortest_separator(last, key), self._pending_handle)
+                        self._pending_handle = None
+                if counter < interval:
+                    n = key_len if key_len < len(previous) else len(previous)
+                    mine = key[:n]
+                    theirs = previous[:n]
+                    if mine == theirs:
+                        shared = n
+                    else:
+                        diff = int.from_bytes(mine, "big") ^ int.from_bytes(theirs, "big")
+                        shared = n - ((diff.bit_length() + 7) >> 3)
+                else:
+                    restarts.append(len(buf))
+                    counter = 0
+                    shared = 0
+                non_shared = key_len - shared
+                if (shared | non_shared | value_len) < 0x80:
+                    buf += pack(shared, non_shared, value_len)
+                    buf += key[shared:] if shared else key
+                else:
+                    buf += encode(shared)
+                    buf += encode(non_shared)
+                    buf += encode(value_len)
+                    buf += key[shared:]
+                buf += value
+                previous = last = key
+                counter += 1
+                if len(buf) + 4 * len(restarts) + 4 >= block_size:
+                    block._counter, block._last_key = counter, previous
+                    self._last_key = last
+                    self._flush()
+                    buf, restarts, counter, previous = block._buf, block._restarts, block._counter, block._last_key
+        finally:
+            block._counter, block._last_key = counter, previous
+            self._last_key = last
+
     def _write_block(self, contents: bytes) -> bytes:
         handle = _encode_handle(self._offset, len(contents))
         type_byte = bytes((_NO_COMPRESSION,))
@@ -305,7 +366,7 @@ def _block_lists(block: bytes, path: str, what: str, budget: int) -> Tuple[List[
     key = b""
     try:
         while pos < limit:
-            if pos + 3 <= limit and block[pos] < 0x80 and block[pos + 1] < 0x80 and block[pos + 2] < 0x80:
+            if pos + 3 <= limit and (block[pos] | block[pos + 1] | block[pos + 2]) < 0x80:
                 shared = block[pos]  # the usual case: three one-byte varints
                 non_shared = block[pos + 1]
                 value_len = block[pos + 2]
@@ -314,11 +375,11 @@ def _block_lists(block: bytes, path: str, what: str, budget: int) -> Tuple[List[
                 shared, pos = varint.decode(block, pos, limit, 5)
                 non_shared, pos = varint.decode(block, pos, limit, 5)
                 value_len, pos = varint.decode(block, pos, limit, 5)
-            if shared > len(key) or pos + non_shared + value_len > limit:
-                raise _corrupt(path, f"{what} block: bad entry at offset {pos}")
             end = pos + non_shared
+            if shared > len(key) or end + value_len > limit:
+                raise _corrupt(path, f"{what} block: bad entry at offset {pos}")
             key = key[:shared] + block[pos:end] if shared else block[pos:end]
-            budget -= len(key)
+            budget -= shared + non_shared
             if budget < 0:
                 raise _corrupt(path, "keys decode to far more bytes than the file holds (prefix-compression bomb?)")
             add_key(key)
