@@ -201,7 +201,7 @@ class _Merged:
             if known is not None:
                 head = self.heads[key]
                 if known[0] == len(head) and value.startswith(head):
-                    existing += memoryview(value)[known[1]:]
+                    existing += value[known[1]:]
                     return
         self._combine(key, existing, value, source, path or source)
 
@@ -234,7 +234,7 @@ class _Merged:
             existing = bytearray(existing)
             self.entries[key] = existing
             self.heads[key] = head
-        existing += memoryview(value)[laid[3]:]
+        existing += value[laid[3]:]
         if len(self.known) >= _CHECKED_LIMIT:
             self.known.clear()
         self.known[value] = (laid[0], laid[3])
@@ -277,12 +277,22 @@ def merge_entries(parts: Iterable[Tuple[str, Iterable[Tuple[bytes, bytes]]]]) ->
     """
     merged = _Merged()
     entries = merged.entries
+    known = merged.known
+    heads = merged.heads
     for name, items in parts:
         for key, value in items:
-            if key in entries:
-                merged.combine(key, value, name)
-            else:
+            existing = entries.get(key)
+            if existing is None:
                 entries[key] = value
+                continue
+            if existing.__class__ is bytearray:  # merged.combine's usual case, inline
+                seen = known.get(value)
+                if seen is not None:
+                    same = heads[key]
+                    if seen[0] == len(same) and value.startswith(same):
+                        existing += value[seen[1]:]  # type: ignore[operator]
+                        continue
+            merged.combine(key, value, name)
     return merged.serialized()
 
 
@@ -450,7 +460,7 @@ def _merge_input(merged: _Merged, prefix: str, num_shards: int, items: Iterable[
                 if seen is not None:
                     same = heads[key]
                     if seen[0] == len(same) and value.startswith(same):
-                        existing += memoryview(value)[seen[1]:]  # type: ignore[operator]
+                        existing += value[seen[1]:]  # type: ignore[operator]
                         continue
             merged.combine(key, value, prefix, path)
             continue

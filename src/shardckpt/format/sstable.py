@@ -184,29 +184,37 @@ class TableWriter:
         """:meth:`add` each ``(key, value)`` in turn (the same bytes; the data block built inline, for many entries)."""
         if self._finished:
             raise InvalidArgumentError("table already finished")
+        iterator = iter(items)
+        if self._last_key is None:  # the first entry of the table: nothing to compare with
+            for key, value in iterator:
+                self.add(key, value)
+                break
+        if self._last_key is None:
+            return
         block = self._data_block
         interval = block._interval
         block_size = self._block_size
         big = 2 * block_size
         pack = _THREE_BYTES.pack
         encode = varint.encode
+        from_bytes = int.from_bytes
         buf, restarts, counter, previous = block._buf, block._restarts, block._counter, block._last_key
+        room = block_size - 4 * len(restarts) - 4  # bytes the entries may take before the block is full
         last = self._last_key
         try:
-            for key, value in items:
+            for key, value in iterator:
                 key_len = len(key)
                 value_len = len(value)
-                if last is not None:
-                    if key <= last:
-                        raise InvalidArgumentError(
-                            f"table keys must be strictly increasing: {key!r} after {last!r}")
-                    if key_len + value_len >= big and buf:
-                        block._counter, block._last_key = counter, previous
-                        self._flush()
-                        buf, restarts, counter, previous = block._buf, block._restarts, block._counter, block._last_key
-                    if self._pending_handle is not None:
-                        self._index_block.add(_shortest_separator(last, key), self._pending_handle)
-                        self._pending_handle = None
+                if key <= last:
+                    raise InvalidArgumentError(f"table keys must be strictly increasing: {key!r} after {last!r}")
+                if key_len + value_len >= big and buf:
+                    block._counter, block._last_key = counter, previous
+                    self._flush()
+                    buf, restarts, counter, previous = block._buf, block._restarts, block._counter, block._last_key
+                    room = block_size - 4 * len(restarts) - 4
+                if self._pending_handle is not None:
+                    self._index_block.add(_shortest_separator(last, key), self._pending_handle)
+                    self._pending_handle = None
                 if counter < interval:
                     n = key_len if key_len < len(previous) else len(previous)
                     mine = key[:n]
@@ -214,11 +222,12 @@ class TableWriter:
                     if mine == theirs:
                         shared = n
                     else:
-                        diff = int.from_bytes(mine, "big") ^ int.from_bytes(theirs, "big")
-                        shared = n - ((diff.bit_length() + 7) >> 3)
+                        shared = n - (((from_bytes(mine, "big") ^ from_bytes(theirs, "big")).bit_length() + 7) >> 3)
+                    counter += 1
                 else:
                     restarts.append(len(buf))
-                    counter = 0
+                    room -= 4
+                    counter = 1
                     shared = 0
                 non_shared = key_len - shared
                 if (shared | non_shared | value_len) < 0x80:
@@ -231,12 +240,12 @@ class TableWriter:
                     buf += key[shared:]
                 buf += value
                 previous = last = key
-                counter += 1
-                if len(buf) + 4 * len(restarts) + 4 >= block_size:
+                if len(buf) >= room:
                     block._counter, block._last_key = counter, previous
                     self._last_key = last
                     self._flush()
                     buf, restarts, counter, previous = block._buf, block._restarts, block._counter, block._last_key
+                    room = block_size - 4 * len(restarts) - 4
         finally:
             block._counter, block._last_key = counter, previous
             self._last_key = last
