@@ -11,15 +11,19 @@ entries. Phases, each timed:
   for the agreement check; index entries on object stores), in bytes per entry;
 * ``agree``: the tiling check of all clients' pieces (``saving.agreement.pieces_problem``);
 * ``merge_mem``: the io client's merge of all clients' entries held in memory and the
-  index bytes (the object-store commit: ``merge_entries`` + ``index_bytes``);
-* ``merge_files``: the local commit's merge: ``read_index`` of the ``N`` part indexes,
-  ``plan_merge``, index bytes, index written;
+  index bytes (the object-store commit: each client's gathered entries decoded,
+  ``merge_entries`` + ``index_bytes``);
+* ``merge_files``: the local commit's merge: ``read_index`` of the ``N`` part indexes
+  (one at a time, as ``merge_bundles`` reads them), ``plan_merge``, index bytes, index written;
 * ``open_read``: open the merged index (``BundleReader``) and read one whole tensor
   (its ``N`` slices, from ``N`` sparse data files; checksums verified);
 * ``open_read_part``: open it again and read one client's rows of another tensor (what each
   client of a restore does: one of the ``N`` slices).
 
-Each (N, T) runs in a fresh process; peak RSS above the process's baseline is reported.
+Each (N, T) runs in a fresh process; peak RSS above the process's baseline is reported for
+the whole run and, where Linux lets the peak be reset (``/proc/self/clear_refs``), for each
+merge phase alone ("peak mem/files": what the io client holds at most while it merges and
+writes the index, the gathered entries included).
 
     .venv/bin/python benchmarks/bench_scale.py                       # N = 1..1024, T = 1000, 10000 (<= 2e6 entries)
     .venv/bin/python benchmarks/bench_scale.py --clients 8 --tensors 100   # smoke test
@@ -53,6 +57,24 @@ def _rss_kib() -> int:
 
 def _hwm_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> bool:
+    """Start a new peak-RSS window (Linux: VmHWM is reset by writing 5 to clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
@@ -123,10 +145,13 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
     sample = _encode_entries(client_entries(0))
     out["gather_entries_bytes_per_entry"] = len(json.dumps(sample)) / (2 * t)
     gathered = [_encode_entries(client_entries(r)) for r in range(n)]
+    out["gathered_entries_mib"] = sum(map(len, gathered)) / 2**20
+    windowed = _reset_peak()
     t0 = time.perf_counter()
     merged = merge_entries((f"part{r}", _decode_entries(g)) for r, g in enumerate(gathered))
     index = index_bytes(merged, n)
     out["merge_mem_s"] = time.perf_counter() - t0
+    out["merge_mem_peak_mib"] = (_status_kib("VmHWM") - base_rss) / 1024 if windowed else None
     out["index_bytes"] = len(index)
     del gathered, merged, index
 
@@ -143,12 +168,14 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
         with open(index_filename(part), "wb") as f:
             f.write(index_bytes({k: e.SerializeToString() for k, e in entries.items()}, 1))
         part_prefixes.append(part)
+    windowed = _reset_peak()
     t0 = time.perf_counter()
     inputs = ((part,) + read_index(part, local_fs) for part in part_prefixes)  # as merge_bundles reads them
     merged_plan = plan_merge(inputs)
     index = merged_plan.index(n)
     local_fs.write_atomic(index_filename(prefix), index)
     out["merge_files_s"] = time.perf_counter() - t0
+    out["merge_files_peak_mib"] = (_status_kib("VmHWM") - base_rss) / 1024 if windowed else None
     del merged_plan, index
     shutil.rmtree(parts_dir)
     for r in range(n):  # sparse data files of the right size (zeros)
@@ -172,6 +199,10 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
     return out
 
 
+def _mib(value: Any) -> str:
+    return "?" if value is None else f"{value:.0f}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", default="1,8,64,256,1024")
@@ -192,7 +223,7 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")]))
     print(f"{'clients':>7} {'tensors':>7} {'entries':>9} {'plan s':>7} {'agree s':>8} {'merge mem s':>11} "
           f"{'merge files s':>13} {'open s':>7} {'open+read s':>11} {'open+part s':>11} "
-          f"{'index MB':>8} {'peak MiB':>8} "
+          f"{'index MB':>8} {'peak MiB':>8} {'peak mem/files MiB':>18} "
           f"{'B/entry pieces':>14} {'B/entry entries':>15}")
     for t in [int(x) for x in args.tensors.split(",")]:
         for n in [int(x) for x in args.clients.split(",")]:
@@ -209,6 +240,7 @@ def main() -> None:
                   f"{r['merge_files_s']:>13.3f} {r['open_s']:>7.3f} {r['open_read_s']:>11.3f} "
                   f"{r['open_read_part_s']:>11.3f} "
                   f"{r['index_bytes'] / 1e6:>8.1f} {r['peak_extra_mib']:>8.0f} "
+                  f"{_mib(r['merge_mem_peak_mib']):>8}/{_mib(r['merge_files_peak_mib']):>9} "
                   f"{r['gather_pieces_bytes_per_entry']:>14.0f} {r['gather_entries_bytes_per_entry']:>15.0f}",
                   flush=True)
     if args.json:
