@@ -22,8 +22,9 @@ entries. Phases, each timed:
 
 Each (N, T) runs in a fresh process; peak RSS above the process's baseline is reported for
 the whole run and, where Linux lets the peak be reset (``/proc/self/clear_refs``), for each
-merge phase alone ("peak mem/files": what the io client holds at most while it merges and
-writes the index, the gathered entries included).
+merge phase alone ("peak mem/files": the most the process holds while the io client merges
+and writes the index, above its baseline: the gathered entries and whatever RSS earlier
+phases left included; "+added": above the RSS at the phase's start).
 
     .venv/bin/python benchmarks/bench_scale.py                       # N = 1..1024, T = 1000, 10000 (<= 2e6 entries)
     .venv/bin/python benchmarks/bench_scale.py --clients 8 --tensors 100   # smoke test
@@ -146,12 +147,15 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
     out["gather_entries_bytes_per_entry"] = len(json.dumps(sample)) / (2 * t)
     gathered = [_encode_entries(client_entries(r)) for r in range(n)]
     out["gathered_entries_mib"] = sum(map(len, gathered)) / 2**20
+    peak_before = _status_kib("VmHWM")
     windowed = _reset_peak()
+    start_rss = _rss_kib()
     t0 = time.perf_counter()
     merged = merge_entries((f"part{r}", _decode_entries(g)) for r, g in enumerate(gathered))
     index = index_bytes(merged, n)
     out["merge_mem_s"] = time.perf_counter() - t0
     out["merge_mem_peak_mib"] = (_status_kib("VmHWM") - base_rss) / 1024 if windowed else None
+    out["merge_mem_added_mib"] = (_status_kib("VmHWM") - start_rss) / 1024 if windowed else None
     out["index_bytes"] = len(index)
     del gathered, merged, index
 
@@ -168,7 +172,9 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
         with open(index_filename(part), "wb") as f:
             f.write(index_bytes({k: e.SerializeToString() for k, e in entries.items()}, 1))
         part_prefixes.append(part)
+    peak_before = max(peak_before, _status_kib("VmHWM"))
     windowed = _reset_peak()
+    start_rss = _rss_kib()
     t0 = time.perf_counter()
     inputs = ((part,) + read_index(part, local_fs) for part in part_prefixes)  # as merge_bundles reads them
     merged_plan = plan_merge(inputs)
@@ -176,12 +182,13 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
     local_fs.write_atomic(index_filename(prefix), index)
     out["merge_files_s"] = time.perf_counter() - t0
     out["merge_files_peak_mib"] = (_status_kib("VmHWM") - base_rss) / 1024 if windowed else None
+    out["merge_files_added_mib"] = (_status_kib("VmHWM") - start_rss) / 1024 if windowed else None
     del merged_plan, index
     shutil.rmtree(parts_dir)
     for r in range(n):  # sparse data files of the right size (zeros)
         with open(data_filename(prefix, r, n), "wb") as f:
             f.truncate(t * slice_bytes)
-    out["peak_extra_mib"] = (_hwm_kib() - base_rss) / 1024
+    out["peak_extra_mib"] = (max(peak_before, _status_kib("VmHWM"), _hwm_kib()) - base_rss) / 1024
 
     t0 = time.perf_counter()
     with BundleReader(prefix) as reader:
@@ -223,7 +230,7 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")]))
     print(f"{'clients':>7} {'tensors':>7} {'entries':>9} {'plan s':>7} {'agree s':>8} {'merge mem s':>11} "
           f"{'merge files s':>13} {'open s':>7} {'open+read s':>11} {'open+part s':>11} "
-          f"{'index MB':>8} {'peak MiB':>8} {'peak mem/files MiB':>18} "
+          f"{'index MB':>8} {'peak MiB':>8} {'peak mem/files MiB (+added)':>27} "
           f"{'B/entry pieces':>14} {'B/entry entries':>15}")
     for t in [int(x) for x in args.tensors.split(",")]:
         for n in [int(x) for x in args.clients.split(",")]:
@@ -240,7 +247,8 @@ def main() -> None:
                   f"{r['merge_files_s']:>13.3f} {r['open_s']:>7.3f} {r['open_read_s']:>11.3f} "
                   f"{r['open_read_part_s']:>11.3f} "
                   f"{r['index_bytes'] / 1e6:>8.1f} {r['peak_extra_mib']:>8.0f} "
-                  f"{_mib(r['merge_mem_peak_mib']):>8}/{_mib(r['merge_files_peak_mib']):>9} "
+                  f"{_mib(r['merge_mem_peak_mib']):>5} (+{_mib(r['merge_mem_added_mib'])})/"
+                  f"{_mib(r['merge_files_peak_mib']):>5} (+{_mib(r['merge_files_added_mib'])}) "
                   f"{r['gather_pieces_bytes_per_entry']:>14.0f} {r['gather_entries_bytes_per_entry']:>15.0f}",
                   flush=True)
     if args.json:
