@@ -8,8 +8,9 @@ entries. Phases, each timed:
 
 * ``plan``: ``make_save_plan`` of one client's ``T`` pieces (every client does the same);
 * ``gather``: the JSON a client contributes to the save's all-gathers (piece descriptions
-  for the agreement check; index entries on object stores), in bytes per entry;
-* ``agree``: the tiling check of all clients' pieces (``saving.agreement.pieces_problem``);
+  for the agreement check, packed; index entries on object stores), in bytes per entry;
+* ``agree``: the tiling check of all clients' pieces, their packed descriptions decoded
+  first (``saving.agreement.unpack_pieces`` + ``pieces_problem``);
 * ``merge_mem``: the io client's merge of all clients' entries held in memory and the
   index bytes (the object-store commit: each client's gathered entries decoded,
   ``merge_entries`` + ``index_bytes``);
@@ -89,7 +90,7 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
     from shardckpt.format.ordered_code import encode_tensor_name_slice
     from shardckpt.format.protos import tensor_bundle_pb2 as pb
     from shardckpt.format.tensor_slice import TensorSlice
-    from shardckpt.saving.agreement import describe_pieces, pieces_problem
+    from shardckpt.saving.agreement import describe_pieces, pack_pieces, pieces_problem, unpack_pieces
     from shardckpt.saving.commit.index_last import _decode_entries, _encode_entries
     from shardckpt.saving.plan import make_save_plan
     from shardckpt.sharding.shardable import ShardableTensor
@@ -110,7 +111,8 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
     plan = make_save_plan(pieces)
     out["plan_s"] = time.perf_counter() - t0
     described = describe_pieces(plan)
-    out["gather_pieces_bytes_per_entry"] = len(json.dumps(described)) / t
+    out["gather_pieces_json_bytes_per_entry"] = len(json.dumps(described)) / t
+    out["gather_pieces_bytes_per_entry"] = len(json.dumps(pack_pieces(described))) / t
 
     # each client's entries, as its writer would produce them (shard id = client)
     def client_entries(r: int) -> Dict[bytes, Any]:
@@ -132,15 +134,16 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
         return entries
 
     # agreement: all clients' descriptions (client r's boxes shifted to its rows)
-    all_described = []
+    packed = []
     for r in range(n):
-        all_described.append({k: [d, s, [[[r * ROWS, (r + 1) * ROWS], [0, COLS]]]]
-                              for k, (d, s, _) in described.items()})
+        packed.append(pack_pieces({k: [d, s, [[[r * ROWS, (r + 1) * ROWS], [0, COLS]]]]
+                                   for k, (d, s, _) in described.items()}))
     t0 = time.perf_counter()
+    all_described = [unpack_pieces(p) for p in packed]  # what every client does with the all-gather
     problem = pieces_problem(all_described)
     out["agree_s"] = time.perf_counter() - t0
     assert problem is None, problem
-    del all_described
+    del all_described, packed
 
     # object-store commit: entries gathered as JSON, merged in memory, index bytes
     sample = _encode_entries(client_entries(0))

@@ -25,7 +25,6 @@ from shardckpt.format.merge import _Layouts, index_bytes, merge_entries, plan_me
 from shardckpt.format.naming import data_filename, index_filename
 from shardckpt.format.protos import tensor_bundle_pb2 as pb
 from shardckpt.format.sstable import TableWriter, read_table
-from shardckpt.saving.commit.index_last import _decode_entries, _encode_entries, encode_pairs
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -281,23 +280,6 @@ def _expected(entry: pb.BundleEntryProto) -> Tuple[int, int, int, int]:
 
     return (size("dtype", "shape"), entry.shard_id, size("dtype", "shape", "shard_id"),
             size("dtype", "shape", "shard_id", "offset", "size", "crc32c"))
-
-
-def test_gathered_entries_round_trip_compactly() -> None:
-    entries: Dict[bytes, pb.BundleEntryProto] = {}
-    for i in range(1000):
-        entry = pb.BundleEntryProto(dtype=pb.DT_FLOAT, shard_id=517, offset=32 * i, size=32, crc32c=0x12345678 + i)
-        entry.shape.dim.add(size=2)
-        entry.shape.dim.add(size=4)
-        entries[f"model/layer_{i // 16}/w{i % 16}/.ATTRIBUTES/VARIABLE_VALUE".encode()] = entry
-    text = _encode_entries(entries)
-    assert _decode_entries(text) == sorted((k, e.SerializeToString()) for k, e in entries.items())
-    assert len(text) / len(entries) < 20  # JSON pairs of base64 strings took ~106 bytes an entry
-    with pytest.raises(CorruptIndexError, match="gathered"):
-        _decode_entries(text[:-8] + "AAAAAAA=", "<gathered>")
-    with pytest.raises(CorruptIndexError, match="gathered"):
-        _decode_entries("not base64!", "<gathered>")
-    assert _decode_entries(encode_pairs([])) == []
 
 
 def test_merged_index_reads_back(tmp_path) -> None:  # type: ignore[no-untyped-def]
