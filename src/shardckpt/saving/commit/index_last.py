@@ -20,7 +20,8 @@ What is in the store at each moment of a save to ``<prefix>``:
    object appears only when its upload completes; a failed writer aborts its upload.
    Where the store has conditional writes (S3), the object is *created exclusively*
    (``If-None-Match: *``): it never replaces another writer's object. The shard's
-   index entries and the object's ETag travel to the io client as JSON.
+   index entries (a compressed table, :func:`encode_pairs`) and the object's ETag
+   travel to the io client as JSON; it merges them one client's shard at a time.
 4. ``commit`` [io client]: the registered savers' data files are uploaded, empty
    padding objects are added for ids past the shards (all created exclusively), every
    data object the new index names is checked to carry the ETag this save wrote, and
@@ -106,8 +107,8 @@ def encode_pairs(pairs: Iterable[Tuple[bytes, bytes]]) -> str:
     """``(key, serialized entry)`` pairs as they travel to the io client: a table, zlib-compressed, in base64.
 
     The table's keys are prefix-compressed and a shard's entries repeat their dtype,
-    shape and shard id: ~10 bytes an entry for sliced parameters (one JSON pair of base64
-    strings took ~106). The io client reads it with the same checked reader as an index
+    shape and shard id: a few bytes an entry (4 in ``benchmarks/bench_scale.py``; one JSON
+    pair of base64 strings took ~106). The io client reads it with the same checked reader as an index
     file (:func:`_decode_entries`).
     """
     table = TableWriter()
