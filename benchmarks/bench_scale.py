@@ -8,18 +8,27 @@ entries. Phases, each timed:
 
 * ``plan``: ``make_save_plan`` of one client's ``T`` pieces (every client does the same);
 * ``gather``: the JSON a client contributes to the save's all-gathers (piece descriptions
-  for the agreement check; index entries on object stores), in bytes per entry;
-* ``agree``: the tiling check of all clients' pieces (``saving.agreement.pieces_problem``);
+  for the agreement check, packed; index entries on object stores), in bytes per entry;
+* ``agree``: the tiling check of all clients' pieces (``saving.agreement.pieces_problem``),
+  after ``unpack``: their packed descriptions decoded (``unpack_pieces``; before the
+  descriptions were packed, the transport's JSON decoding did this work, unmeasured, and
+  this benchmark checked descriptions that shared their objects, which the check compares
+  faster than decoded ones);
 * ``merge_mem``: the io client's merge of all clients' entries held in memory and the
-  index bytes (the object-store commit: ``merge_entries`` + ``index_bytes``);
-* ``merge_files``: the local commit's merge: ``read_index`` of the ``N`` part indexes,
-  ``plan_merge``, index bytes, index written;
+  index bytes (the object-store commit: each client's gathered entries decoded,
+  ``merge_entries`` + ``index_bytes``);
+* ``merge_files``: the local commit's merge: ``read_index`` of the ``N`` part indexes
+  (one at a time, as ``merge_bundles`` reads them), ``plan_merge``, index bytes, index written;
 * ``open_read``: open the merged index (``BundleReader``) and read one whole tensor
   (its ``N`` slices, from ``N`` sparse data files; checksums verified);
 * ``open_read_part``: open it again and read one client's rows of another tensor (what each
   client of a restore does: one of the ``N`` slices).
 
-Each (N, T) runs in a fresh process; peak RSS above the process's baseline is reported.
+Each (N, T) runs in a fresh process; peak RSS above the process's baseline is reported for
+the whole run and, where Linux lets the peak be reset (``/proc/self/clear_refs``), for each
+merge phase alone ("peak mem/files": the most the process holds while the io client merges
+and writes the index, above its baseline: the gathered entries and whatever RSS earlier
+phases left included; "+added": above the RSS at the phase's start).
 
     .venv/bin/python benchmarks/bench_scale.py                       # N = 1..1024, T = 1000, 10000 (<= 2e6 entries)
     .venv/bin/python benchmarks/bench_scale.py --clients 8 --tensors 100   # smoke test
@@ -55,6 +64,24 @@ def _hwm_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> bool:
+    """Start a new peak-RSS window (Linux: VmHWM is reset by writing 5 to clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
     import numpy as np
 
@@ -66,7 +93,7 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
     from shardckpt.format.ordered_code import encode_tensor_name_slice
     from shardckpt.format.protos import tensor_bundle_pb2 as pb
     from shardckpt.format.tensor_slice import TensorSlice
-    from shardckpt.saving.agreement import describe_pieces, pieces_problem
+    from shardckpt.saving.agreement import describe_pieces, pack_pieces, pieces_problem, unpack_pieces
     from shardckpt.saving.commit.index_last import _decode_entries, _encode_entries
     from shardckpt.saving.plan import make_save_plan
     from shardckpt.sharding.shardable import ShardableTensor
@@ -87,7 +114,8 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
     plan = make_save_plan(pieces)
     out["plan_s"] = time.perf_counter() - t0
     described = describe_pieces(plan)
-    out["gather_pieces_bytes_per_entry"] = len(json.dumps(described)) / t
+    out["gather_pieces_json_bytes_per_entry"] = len(json.dumps(described)) / t
+    out["gather_pieces_bytes_per_entry"] = len(json.dumps(pack_pieces(described))) / t
 
     # each client's entries, as its writer would produce them (shard id = client)
     def client_entries(r: int) -> Dict[bytes, Any]:
@@ -109,27 +137,35 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
         return entries
 
     # agreement: all clients' descriptions (client r's boxes shifted to its rows)
-    all_described = []
+    packed = []
     for r in range(n):
-        all_described.append({k: [d, s, [[[r * ROWS, (r + 1) * ROWS], [0, COLS]]]]
-                              for k, (d, s, _) in described.items()})
+        packed.append(pack_pieces({k: [d, s, [[[r * ROWS, (r + 1) * ROWS], [0, COLS]]]]
+                                   for k, (d, s, _) in described.items()}))
+    t0 = time.perf_counter()
+    all_described = [unpack_pieces(p) for p in packed]  # what every client does with the all-gather
+    out["unpack_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     problem = pieces_problem(all_described)
     out["agree_s"] = time.perf_counter() - t0
     assert problem is None, problem
-    del all_described
+    del all_described, packed
 
     # object-store commit: entries gathered as JSON, merged in memory, index bytes
     sample = _encode_entries(client_entries(0))
-    out["gather_entries_bytes_per_entry"] = len(json.dumps(sample)) / len(sample)
+    out["gather_entries_bytes_per_entry"] = len(json.dumps(sample)) / (2 * t)
     gathered = [_encode_entries(client_entries(r)) for r in range(n)]
+    out["gathered_entries_mib"] = sum(map(len, gathered)) / 2**20
+    peak_before = _status_kib("VmHWM")
+    windowed = _reset_peak()
+    start_rss = _rss_kib()
     t0 = time.perf_counter()
-    parts = [(f"part{r}", sorted(_decode_entries(g).items())) for r, g in enumerate(gathered)]
-    merged = merge_entries(parts)
+    merged = merge_entries((f"part{r}", _decode_entries(g)) for r, g in enumerate(gathered))
     index = index_bytes(merged, n)
     out["merge_mem_s"] = time.perf_counter() - t0
+    out["merge_mem_peak_mib"] = (_status_kib("VmHWM") - base_rss) / 1024 if windowed else None
+    out["merge_mem_added_mib"] = (_status_kib("VmHWM") - start_rss) / 1024 if windowed else None
     out["index_bytes"] = len(index)
-    del gathered, parts, merged, index
+    del gathered, merged, index
 
     # local commit: N part indexes on disk, read back, merged, index written
     prefix = os.path.join(folder, "model")
@@ -142,23 +178,25 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
         for e in entries.values():
             e.shard_id = 0
         with open(index_filename(part), "wb") as f:
-            f.write(index_bytes(entries, 1))
+            f.write(index_bytes({k: e.SerializeToString() for k, e in entries.items()}, 1))
         part_prefixes.append(part)
+    peak_before = max(peak_before, _status_kib("VmHWM"))
+    windowed = _reset_peak()
+    start_rss = _rss_kib()
     t0 = time.perf_counter()
-    inputs = []
-    for part in part_prefixes:
-        header, items = read_index(part, local_fs)
-        inputs.append((part, header, items))
+    inputs = ((part,) + read_index(part, local_fs) for part in part_prefixes)  # as merge_bundles reads them
     merged_plan = plan_merge(inputs)
     index = merged_plan.index(n)
     local_fs.write_atomic(index_filename(prefix), index)
     out["merge_files_s"] = time.perf_counter() - t0
-    del inputs, merged_plan, index
+    out["merge_files_peak_mib"] = (_status_kib("VmHWM") - base_rss) / 1024 if windowed else None
+    out["merge_files_added_mib"] = (_status_kib("VmHWM") - start_rss) / 1024 if windowed else None
+    del merged_plan, index
     shutil.rmtree(parts_dir)
     for r in range(n):  # sparse data files of the right size (zeros)
         with open(data_filename(prefix, r, n), "wb") as f:
             f.truncate(t * slice_bytes)
-    out["peak_extra_mib"] = (_hwm_kib() - base_rss) / 1024
+    out["peak_extra_mib"] = (max(peak_before, _status_kib("VmHWM"), _hwm_kib()) - base_rss) / 1024
 
     t0 = time.perf_counter()
     with BundleReader(prefix) as reader:
@@ -174,6 +212,10 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
     out["open_read_part_s"] = time.perf_counter() - t0
     assert part.shape == (ROWS, COLS) and not part.any()
     return out
+
+
+def _mib(value: Any) -> str:
+    return "?" if value is None else f"{value:.0f}"
 
 
 def main() -> None:
@@ -194,9 +236,9 @@ def main() -> None:
         return
     rows: List[Dict[str, Any]] = []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")]))
-    print(f"{'clients':>7} {'tensors':>7} {'entries':>9} {'plan s':>7} {'agree s':>8} {'merge mem s':>11} "
-          f"{'merge files s':>13} {'open s':>7} {'open+read s':>11} {'open+part s':>11} "
-          f"{'index MB':>8} {'peak MiB':>8} "
+    print(f"{'clients':>7} {'tensors':>7} {'entries':>9} {'plan s':>7} {'unpack s':>8} {'agree s':>8} "
+          f"{'merge mem s':>11} {'merge files s':>13} {'open s':>7} {'open+read s':>11} {'open+part s':>11} "
+          f"{'index MB':>8} {'peak MiB':>8} {'peak mem/files MiB (+added)':>27} "
           f"{'B/entry pieces':>14} {'B/entry entries':>15}")
     for t in [int(x) for x in args.tensors.split(",")]:
         for n in [int(x) for x in args.clients.split(",")]:
@@ -209,10 +251,13 @@ def main() -> None:
                 continue
             r = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
             rows.append(r)
-            print(f"{n:>7} {t:>7} {r['entries']:>9} {r['plan_s']:>7.3f} {r['agree_s']:>8.3f} {r['merge_mem_s']:>11.3f} "
+            print(f"{n:>7} {t:>7} {r['entries']:>9} {r['plan_s']:>7.3f} {r['unpack_s']:>8.3f} {r['agree_s']:>8.3f} "
+                  f"{r['merge_mem_s']:>11.3f} "
                   f"{r['merge_files_s']:>13.3f} {r['open_s']:>7.3f} {r['open_read_s']:>11.3f} "
                   f"{r['open_read_part_s']:>11.3f} "
                   f"{r['index_bytes'] / 1e6:>8.1f} {r['peak_extra_mib']:>8.0f} "
+                  f"{_mib(r['merge_mem_peak_mib']):>5} (+{_mib(r['merge_mem_added_mib'])})/"
+                  f"{_mib(r['merge_files_peak_mib']):>5} (+{_mib(r['merge_files_added_mib'])}) "
                   f"{r['gather_pieces_bytes_per_entry']:>14.0f} {r['gather_entries_bytes_per_entry']:>15.0f}",
                   flush=True)
     if args.json:

@@ -18,10 +18,12 @@ Layout (all integers little-endian)::
 from __future__ import annotations
 
 import bisect
+import itertools
+import operator
 import struct
 import threading
 from collections import OrderedDict
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Tuple
 
 from ..errors import CorruptIndexError, InvalidArgumentError, UnsupportedError
 from . import crc, varint
@@ -69,21 +71,24 @@ class _BlockBuilder:
     def size_estimate(self) -> int:
         return len(self._buf) + 4 * len(self._restarts) + 4
 
-    def add(self, key: bytes, value: bytes) -> None:
-        shared = 0
-        if self._counter < self._interval:
-            last = self._last_key
-            limit = min(len(last), len(key))
-            while shared < limit and last[shared] == key[shared]:
-                shared += 1
-        else:
-            self._restarts.append(len(self._buf))
-            self._counter = 0
+    def add(self, key: bytes, value: "bytes | bytearray") -> None:
         buf = self._buf
-        buf += varint.encode(shared)
-        buf += varint.encode(len(key) - shared)
-        buf += varint.encode(len(value))
-        buf += key[shared:]
+        if self._counter < self._interval:
+            shared = _shared_prefix(self._last_key, key)
+        else:
+            self._restarts.append(len(buf))
+            self._counter = 0
+            shared = 0
+        non_shared = len(key) - shared
+        value_len = len(value)
+        if non_shared < 0x80 and value_len < 0x80:  # shared <= len(key): the usual one-byte lengths
+            buf += _THREE_BYTES.pack(shared, non_shared, value_len) if shared < 0x80 else \
+                varint.encode(shared) + _TWO_BYTES.pack(non_shared, value_len)
+        else:
+            buf += varint.encode(shared)
+            buf += varint.encode(non_shared)
+            buf += varint.encode(value_len)
+        buf += key[shared:] if shared else key
         buf += value
         self._last_key = key
         self._counter += 1
@@ -96,6 +101,21 @@ class _BlockBuilder:
         self._counter = 0
         self._last_key = b""
         return out
+
+
+_THREE_BYTES = struct.Struct("<BBB")
+_TWO_BYTES = struct.Struct("<BB")
+
+
+def _shared_prefix(a: bytes, b: bytes) -> int:
+    """Length of the common prefix of ``a`` and ``b`` (compared as big integers: no loop per byte)."""
+    n = min(len(a), len(b))
+    head_a = a[:n]
+    head_b = b[:n]
+    if head_a == head_b:
+        return n
+    diff = int.from_bytes(head_a, "big") ^ int.from_bytes(head_b, "big")
+    return n - ((diff.bit_length() + 7) >> 3)
 
 
 def _shortest_separator(start: bytes, limit: bytes) -> bytes:
@@ -142,7 +162,7 @@ class TableWriter:
         self._pending_handle: Optional[bytes] = None
         self._finished = False
 
-    def add(self, key: bytes, value: bytes) -> None:
+    def add(self, key: bytes, value: "bytes | bytearray") -> None:
         if self._finished:
             raise InvalidArgumentError("table already finished")
         if self._last_key is not None:
@@ -159,6 +179,76 @@ class TableWriter:
         self._data_block.add(key, value)
         if self._data_block.size_estimate() >= self._block_size:
             self._flush()
+
+    def extend(self, items: Iterable[Tuple[bytes, "bytes | bytearray"]]) -> None:
+        """:meth:`add` each ``(key, value)`` in turn (the same bytes; the data block built inline, for many entries)."""
+        if self._finished:
+            raise InvalidArgumentError("table already finished")
+        iterator = iter(items)
+        if self._last_key is None:  # the first entry of the table: nothing to compare with
+            for key, value in iterator:
+                self.add(key, value)
+                break
+        if self._last_key is None:
+            return
+        block = self._data_block
+        interval = block._interval
+        block_size = self._block_size
+        big = 2 * block_size
+        pack = _THREE_BYTES.pack
+        encode = varint.encode
+        from_bytes = int.from_bytes
+        buf, restarts, counter, previous = block._buf, block._restarts, block._counter, block._last_key
+        room = block_size - 4 * len(restarts) - 4  # bytes the entries may take before the block is full
+        last = self._last_key
+        try:
+            for key, value in iterator:
+                key_len = len(key)
+                value_len = len(value)
+                if key <= last:
+                    raise InvalidArgumentError(f"table keys must be strictly increasing: {key!r} after {last!r}")
+                if key_len + value_len >= big and buf:
+                    block._counter, block._last_key = counter, previous
+                    self._flush()
+                    buf, restarts, counter, previous = block._buf, block._restarts, block._counter, block._last_key
+                    room = block_size - 4 * len(restarts) - 4
+                if self._pending_handle is not None:
+                    self._index_block.add(_shortest_separator(last, key), self._pending_handle)
+                    self._pending_handle = None
+                if counter < interval:
+                    n = key_len if key_len < len(previous) else len(previous)
+                    mine = key[:n]
+                    theirs = previous[:n]
+                    if mine == theirs:
+                        shared = n
+                    else:
+                        shared = n - (((from_bytes(mine, "big") ^ from_bytes(theirs, "big")).bit_length() + 7) >> 3)
+                    counter += 1
+                else:
+                    restarts.append(len(buf))
+                    room -= 4
+                    counter = 1
+                    shared = 0
+                non_shared = key_len - shared
+                if (shared | non_shared | value_len) < 0x80:
+                    buf += pack(shared, non_shared, value_len)
+                    buf += key[shared:] if shared else key
+                else:
+                    buf += encode(shared)
+                    buf += encode(non_shared)
+                    buf += encode(value_len)
+                    buf += key[shared:]
+                buf += value
+                previous = last = key
+                if len(buf) >= room:
+                    block._counter, block._last_key = counter, previous
+                    self._last_key = last
+                    self._flush()
+                    buf, restarts, counter, previous = block._buf, block._restarts, block._counter, block._last_key
+                    room = block_size - 4 * len(restarts) - 4
+        finally:
+            block._counter, block._last_key = counter, previous
+            self._last_key = last
 
     def _write_block(self, contents: bytes) -> bytes:
         handle = _encode_handle(self._offset, len(contents))
@@ -265,6 +355,63 @@ def _iter_block(block: bytes, path: str, what: str) -> Iterator[Tuple[bytes, byt
         raise
 
 
+def _block_lists(block: bytes, path: str, what: str, budget: int) -> Tuple[List[bytes], List[bytes], int]:
+    """Every key and value of ``block`` (as :func:`_iter_block`, all at once), and ``budget`` less their key bytes.
+
+    Raises the prefix-compression-bomb error as soon as the keys exceed ``budget``.
+    Keys are not checked for order here.
+    """
+    if len(block) < 4:
+        raise _corrupt(path, f"{what} block too short ({len(block)} bytes)")
+    (num_restarts,) = struct.unpack_from("<I", block, len(block) - 4)
+    limit = len(block) - 4 - 4 * num_restarts
+    if num_restarts == 0 or limit < 0:
+        raise _corrupt(path, f"{what} block: bad restart count {num_restarts}")
+    keys: List[bytes] = []
+    values: List[bytes] = []
+    add_key = keys.append
+    add_value = values.append
+    pos = 0
+    key = b""
+    try:
+        while pos < limit:
+            if pos + 3 <= limit and (block[pos] | block[pos + 1] | block[pos + 2]) < 0x80:
+                shared = block[pos]  # the usual case: three one-byte varints
+                non_shared = block[pos + 1]
+                value_len = block[pos + 2]
+                pos += 3
+            else:
+                shared, pos = varint.decode(block, pos, limit, 5)
+                non_shared, pos = varint.decode(block, pos, limit, 5)
+                value_len, pos = varint.decode(block, pos, limit, 5)
+            end = pos + non_shared
+            if shared > len(key) or end + value_len > limit:
+                raise _corrupt(path, f"{what} block: bad entry at offset {pos}")
+            key = key[:shared] + block[pos:end] if shared else block[pos:end]
+            budget -= shared + non_shared
+            if budget < 0:
+                raise _corrupt(path, "keys decode to far more bytes than the file holds (prefix-compression bomb?)")
+            add_key(key)
+            pos = end + value_len
+            add_value(block[end:pos])
+    except CorruptIndexError as exc:
+        if exc.path is None:
+            raise _corrupt(path, f"{what} block: {exc}") from None
+        raise
+    return keys, values, budget
+
+
+def _strictly_increasing(keys: List[bytes], last: Optional[bytes], path: str) -> None:
+    """Raise the out-of-order error unless ``last`` (if any) and ``keys`` are strictly increasing."""
+    if last is not None and keys and keys[0] <= last:
+        raise _corrupt(path, f"keys out of order: {keys[0][:64]!r} after {last[:64]!r}")
+    if all(map(operator.lt, keys, itertools.islice(keys, 1, None))):
+        return
+    for before, key in zip(keys, keys[1:]):
+        if key <= before:
+            raise _corrupt(path, f"keys out of order: {key[:64]!r} after {before[:64]!r}")
+
+
 def _footer_cut_at(data: bytes) -> Optional[int]:
     """Where the footer began if the file lost part of it: the index block ends there."""
     for start in range(max(0, len(data) - FOOTER_SIZE + 1), len(data)):
@@ -327,15 +474,11 @@ def read_table(data: bytes, path: str = "<memory>") -> Iterator[Tuple[bytes, byt
     for _, handle in _iter_block(index_block, path, "index"):
         offset, size, _ = _decode_handle(handle, 0, len(handle), path)
         block = _read_block(data, offset, size, path, "data")
-        for key, value in _iter_block(block, path, "data"):
-            if last_key is not None and key <= last_key:
-                raise _corrupt(path, f"keys out of order: {key[:64]!r} after {last_key[:64]!r}")
-            key_budget -= len(key)
-            if key_budget < 0:
-                raise _corrupt(path, "keys decode to far more bytes than the file holds "
-                                     "(prefix-compression bomb?)")
-            last_key = key
-            yield key, value
+        keys, values, key_budget = _block_lists(block, path, "data", key_budget)
+        _strictly_increasing(keys, last_key, path)
+        if keys:
+            last_key = keys[-1]
+        yield from zip(keys, values)
 
 
 

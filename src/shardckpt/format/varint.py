@@ -21,7 +21,7 @@ def encode(value: int) -> bytes:
     return bytes(out)
 
 
-def decode(buf: "bytes | memoryview", pos: int, limit: int, max_bytes: int = 10) -> "tuple[int, int]":
+def decode(buf: "bytes | bytearray | memoryview", pos: int, limit: int, max_bytes: int = 10) -> "tuple[int, int]":
     """Decode a varint at ``buf[pos:limit]``; return ``(value, new_pos)``.
 
     Raises :class:`CorruptIndexError` on a truncated or over-long varint; callers

@@ -5,7 +5,8 @@
    that skipped a save, or saves to another prefix, makes every client fail this save
    at once, naming it (instead of pairing later saves off by one).
 2. **The pieces.** Every client describes its pieces (key, dtype, global shape, box);
-   all descriptions are all-gathered with the shard counts and every client checks the
+   all descriptions are all-gathered with the shard counts (JSON, zlib-compressed, in
+   base64: a few bytes a piece where the JSON takes ~84) and every client checks the
    union the same way: per key one dtype, one global shape, and boxes that tile the
    tensor exactly (no gap, no overlap). Any disagreement fails the save on every
    client with an error naming the disagreeing clients; nothing is written, nothing
@@ -14,16 +15,20 @@
 
 from __future__ import annotations
 
+import base64
 import itertools
+import json
 import threading
 import weakref
+import zlib
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..distributed.coordinator import Coordinator
+from ..errors import ShardingValidationError
 from ..format.tensor_slice import Box, full_box, parse_shape_and_slice
 from .plan import SavePlan
 
-__all__ = ["save_identity", "identity_problem", "describe_pieces", "pieces_problem"]
+__all__ = ["save_identity", "identity_problem", "describe_pieces", "pieces_problem", "pack_pieces", "unpack_pieces"]
 
 _COUNTERS: "weakref.WeakKeyDictionary[Coordinator, itertools.count]" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
@@ -59,6 +64,27 @@ def describe_pieces(plan: SavePlan) -> Dict[str, List[Any]]:
             full_shape = item.shape
         entry = out.setdefault(item.key, [item.dtype.enum, list(full_shape), []])
         entry[2].append([list(b) for b in item.box])
+    return out
+
+
+def pack_pieces(described: Dict[str, List[Any]]) -> str:
+    """:func:`describe_pieces`'s result as it travels in the save's all-gather: JSON, zlib'd, base64.
+
+    Every client receives every client's descriptions, so their size is what the
+    all-gather moves: ~4-5 bytes a piece for parameters sliced alike (~84 as JSON).
+    """
+    text = json.dumps(described, separators=(",", ":"))
+    return base64.b64encode(zlib.compress(text.encode("utf-8"), 1)).decode("ascii")
+
+
+def unpack_pieces(packed: str) -> Dict[str, List[Any]]:
+    """What :func:`pack_pieces` packed."""
+    try:
+        out = json.loads(zlib.decompress(base64.b64decode(packed)).decode("utf-8"))
+    except (ValueError, zlib.error) as exc:
+        raise ShardingValidationError(f"a client's piece descriptions do not decode ({exc})") from None
+    if not isinstance(out, dict):
+        raise ShardingValidationError("a client's piece descriptions are not a mapping")
     return out
 
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..distributed.coordinator import CoordinationError, CoordinationTimeout, Coordinator
-from .agreement import describe_pieces, identity_problem, pieces_problem, save_identity
+from .agreement import describe_pieces, identity_problem, pack_pieces, pieces_problem, save_identity, unpack_pieces
 from .async_save import AsyncSaver
 from .commit import Committer, committer_for
 from .commit.base import Written
@@ -274,9 +274,9 @@ def _number_shards(plan: SavePlan, request: SaveRequest, coordinator: Coordinato
         else:
             send_plan(plan, coordinator, io)
             shards = []
-    gathered = coordinator.all_gather({"shards": len(shards), "pieces": pieces}, timeout=timeout)
+    gathered = coordinator.all_gather({"shards": len(shards), "pieces": pack_pieces(pieces)}, timeout=timeout)
     counts = [g["shards"] for g in gathered]
-    return shards, sum(counts), sum(counts[:rank]), pieces_problem([g["pieces"] for g in gathered])
+    return shards, sum(counts), sum(counts[:rank]), pieces_problem([unpack_pieces(g["pieces"]) for g in gathered])
 
 
 def _write_shards(committer: Committer, shards: Sequence[ShardPlan], first_id: int,

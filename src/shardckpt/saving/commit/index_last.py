@@ -20,7 +20,8 @@ What is in the store at each moment of a save to ``<prefix>``:
    object appears only when its upload completes; a failed writer aborts its upload.
    Where the store has conditional writes (S3), the object is *created exclusively*
    (``If-None-Match: *``): it never replaces another writer's object. The shard's
-   index entries and the object's ETag travel to the io client as JSON.
+   index entries (a compressed table, :func:`encode_pairs`) and the object's ETag
+   travel to the io client as JSON; it merges them one client's shard at a time.
 4. ``commit`` [io client]: the registered savers' data files are uploaded, empty
    padding objects are added for ids past the shards (all created exclusively), every
    data object the new index names is checked to carry the ETag this save wrote, and
@@ -61,15 +62,17 @@ import logging
 import shutil
 import tempfile
 import threading
+import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
-from ...errors import AbortedError, NotFoundError
+from ...errors import AbortedError, CorruptIndexError, NotFoundError
 from ...format.bundle_writer import BundleWriter
 from ...format.crc import shared_executor
 from ...format.merge import index_bytes, merge_entries, read_index
 from ...format.naming import data_filename, index_filename
 from ...format.protos import tensor_bundle_pb2 as pb
+from ...format.sstable import TableWriter, read_table
 from ...storage.base import FileSystem, WriteHandle
 from ...storage.local import local_fs
 from ...storage.location import Location
@@ -84,6 +87,7 @@ __all__ = ["IndexLastCommitter", "pick_num_shards"]
 
 _log = logging.getLogger("shardckpt")
 Entries = Dict[bytes, pb.BundleEntryProto]
+Serialized = Dict[bytes, bytes]
 
 
 def pick_num_shards(count: int, avoid: List[int]) -> int:
@@ -94,13 +98,32 @@ def pick_num_shards(count: int, avoid: List[int]) -> int:
     return n
 
 
-def _encode_entries(entries: Entries) -> List[List[str]]:
-    return [[base64.b64encode(k).decode(), base64.b64encode(e.SerializeToString()).decode()]
-            for k, e in sorted(entries.items())]
+def _encode_entries(entries: Mapping[bytes, pb.BundleEntryProto]) -> str:
+    """A shard's index entries as they travel to the io client (see :func:`encode_pairs`)."""
+    return encode_pairs((key, entry.SerializeToString()) for key, entry in entries.items())
 
 
-def _decode_entries(items: List[List[str]]) -> Entries:
-    return {base64.b64decode(k): pb.BundleEntryProto.FromString(base64.b64decode(e)) for k, e in items}
+def encode_pairs(pairs: Iterable[Tuple[bytes, bytes]]) -> str:
+    """``(key, serialized entry)`` pairs as they travel to the io client: a table, zlib-compressed, in base64.
+
+    The table's keys are prefix-compressed and a shard's entries repeat their dtype,
+    shape and shard id: a few bytes an entry (4 in ``benchmarks/bench_scale.py``; one JSON
+    pair of base64 strings took ~106). The io client reads it with the same checked reader as an index
+    file (:func:`_decode_entries`).
+    """
+    table = TableWriter()
+    for key, value in sorted(pairs):
+        table.add(key, value)
+    return base64.b64encode(zlib.compress(table.finish(), 1)).decode("ascii")
+
+
+def _decode_entries(text: str, source: str = "<gathered entries>") -> List[Tuple[bytes, bytes]]:
+    """The ``(key, serialized entry)`` pairs of :func:`encode_pairs`'s text, in key order."""
+    try:
+        table = zlib.decompress(base64.b64decode(text))
+    except (ValueError, zlib.error) as exc:
+        raise CorruptIndexError(f"gathered index entries do not decode ({exc})", path=source) from None
+    return list(read_table(table, source))
 
 
 class _ExclusiveCreates(FileSystemWrapper):
@@ -149,7 +172,7 @@ class IndexLastCommitter(Committer):
         self._writer_fs: FileSystem = _ExclusiveCreates(fs) if self._conditional else fs
         self._mine: Dict[str, str] = {}  # objects this save created (io client: all it knows of) -> ETag
         self._scratch: Optional[str] = None
-        self._extra: List[Tuple[str, Entries, Dict[str, int]]] = []  # (bundle, entries, data file -> new id)
+        self._extra: List[Tuple[str, Serialized, Dict[str, int]]] = []  # (bundle, entries, data file -> new id)
         self._committed = False
 
     def prepare(self, extra_bundles: Optional[BundleMaker] = None) -> Setup:
@@ -172,12 +195,12 @@ class IndexLastCommitter(Committer):
             ids: Dict[str, int] = {}
             for bundle in extra_bundles(self._scratch):
                 header, items = read_index(bundle, local_fs)
-                entries: Entries = {}
+                entries: Serialized = {}
                 for key, value in items:
                     entry = pb.BundleEntryProto.FromString(value)
                     source = data_filename(bundle, entry.shard_id, header.num_shards)
                     entry.shard_id = ids.setdefault(source, len(ids))
-                    entries[key] = entry
+                    entries[key] = entry.SerializeToString()
                 self._extra.append((bundle, entries, ids))
             first = len(ids)
         self.setup = {"avoid": sorted(avoid), "first_shard_id": first, "has_index": self._scan.has_index,
@@ -281,10 +304,7 @@ class IndexLastCommitter(Committer):
             if w.get("etag"):
                 self._mine[data_filename(prefix, self.first_shard_id + i, self.num_shards)] = str(w["etag"])
         self._upload_extra()
-        parts = [(bundle, sorted(entries.items())) for bundle, entries, _ in self._extra]
-        parts += [(data_filename(prefix, self.first_shard_id + i, self.num_shards),
-                   sorted(_decode_entries(w["entries"]).items())) for i, w in enumerate(written)]
-        merged = merge_entries(parts)
+        merged = merge_entries(self._parts(written))
         for pad in range(self.first_shard_id + len(written), self.num_shards):
             self._create(data_filename(prefix, pad, self.num_shards))
         data = index_bytes(merged, self.num_shards)
@@ -305,6 +325,15 @@ class IndexLastCommitter(Committer):
             raise AbortedError("not committed: another save committed this prefix while this one ran "
                                f"(the index changed since it was listed; {exc.message})", path=index) from exc
         self._committed = True
+
+    def _parts(self, written: List[Written]) -> Iterator[Tuple[str, List[Tuple[bytes, bytes]]]]:
+        """[io client] Every bundle's ``(key, serialized entry)`` pairs, decoded one client's shard at a time."""
+        prefix = self.location.prefix
+        for bundle, entries, _ in self._extra:
+            yield bundle, sorted(entries.items())
+        for i, w in enumerate(written):
+            name = data_filename(prefix, self.first_shard_id + i, self.num_shards)
+            yield name, _decode_entries(w["entries"], name)
 
     def finish(self) -> None:
         for path, count in self._previous.items():

@@ -35,7 +35,6 @@ Deleting the previous checkpoint's objects afterwards leaves the copies intact.
 
 from __future__ import annotations
 
-import base64
 import logging
 from typing import Any, Dict, List, Tuple
 
@@ -44,7 +43,7 @@ from ...format.protos import tensor_bundle_pb2 as pb
 from ..incremental import piece_records, sidecar_bytes, sidecar_filename
 from ..plan import Reuse, ShardPlan
 from .base import Written
-from .index_last import IndexLastCommitter, _encode_entries
+from .index_last import IndexLastCommitter, _decode_entries, _encode_entries, encode_pairs
 from .rename import RenameCommitter
 
 __all__ = ["LinkRenameCommitter", "CopyIndexLastCommitter"]
@@ -78,12 +77,11 @@ class LinkRenameCommitter(RenameCommitter):
         how = self.location.fs.copy_file(shard.reuse.source, data_filename(part, 0, 1), fsync=self.fsync)
         written = _reused(shard, how)
         # no part index: the merge takes the entries (shard id 0, offsets into the linked file) from here
-        written.update({"part": part, "index_entries": [[base64.b64encode(k).decode(), base64.b64encode(v).decode()]
-                                                        for k, v in shard.reuse.entries]})
+        written.update({"part": part, "index_entries": encode_pairs(shard.reuse.entries)})
         return written
 
     def _in_memory(self, written: List[Written]) -> Dict[str, List[Tuple[bytes, bytes]]]:
-        return {str(w["part"]): [(base64.b64decode(k), base64.b64decode(v)) for k, v in w["index_entries"]]
+        return {str(w["part"]): _decode_entries(w["index_entries"], str(w["part"]))
                 for w in written if "index_entries" in w}
 
     def _before_index(self, written: List[Written], index: bytes) -> None:

@@ -35,7 +35,7 @@ unreferenced data files; the next save to the prefix removes them
 from __future__ import annotations
 
 import logging
-from typing import Callable, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Collection, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from ...errors import InvalidArgumentError, NotFoundError
 from ...format.bundle_writer import BundleWriter, make_header
@@ -183,23 +183,28 @@ def merge_bundles(prefixes: Sequence[str], destination: str, *, delete_old_dirs:
     if fs is None:
         fs = Location.of(destination).fs
     fs.makedirs(fs.dirname(destination))
-    inputs: List[MergeInput] = []
     given = in_memory or {}
     one_file = pb.BundleHeaderProto.FromString(make_header(1)) if given else None
+    present: List[str] = []
     for prefix in prefixes:
-        if prefix in given:
-            assert one_file is not None
-            inputs.append((prefix, one_file, given[prefix]))
-            continue
-        if not fs.exists(index_filename(prefix)):
+        if prefix not in given and not fs.exists(index_filename(prefix)):
             if allow_missing_files:
                 continue
             raise NotFoundError("merge input has no index", path=index_filename(prefix))
-        header, items = read_index(prefix, fs)
-        inputs.append((prefix, header, items))
-    if not inputs:
+        present.append(prefix)
+    if not present:
         raise NotFoundError("none of the merge inputs exist: " + ", ".join(prefixes))
-    merged = plan_merge(inputs)
+
+    def inputs() -> Iterator[MergeInput]:  # one part index in memory at a time
+        for prefix in present:
+            if prefix in given:
+                assert one_file is not None
+                yield prefix, one_file, given[prefix]
+            else:
+                header, items = read_index(prefix, fs)
+                yield prefix, header, items
+
+    merged = plan_merge(inputs())
     num_shards = max(merged.count, 1)
     while num_shards in avoid_num_shards:
         num_shards += 1
@@ -226,11 +231,11 @@ def merge_bundles(prefixes: Sequence[str], destination: str, *, delete_old_dirs:
     if fsync:
         fs.fsync_dir(fs.dirname(destination))
     dest_dir = fs.normpath(fs.dirname(destination) or ".")
-    for prefix, _, _ in inputs:
+    for prefix in present:
         if prefix not in given and fs.normpath(prefix) != fs.normpath(destination):
             fs.remove(index_filename(prefix))
     if delete_old_dirs:
-        for prefix, _, _ in inputs:
+        for prefix in present:
             directory = fs.normpath(fs.dirname(prefix) or ".")
             if directory != dest_dir:
                 fs.rmdir_if_empty(directory)
