@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -45,6 +45,7 @@ from ..errors import (
     DataLossError,
     InvalidArgumentError,
     NotFoundError,
+    ShardckptError,
     UnsupportedError,
 )
 from ..storage.base import FileSystem, RunBatch, normalize
@@ -154,6 +155,8 @@ class BundleReader:
         self._fs = fs
         self._context = context if context is not None else crc.default_context()
         self._identity_of = getattr(fs, "identity", None)
+        #: object stores: reads held to the version an identity names (``If-Match``), see _open_index
+        self._pin = getattr(fs, "pin", None) if self._identity_of is not None else None
         self._unit = fs.read_step or _UNIT  # a store's preferred request size, when it has one
         self._min_unit = fs.read_step or _MIN_UNIT
         self._sub = fs.read_step or _SUB
@@ -190,7 +193,16 @@ class BundleReader:
         fs = self._fs
         self._close_index()  # from an earlier attempt
         self._raw, self._table = None, None
-        before = self._identity(self.index_path) if self._identity_of is not None else None
+        # Object stores that list and pin: one listing gives the identity of the index and of
+        # every data object; the index is then read pinned to the listed version (a replaced
+        # index fails the read: open again), so no HEAD before or after is needed.
+        lister = getattr(fs, "list_identities", None) if self._pin is not None else None
+        listed = lister(self.prefix + ".") if lister is not None else None
+        if listed is not None and self.index_path in listed:
+            before = listed[self.index_path]
+        else:
+            listed = None
+            before = self._identity(self.index_path) if self._identity_of is not None else None
         lazy = self._load_index is False
         if self._load_index is None:
             size = int(before[0]) if before is not None else fs.size(self.index_path)
@@ -204,7 +216,10 @@ class BundleReader:
             if header_bytes is None:
                 raise CorruptIndexError("index has no header entry (empty key)", path=self.index_path)
         else:
-            data = fs.read_bytes(self.index_path)
+            try:
+                data = self._read_index_whole(before, pinned=listed is not None)
+            except CheckpointReplacedError:
+                return False
             raw = dict(read_table(data, self.index_path))
             header_bytes = raw.pop(b"", None)
             if header_bytes is None:
@@ -220,6 +235,17 @@ class BundleReader:
         if self._identity_of is None:
             return True
         self._identities = {}
+        if listed is not None:  # the listing that named the index's version names its data objects
+            for shard in range(self.num_shards):
+                path = self.data_path(shard)
+                if path in listed:
+                    self._identities[shard] = listed[path]
+                elif self.num_shards <= _EAGER_IDENTITY:  # not listed: ask the object before calling it missing
+                    try:
+                        self._identities[shard] = self._identity(path)
+                    except NotFoundError:
+                        self._identities[shard] = None
+            return True
         if self.num_shards <= _EAGER_IDENTITY:
             paths = [self.data_path(shard) for shard in range(self.num_shards)]
             batch = getattr(self._fs, "identities", None)
@@ -233,6 +259,25 @@ class BundleReader:
                     except NotFoundError:
                         self._identities[shard] = None
         return self._identity(self.index_path) == before
+
+    def _read_index_whole(self, before: Any, pinned: bool) -> bytes:
+        """The whole index file; with ``pinned``, read held to the identity ``before`` (raises
+        :class:`CheckpointReplacedError` when the index is another one now)."""
+        if not pinned:
+            return self._fs.read_bytes(self.index_path)
+        fd = self._fs.open_read(self.index_path)
+        try:
+            if not self._pin_handle(fd, before):
+                return self._fs.read_bytes(self.index_path)
+            buf = bytearray(int(before[0]))
+            self._fs.pread_into(fd, memoryview(buf), 0, self.index_path)
+            return bytes(buf)
+        finally:
+            self._fs.close(fd)
+
+    def _pin_handle(self, fd: Any, identity: Any) -> bool:
+        """Hold the reads of ``fd`` to ``identity`` where the store can (then its identity costs no request)."""
+        return bool(self._pin is not None and identity is not None and self._pin(fd, identity))
 
     def _open_lazily(self, before: Any) -> Optional[bytes]:
         """Open the index for lookups through its index block; the header entry's value."""
@@ -248,6 +293,7 @@ class BundleReader:
             if self._index_fd is None:
                 fd = self._fs.open_read(self.index_path)
                 if self._identity_of is not None:
+                    self._pin_handle(fd, self._index_identity)
                     try:
                         now = self._identity(self.index_path, fd)
                     except BaseException:
@@ -430,8 +476,11 @@ class BundleReader:
                                                        "and exists now")
                         raise NotFoundError("data file of the checkpoint is missing", path=path)
                     fd = self._fs.open_read(path)
+                    pinned = known and self._pin_handle(fd, recorded)  # then the identity costs no request
                     try:
                         now = self._identity(path, fd)
+                        if not pinned:
+                            self._pin_handle(fd, now)  # later reads see this version or fail
                     except BaseException:
                         self._fs.close(fd)
                         raise
@@ -557,6 +606,46 @@ class BundleReader:
             self._read_piece(piece, dt, local, dest, verify, session, where)
         return out
 
+    def prefetch(self, regions: Sequence[Tuple[KeyLike, Optional[Union[Box, TensorSlice, str]]]]) -> int:
+        """Announce the reads of ``regions`` (``(key, region)``; ``None``: the whole tensor) to the store.
+
+        Object stores then fetch the byte ranges those reads need (whole entries, or the
+        runs of a region) in few large requests, in parallel, ahead of the reads
+        (:meth:`~shardckpt.storage.fsspec_fs.FsspecFileSystem.prefetch`); the reads are
+        unchanged and checked as always. Nothing happens on stores that take no
+        announcements. Only entries that pass the reader's checks are announced; any
+        problem is left for the read to report. Returns the number of requests planned.
+        """
+        hint = getattr(self._fs, "prefetch", None)
+        if hint is None or not getattr(self._fs, "prefetches", False):
+            return 0
+        spans: Dict[int, Tuple[Any, str, List[np.ndarray], List[np.ndarray]]] = {}
+        for key, region in regions:
+            try:
+                kb = _key_bytes(key)
+                dt = self.dtype(kb)
+                box = region_box(region, self.shape(kb), self.prefix, kb)
+                for piece, common in self._overlapping(kb, box):
+                    if box_volume(common) == 0:
+                        continue
+                    fd, path = self._locate(piece, dt)  # opened, and the entry checked against the file
+                    entry, stored = piece.entry, box_shape(piece.box)
+                    local = tuple((a - p0, b - p0) for (a, b), (p0, _) in zip(common, piece.box))
+                    if dt.itemsize is None or local == full_box(stored):
+                        starts = np.array([int(entry.offset)], dtype=np.int64)
+                        run = int(entry.size)
+                    else:
+                        starts, run, _ = _box_runs(int(entry.offset), stored, local, dt.itemsize)
+                    into = spans.setdefault(int(entry.shard_id), (fd, path, [], []))
+                    into[2].append(starts)
+                    into[3].append(starts + run)
+            except ShardckptError:
+                continue
+        planned = 0
+        for fd, path, starts_list, ends_list in spans.values():
+            planned += int(hint(fd, np.concatenate(starts_list), np.concatenate(ends_list), path) or 0)
+        return planned
+
     def read_piece_region(self, piece: StoredPiece, local: Box, out: Optional[np.ndarray] = None, *,
                           verify: bool = True, session: Optional["ReadSession"] = None) -> np.ndarray:
         """Read the box ``local`` (relative to the piece) of one stored piece into ``out``.
@@ -663,28 +752,14 @@ class BundleReader:
         """Read the sub-box ``local`` of a row-major block stored at ``offset``."""
         itemsize = dt.itemsize
         assert itemsize is not None
-        rank = len(shape)
-        strides = [1] * rank
-        for d in range(rank - 2, -1, -1):
-            strides[d] = strides[d + 1] * shape[d + 1]
-        j = rank  # dims j.. are taken whole, so each run spans them
-        while j > 0 and local[j - 1] == (0, shape[j - 1]):
-            j -= 1
-        if j <= 1:  # one contiguous run (e.g. leading rows, or the whole block)
-            start = offset + (local[0][0] * strides[0] * itemsize if rank else 0)
-            self._pread_to(fd, path, start, dest)
+        offsets, run_bytes, contiguous = _box_runs(offset, shape, local, itemsize)
+        if contiguous:  # one contiguous run (e.g. leading rows, or the whole block)
+            self._pread_to(fd, path, int(offsets[0]), dest)
             return
-        runs_dim = j - 1
-        run_bytes = (local[runs_dim][1] - local[runs_dim][0]) * strides[runs_dim] * itemsize
-        # Element offset of every run, row-major over the outer dims (computed in bulk).
-        elem = np.full((), local[runs_dim][0] * strides[runs_dim], dtype=np.int64)
-        for d in range(runs_dim):
-            elem = np.add.outer(elem, np.arange(local[d][0], local[d][1], dtype=np.int64) * strides[d])
-        offsets = offset + elem.reshape(-1) * itemsize
         target = dest if dest.flags.c_contiguous else np.empty(dest.shape, dtype=dest.dtype)
         cover = None
         if run_bytes < _PAGE:  # tiny runs: the rows that hold them, for stores where bytes are cheaper than calls
-            row_bytes = strides[0] * itemsize
+            row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * itemsize
             cover = (offset + local[0][0] * row_bytes, (local[0][1] - local[0][0]) * row_bytes)
         self._fs.pread_batch(fd, RunBatch(offsets, run_bytes, byte_view(target), cover), path)
         if target is not dest:
@@ -714,6 +789,29 @@ class BundleReader:
         values = np.empty(count, dtype=object)
         values[:] = items
         return values
+
+
+def _box_runs(offset: int, shape: Tuple[int, ...], local: Box, itemsize: int) -> Tuple[np.ndarray, int, bool]:
+    """Where the sub-box ``local`` of a row-major block stored at ``offset`` lies: the file offset of
+    each run (row-major order, computed in bulk), the bytes of one run, and whether it is one
+    contiguous run (then the single offset starts all of the box's bytes)."""
+    rank = len(shape)
+    strides = [1] * rank
+    for d in range(rank - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    j = rank  # dims j.. are taken whole, so each run spans them
+    while j > 0 and local[j - 1] == (0, shape[j - 1]):
+        j -= 1
+    if j <= 1:
+        start = offset + (local[0][0] * strides[0] * itemsize if rank else 0)
+        total = box_volume(local) * itemsize
+        return np.array([start], dtype=np.int64), total, True
+    runs_dim = j - 1
+    run_bytes = (local[runs_dim][1] - local[runs_dim][0]) * strides[runs_dim] * itemsize
+    elem = np.full((), local[runs_dim][0] * strides[runs_dim], dtype=np.int64)
+    for d in range(runs_dim):
+        elem = np.add.outer(elem, np.arange(local[d][0], local[d][1], dtype=np.int64) * strides[d])
+    return offset + elem.reshape(-1) * itemsize, run_bytes, False
 
 
 def _unit_bounds(size: int, unit: int, min_unit: int, workers: int) -> List[Tuple[int, int]]:
