@@ -193,13 +193,19 @@ class BundleReader:
         fs = self._fs
         self._close_index()  # from an earlier attempt
         self._raw, self._table = None, None
-        # Object stores that list and pin: one listing gives the identity of the index and of
-        # every data object; the index is then read pinned to the listed version (a replaced
-        # index fails the read: open again), so no HEAD before or after is needed.
-        lister = getattr(fs, "list_identities", None) if self._pin is not None else None
-        listed = lister(self.prefix + ".") if lister is not None else None
-        if listed is not None and self.index_path in listed:
-            before = listed[self.index_path]
+        # Object stores that list and pin: one round trip lists the identity of the index and
+        # of every data object, and reads the index's first bytes with the identity of the
+        # version read. Both name the same index, or the open starts again; later reads are
+        # pinned to the identities (a replaced object fails the read), so no HEAD is needed.
+        both = getattr(fs, "list_and_read", None) if self._pin is not None else None
+        got = both(self.prefix + ".", self.index_path, _EAGER_INDEX_BYTES) if both is not None else None
+        listed, head = got if got is not None else (None, None)
+        if head is not None:
+            before = head[1]
+            if listed is not None and listed.get(self.index_path, before) != before:
+                return False  # the index changed between the two requests
+            if listed is not None and self.index_path not in listed:
+                listed = None  # the listing predates the index: data identities are asked for below
         else:
             listed = None
             before = self._identity(self.index_path) if self._identity_of is not None else None
@@ -216,10 +222,13 @@ class BundleReader:
             if header_bytes is None:
                 raise CorruptIndexError("index has no header entry (empty key)", path=self.index_path)
         else:
-            try:
-                data = self._read_index_whole(before, pinned=listed is not None)
-            except CheckpointReplacedError:
-                return False
+            if head is not None and len(head[0]) >= int(before[0]):
+                data = head[0][:int(before[0])]  # all of it came with the listing
+            else:
+                try:
+                    data = self._read_index_whole(before, pinned=head is not None)
+                except CheckpointReplacedError:
+                    return False
             raw = dict(read_table(data, self.index_path))
             header_bytes = raw.pop(b"", None)
             if header_bytes is None:

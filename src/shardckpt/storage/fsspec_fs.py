@@ -706,15 +706,41 @@ class FsspecFileSystem(FileSystem):
         """
         if not self._is_s3():
             return None
+        try:
+            return self.submit("list", prefix, lambda: self._alist_identities(prefix)).result()  # type: ignore[no-any-return]
+        except NotFoundError:
+            self._check_bucket(prefix)
+            raise
+
+    def list_and_read(self, prefix: str, path: str, limit: int) -> Optional[
+            Tuple[Dict[str, Tuple[Any, ...]], Optional[Tuple[bytes, Tuple[Any, ...]]]]]:
+        """:meth:`list_identities` of ``prefix`` and the first ``limit`` bytes of ``path`` with the
+        identity of the version they come from, in one round trip (both requests at once).
+
+        The bytes are all of the object when it is at most ``limit`` bytes (the identity's
+        size says). ``None`` for them when there is no such object. ``None`` on stores
+        other than S3.
+        """
+        if not self._is_s3():
+            return None
+        listing = self.submit("list", prefix, lambda: self._alist_identities(prefix))
+        head = self.submit("read", path, lambda: self._aread_start(path, limit))
+        try:
+            first = head.result()
+        except NotFoundError:
+            first = None
+        try:
+            return listing.result(), first
+        except NotFoundError:
+            self._check_bucket(prefix)
+            raise
+
+    async def _alist_identities(self, prefix: str) -> Dict[str, Tuple[Any, ...]]:
         bucket, key, _ = self.fs.split_path(prefix)
         found: Dict[str, Tuple[Any, ...]] = {}
         kwargs: Dict[str, Any] = {"Bucket": bucket, "Prefix": key, "Delimiter": "/"}
         while True:
-            try:
-                resp = self.call("list", prefix, self.fs.call_s3, "list_objects_v2", **kwargs)
-            except NotFoundError:
-                self._check_bucket(prefix)
-                raise
+            resp = await self.fs._call_s3("list_objects_v2", **kwargs)
             self._buckets_seen.add(bucket)
             for obj in resp.get("Contents") or []:
                 found[f"{self.protocol}://{bucket}/{obj['Key']}"] = self._identity_of_info(
@@ -722,6 +748,29 @@ class FsspecFileSystem(FileSystem):
             if not resp.get("IsTruncated"):
                 return found
             kwargs["ContinuationToken"] = resp.get("NextContinuationToken")
+
+    async def _aread_start(self, path: str, limit: int) -> Tuple[bytes, Tuple[Any, ...]]:
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{max(1, limit) - 1}",
+                                          **(getattr(self.fs, "req_kw", None) or {}))
+        except Exception as exc:
+            if _s3_code(exc)[0] != "InvalidRange":
+                raise
+            info = await self.fs._info(path, refresh=True)  # an empty object has no byte 0
+            return b"", self._identity_of_info(info)
+        body = resp["Body"]
+        try:
+            data = bytes(await body.read())
+        finally:
+            body.close()
+        total = len(data)
+        content_range = str(resp.get("ContentRange") or "")
+        if "/" in content_range and content_range.rsplit("/", 1)[1].isdigit():
+            total = int(content_range.rsplit("/", 1)[1])
+        self._count("bytes_read", len(data))
+        self._count("read_requests", 1)
+        return data, self._identity_of_info({"size": total, "ETag": resp.get("ETag")})
 
     def pin(self, handle: Any, identity: Any) -> bool:
         """Hold every later read through ``handle`` to the object version ``identity`` (from

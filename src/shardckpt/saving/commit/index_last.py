@@ -23,7 +23,8 @@ What is in the store at each moment of a save to ``<prefix>``:
    index entries and the object's ETag travel to the io client as JSON.
 4. ``commit`` [io client]: the registered savers' data files are uploaded, empty
    padding objects are added for ids past the shards (all created exclusively), every
-   data object the new index names is checked to carry the ETag this save wrote, and
+   data object the new index names is checked to carry the ETag this save wrote (one
+   listing of them; a HEAD for any the listing lacks), and
    the merged ``.index`` object is written with one conditional PUT: **the commit** —
    ``If-None-Match: *`` when prepare saw no index, ``If-Match: <the ETag seen>`` when
    it replaces one. Before it a reader sees the previous checkpoint (whose data
@@ -253,22 +254,34 @@ class IndexLastCommitter(Committer):
                 self._create(data_filename(self.location.prefix, new_id, self.num_shards), source)
 
     def _check_ours(self, named: List[str]) -> None:
-        """Every data object the index will name is there and carries the ETag this save wrote."""
+        """Every data object the index will name is there and carries the ETag this save wrote.
+
+        One listing of the prefix's data objects (one request per 1,000; S3 listings are
+        strongly consistent) gives their ETags; an object the listing lacks is asked for
+        itself (HEAD) before it is called gone.
+        """
         fs: Any = self.location.fs
+        lister = getattr(fs, "list_identities", None)
+        listed = lister(f"{self.location.prefix}.data-") if lister is not None else None
 
         def check(path: str) -> Optional[str]:
             expected = self._mine.get(path)
             if expected is None:
                 return f"{path}: no ETag recorded for it"
-            etag = fs.head_etag(path)
+            seen = listed.get(path) if listed is not None else None
+            etag = str(seen[1]) if seen is not None and seen[1] is not None else fs.head_etag(path)
             if etag is None:
                 return f"{path} is gone"
             if etag.strip('"') != expected.strip('"'):
                 return f"{path} was replaced (ETag {etag}, this save wrote {expected})"
             return None
 
-        with ThreadPoolExecutor(max_workers=min(16, max(1, len(named))), thread_name_prefix="shardckpt-check") as pool:
-            problems = [p for p in pool.map(check, named) if p is not None]
+        if listed is not None and all(p in listed for p in named):
+            problems = [p for p in map(check, named) if p is not None]
+        else:
+            with ThreadPoolExecutor(max_workers=min(16, max(1, len(named))),
+                                    thread_name_prefix="shardckpt-check") as pool:
+                problems = [p for p in pool.map(check, named) if p is not None]
         if problems:
             raise AbortedError("not committed: another writer changed this save's data objects: "
                                + "; ".join(problems[:3]) + (" ..." if len(problems) > 3 else ""),
