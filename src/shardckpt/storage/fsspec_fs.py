@@ -77,7 +77,7 @@ from ..errors import (
     StorageError,
     UnsupportedError,
 )
-from .base import FileSystem, posix_dirname, split_scheme
+from .base import FileSystem, RunBatch, posix_dirname, split_scheme
 from .readahead import BlockCache, Blocks, plan_spans
 
 __all__ = ["FsspecFileSystem"]
@@ -925,6 +925,12 @@ class FsspecFileSystem(FileSystem):
         served from it, and one still in flight is waited for rather than sent twice.
         """
         path = path or handle.path
+        if isinstance(requests, RunBatch) and isinstance(handle, _ReadHandle) and handle.blocks:
+            rest = self._cache.read_runs(handle.blocks, requests.offsets, requests.run_bytes, requests.dest, path)
+            self._count("cache_hits", len(requests) - len(rest))
+            if len(rest) == 0:
+                return
+            requests = [requests[int(i)] for i in rest]
         views = [(o, b.cast("B") if b.format != "B" or b.ndim != 1 else b) for o, b in requests if len(b)]
         todo: List[Tuple[int, memoryview]] = []
         hits: List[Tuple[int, memoryview, Any]] = []

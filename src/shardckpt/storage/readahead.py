@@ -208,6 +208,62 @@ class BlockCache:
         finally:
             self._consumed(blocks, found, offset, n)
 
+    def read_runs(self, blocks: Blocks, offsets: Any, run_bytes: int, dest: memoryview, path: str) -> np.ndarray:
+        """Serve in bulk the runs that lie inside a block: run ``i`` (``offsets`` ascending) goes to
+        ``dest[i * run_bytes:(i + 1) * run_bytes]``. Returns the indices of the runs not served.
+
+        A block's runs are copied with one strided copy when evenly spaced (the rows of a
+        column block), else one slice each; errors as in :meth:`fill`.
+        """
+        offsets = np.asarray(offsets, dtype=np.int64)
+        count = len(offsets)
+        if count == 0 or run_bytes <= 0 or not blocks:
+            return np.arange(count)
+        ends = offsets + run_bytes
+        served = np.zeros(count, dtype=bool)
+        groups: List[Tuple[Block, int, int]] = []
+        with self._lock:
+            for block in list(blocks.items):
+                i0 = int(np.searchsorted(offsets, block.start, side="left"))
+                i1 = int(np.searchsorted(ends, block.end, side="right"))
+                if i1 <= i0 or served[i0:i1].any():
+                    continue
+                served[i0:i1] = True
+                groups.append((block, i0, i1))
+                if block.future is None:
+                    self._start(blocks, block)
+        out = np.frombuffer(dest, dtype=np.uint8, count=count * run_bytes).reshape(count, run_bytes)
+        try:
+            for block, i0, i1 in groups:
+                assert block.future is not None
+                data = np.frombuffer(block.future.result(), dtype=np.uint8)
+                if len(data) < int(ends[i1 - 1]) - block.start:
+                    raise DataLossError(f"unexpected end of object at offset {block.start + len(data)} "
+                                        f"(wanted {int(ends[i1 - 1]) - block.start - len(data)} more bytes)",
+                                        path=path)
+                at = offsets[i0:i1] - block.start
+                step = int(at[1] - at[0]) if i1 - i0 > 1 else run_bytes
+                if i1 - i0 == 1 or bool((np.diff(at) == step).all()):
+                    first = int(at[0])
+                    out[i0:i1] = np.lib.stride_tricks.as_strided(data[first:], shape=(i1 - i0, run_bytes),
+                                                                 strides=(step, 1), writeable=False)
+                else:
+                    for k, o in enumerate(at.tolist()):
+                        out[i0 + k] = data[o:o + run_bytes]
+        finally:
+            with self._lock:
+                freed = False
+                for block, i0, i1 in groups:
+                    if block.pending is None:
+                        continue
+                    block.pending -= (i1 - i0) * run_bytes
+                    if block.pending <= 0:
+                        self._remove(blocks, block)
+                        freed = True
+                if freed:
+                    self._pump()
+        return np.flatnonzero(~served)
+
     def covering(self, blocks: Blocks, offset: int, n: int) -> Optional[List[Block]]:
         """The blocks that together hold ``[offset, offset + n)`` (waiting ones are fetched now), or ``None``."""
         with self._lock:
