@@ -211,3 +211,22 @@ def test_prefetched_region_restores_of_3d_pieces_return_the_right_values(s3dir: 
         box = tuple(slice(int(a), int(a) + int(n)) if a != "-" else slice(None)
                     for a, n in ((p.split(",") + ["0"])[:2] if p != "-" else ("-", "0") for p in region.split(":")))
         np.testing.assert_array_equal(value, full[box])
+
+
+def test_overwrite_removes_the_previous_data_objects_with_one_request(s3_server: Any, s3dir: str) -> None:
+    prefix = f"{s3dir}/ck"
+    policy = shardckpt.CheckpointOptions(sharding_callback=shardckpt.MaxShardSizePolicy(64 << 10))
+    with FaultProxy(s3_server.endpoint) as proxy, configured(proxy.endpoint):
+        shardckpt.save_tensors(prefix, _tensors(16, 4096, seed=1), policy)
+        proxy.requests.clear()
+        new = _tensors(16, 4096, seed=2)
+        shardckpt.save_tensors(prefix, new, policy)
+        kinds = _kinds(proxy.requests)
+    deletes = [k for k in kinds if k.startswith("POST") and "delete" in k]
+    assert len(deletes) == 1 and "HEAD data" not in kinds and "DELETE data" not in kinds, kinds
+    assert kinds.count("PUT data") == 5, kinds  # 4 shards of count 5 (4 is the committed one's) + 1 padding
+    assert kinds.index("PUT index") < kinds.index(deletes[0]), kinds
+    assert sorted(n for n in _fs().listdir(s3dir)) == [f"ck.data-0000{i}-of-00005" for i in range(5)] + ["ck.index"]
+    with shardckpt.load_checkpoint(prefix) as reader:
+        for key, value in new.items():
+            np.testing.assert_array_equal(reader.get_tensor(key), value)

@@ -1158,6 +1158,29 @@ class FsspecFileSystem(FileSystem):
         except NotFoundError:
             pass
 
+    def remove_many(self, paths: Sequence[str]) -> None:
+        """Remove objects (missing ones are fine): on S3 one ``DeleteObjects`` request per 1,000 keys of
+        a bucket (retried: deleting is idempotent), elsewhere one by one."""
+        if not self._is_s3() or len(paths) <= 1:
+            for path in paths:
+                self.remove(path)
+            return
+        by_bucket: Dict[str, List[str]] = {}
+        for path in paths:
+            bucket, key, _ = self.fs.split_path(path)
+            by_bucket.setdefault(bucket, []).append(key)
+        for bucket, keys in by_bucket.items():
+            for at in range(0, len(keys), 1000):
+                chunk = keys[at:at + 1000]
+                where = f"{self.protocol}://{bucket}/{chunk[0]}"
+                resp = self.call("delete", where, self.fs.call_s3, "delete_objects", Bucket=bucket,
+                                 Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True})
+                errors = [e for e in resp.get("Errors") or [] if e.get("Code") != "NoSuchKey"]
+                if errors:
+                    first = errors[0]
+                    raise StorageError(f"delete failed for {len(errors)} object(s): {first.get('Code')}: "
+                                       f"{first.get('Message')}", path=f"{self.protocol}://{bucket}/{first.get('Key')}")
+
     def remove_tree(self, path: str) -> None:
         try:
             if self.call("list", path, self.fs.exists, path):
