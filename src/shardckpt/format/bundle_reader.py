@@ -92,6 +92,29 @@ def region_box(region: Any, shape: Tuple[int, ...], prefix: str, key: Union[str,
     return box
 
 
+def _box_runs(offset: int, shape: Tuple[int, ...], local: Box, itemsize: int) -> Tuple[np.ndarray, int, bool]:
+    """Where the sub-box ``local`` of a row-major block stored at ``offset`` lies: the file offset of
+    each run (row-major order, computed in bulk), the bytes of one run, and whether it is one
+    contiguous run (then the single offset starts all of the box's bytes)."""
+    rank = len(shape)
+    strides = [1] * rank
+    for d in range(rank - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    j = rank  # dims j.. are taken whole, so each run spans them
+    while j > 0 and local[j - 1] == (0, shape[j - 1]):
+        j -= 1
+    if j <= 1:
+        start = offset + (local[0][0] * strides[0] * itemsize if rank else 0)
+        total = box_volume(local) * itemsize
+        return np.array([start], dtype=np.int64), total, True
+    runs_dim = j - 1
+    run_bytes = (local[runs_dim][1] - local[runs_dim][0]) * strides[runs_dim] * itemsize
+    elem = np.full((), local[runs_dim][0] * strides[runs_dim], dtype=np.int64)
+    for d in range(runs_dim):
+        elem = np.add.outer(elem, np.arange(local[d][0], local[d][1], dtype=np.int64) * strides[d])
+    return offset + elem.reshape(-1) * itemsize, run_bytes, False
+
+
 def _key_bytes(key: KeyLike) -> bytes:
     if isinstance(key, bytes):
         return key
@@ -615,6 +638,33 @@ class BundleReader:
             self._read_piece(piece, dt, local, dest, verify, session, where)
         return out
 
+    def read_piece_region(self, piece: StoredPiece, local: Box, out: Optional[np.ndarray] = None, *,
+                          verify: bool = True, session: Optional["ReadSession"] = None) -> np.ndarray:
+        """Read the box ``local`` (relative to the piece) of one stored piece into ``out``.
+
+        For callers that already hold the piece (a DCP read item names the stored
+        chunk it reads from): no search over the tensor's other slices. ``out``
+        (allocated when omitted; may be a strided view) must have the box's shape
+        and the stored dtype. Only the byte runs of the box are read; a piece read
+        whole has its checksum verified (within a deferring ``session``, when the
+        session ends), a part has its file's identity checked after the read.
+        """
+        dt = from_enum(piece.entry.dtype, self.index_path, _key_str(piece.tensor_key))
+        stored = box_shape(piece.box)
+        local = tuple((int(a), int(b)) for a, b in local)
+        if len(local) != len(stored) or any(not 0 <= a <= b <= d for (a, b), d in zip(local, stored)):
+            raise InvalidArgumentError(f"region {list(local)} does not fit the stored piece's shape {list(stored)}",
+                                       path=self.prefix, **piece.where())
+        self._locate(piece, dt)
+        if out is None:
+            out = np.empty(box_shape(local), dtype=dt.numpy)
+        elif tuple(out.shape) != box_shape(local) or out.dtype != dt.numpy:
+            raise InvalidArgumentError(f"destination has shape {list(out.shape)} and dtype {out.dtype}; expected "
+                                       f"{list(box_shape(local))} and {dt.numpy}", path=self.prefix, **piece.where())
+        if box_volume(local) > 0:
+            self._read_piece(piece, dt, local, out, verify, session)
+        return out
+
     def prefetch(self, regions: Sequence[Tuple[KeyLike, Optional[Union[Box, TensorSlice, str]]]]) -> int:
         """Announce the reads of ``regions`` (``(key, region)``; ``None``: the whole tensor) to the store.
 
@@ -654,33 +704,6 @@ class BundleReader:
         for fd, path, starts_list, ends_list in spans.values():
             planned += int(hint(fd, np.concatenate(starts_list), np.concatenate(ends_list), path) or 0)
         return planned
-
-    def read_piece_region(self, piece: StoredPiece, local: Box, out: Optional[np.ndarray] = None, *,
-                          verify: bool = True, session: Optional["ReadSession"] = None) -> np.ndarray:
-        """Read the box ``local`` (relative to the piece) of one stored piece into ``out``.
-
-        For callers that already hold the piece (a DCP read item names the stored
-        chunk it reads from): no search over the tensor's other slices. ``out``
-        (allocated when omitted; may be a strided view) must have the box's shape
-        and the stored dtype. Only the byte runs of the box are read; a piece read
-        whole has its checksum verified (within a deferring ``session``, when the
-        session ends), a part has its file's identity checked after the read.
-        """
-        dt = from_enum(piece.entry.dtype, self.index_path, _key_str(piece.tensor_key))
-        stored = box_shape(piece.box)
-        local = tuple((int(a), int(b)) for a, b in local)
-        if len(local) != len(stored) or any(not 0 <= a <= b <= d for (a, b), d in zip(local, stored)):
-            raise InvalidArgumentError(f"region {list(local)} does not fit the stored piece's shape {list(stored)}",
-                                       path=self.prefix, **piece.where())
-        self._locate(piece, dt)
-        if out is None:
-            out = np.empty(box_shape(local), dtype=dt.numpy)
-        elif tuple(out.shape) != box_shape(local) or out.dtype != dt.numpy:
-            raise InvalidArgumentError(f"destination has shape {list(out.shape)} and dtype {out.dtype}; expected "
-                                       f"{list(box_shape(local))} and {dt.numpy}", path=self.prefix, **piece.where())
-        if box_volume(local) > 0:
-            self._read_piece(piece, dt, local, out, verify, session)
-        return out
 
     def verify(self, key: KeyLike) -> None:
         """Check the checksum of every stored piece of ``key`` (raises :class:`DataLossError`)."""
@@ -798,29 +821,6 @@ class BundleReader:
         values = np.empty(count, dtype=object)
         values[:] = items
         return values
-
-
-def _box_runs(offset: int, shape: Tuple[int, ...], local: Box, itemsize: int) -> Tuple[np.ndarray, int, bool]:
-    """Where the sub-box ``local`` of a row-major block stored at ``offset`` lies: the file offset of
-    each run (row-major order, computed in bulk), the bytes of one run, and whether it is one
-    contiguous run (then the single offset starts all of the box's bytes)."""
-    rank = len(shape)
-    strides = [1] * rank
-    for d in range(rank - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    j = rank  # dims j.. are taken whole, so each run spans them
-    while j > 0 and local[j - 1] == (0, shape[j - 1]):
-        j -= 1
-    if j <= 1:
-        start = offset + (local[0][0] * strides[0] * itemsize if rank else 0)
-        total = box_volume(local) * itemsize
-        return np.array([start], dtype=np.int64), total, True
-    runs_dim = j - 1
-    run_bytes = (local[runs_dim][1] - local[runs_dim][0]) * strides[runs_dim] * itemsize
-    elem = np.full((), local[runs_dim][0] * strides[runs_dim], dtype=np.int64)
-    for d in range(runs_dim):
-        elem = np.add.outer(elem, np.arange(local[d][0], local[d][1], dtype=np.int64) * strides[d])
-    return offset + elem.reshape(-1) * itemsize, run_bytes, False
 
 
 def _unit_bounds(size: int, unit: int, min_unit: int, workers: int) -> List[Tuple[int, int]]:
