@@ -2,11 +2,16 @@
 
 Three numbers, as ratios (the server is the same for both sides, so its own speed cancels):
 
-* upload: ``save_tensors`` to ``s3://`` (streamed multipart uploads, checksums, index,
-  commit) vs plain ``s3fs`` ``put`` of the same data files from local disk
-  (throughput ratio, target >= 0.9);
-* download: ``restore_tensors`` of every tensor (ranged GETs into the arrays, CRC
-  checks) vs plain ``s3fs`` ``cat`` of the same objects (target >= 0.9);
+* upload: ``save_tensors`` to ``s3://`` (one PUT per data object up to the multipart
+  threshold, checksums, the listing before and the check and index PUT after: the
+  commit) vs plain ``s3fs`` ``put`` of the same data files from local disk (throughput
+  ratio, target >= 0.95);
+* download: ``restore_tensors`` of every tensor (one listing + the index in one round
+  trip, then the ranges of all tensors planned together into few large ranged GETs sent
+  at once, read into the arrays, CRC checks) vs plain ``s3fs`` ``cat`` of the same
+  objects (target >= 0.9);
+* the S3 requests of one save and one full restore, by operation (botocore's
+  ``before-call`` event on the client: what was sent, retries aside);
 * resharded restore: a tensor saved in row blocks by 4 clients read back in column
   blocks by 2, in one process (both halves: every byte is needed) and by one client
   (its half only): time against a plain sequential ``s3fs`` download of the same data
@@ -27,6 +32,7 @@ Needs the test extra (``moto[server]``, ``s3fs``). Results: a table on stdout an
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import socket
@@ -37,6 +43,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from typing import Any, Dict
 
 import numpy as np
 
@@ -66,10 +73,14 @@ def start_moto() -> "tuple[subprocess.Popen, str]":
             time.sleep(0.2)
 
 
+def _ops(counts: Dict[str, int]) -> str:
+    return ", ".join(f"{n} {op}" for op, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="64MiB", help="bytes of the checkpoint (default 64MiB)")
-    ap.add_argument("--tensors", type=int, default=8)
+    ap.add_argument("--tensors", type=int, default=64)
     ap.add_argument("--shards", type=int, default=4, help="data files of the checkpoint")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -102,12 +113,23 @@ def main() -> None:
         local_files = sorted(os.path.join(local_dir, n) for n in os.listdir(local_dir) if ".data-" in n)
         num_files = len(local_files)
 
+        calls: "collections.Counter[str]" = collections.Counter()
+
+        def count_call(model: Any, **_: Any) -> None:
+            calls[model.name] += 1
+
         up_ours, up_plain, down_ours, down_plain = [], [], [], []
+        save_calls: Dict[str, int] = {}
+        restore_calls: Dict[str, int] = {}
         for rep in range(args.repeat + 1):  # the first round warms both clients up and is not counted
+            if rep == 1:
+                s3.s3.meta.events.register("before-call.s3", count_call)
+            calls.clear()
             prefix = f"s3://{bucket}/{uuid.uuid4().hex[:8]}/ck"
             t0 = time.perf_counter()
             shardckpt.save_tensors(prefix, tensors, policy)
             up_ours.append(time.perf_counter() - t0)
+            save_calls = dict(calls)
 
             plain_dir = f"s3://{bucket}/{uuid.uuid4().hex[:8]}"
             remote = [f"{plain_dir}/{os.path.basename(f)}" for f in local_files]
@@ -117,9 +139,11 @@ def main() -> None:
 
             keys = list(tensors)
             store.reset_stats()
+            calls.clear()
             t0 = time.perf_counter()
             out = shardckpt.restore_tensors(prefix, keys, max_workers=8)
             down_ours.append(time.perf_counter() - t0)
+            restore_calls = dict(calls)
             full_restore_gets = store.stats["read_requests"]
             assert all(np.array_equal(a, tensors[k]) for a, k in zip(out, keys))
 
@@ -131,6 +155,7 @@ def main() -> None:
             s3.rm([prefix.rsplit("/", 1)[0], plain_dir], recursive=True)  # keep the server's memory flat
             if rep == 0:
                 up_ours, up_plain, down_ours, down_plain = [], [], [], []
+        s3.s3.meta.events.unregister("before-call.s3", count_call)
 
         # resharded restore: saved in 4 row blocks (4 "clients"), read in 2 column blocks
         side = int((nbytes // 4) ** 0.5)
@@ -201,6 +226,7 @@ def main() -> None:
             "upload_ratio": statistics.median(up_plain) / statistics.median(up_ours),
             "download_ratio": statistics.median(down_plain) / statistics.median(down_ours),
             "full_restore_gets": full_restore_gets,
+            "requests": {"save": save_calls, "full_restore": restore_calls},
             "resharded": {"shape": [side, side], "full_download_s": full_s, **reshard},
             "cost_model": {"latency_s": latency, "bandwidth_Bps": bandwidth, "gap_limit": store.gap_limit(),
                            "defaults": {"read_latency": store.read_latency, "read_bandwidth": store.read_bandwidth}},
@@ -214,7 +240,9 @@ def main() -> None:
               f"{mb_s(result['upload_s']['s3fs_put']):12.1f}{result['upload_ratio']:8.2f}{'>= 0.95':>9}")
         print(f"{'download (MB/s)':28}{mb_s(result['download_s']['shardckpt']):12.1f}"
               f"{mb_s(result['download_s']['s3fs_cat']):12.1f}{result['download_ratio']:8.2f}{'>= 0.9':>9}"
-              f"  ({full_restore_gets} GETs incl. the index; merging across tensors is the restore planner's)")
+              f"  ({full_restore_gets} GETs incl. the index)")
+        print(f"requests of one save: {sum(save_calls.values())} ({_ops(save_calls)}); of one full restore: "
+              f"{sum(restore_calls.values())} ({_ops(restore_calls)})")
         print(f"resharded restore of a {side}x{side} float32 tensor (4 row blocks -> 2 column blocks), medians of "
               f"{args.repeat}; full sequential download of its data objects: {full_s:.3f} s")
         for case, r in reshard.items():

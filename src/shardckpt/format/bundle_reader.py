@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -45,6 +45,7 @@ from ..errors import (
     DataLossError,
     InvalidArgumentError,
     NotFoundError,
+    ShardckptError,
     UnsupportedError,
 )
 from ..storage.base import FileSystem, RunBatch, normalize
@@ -89,6 +90,29 @@ def region_box(region: Any, shape: Tuple[int, ...], prefix: str, key: Union[str,
     if len(box) != len(shape) or any(not 0 <= a <= b <= d for (a, b), d in zip(box, shape)):
         raise InvalidArgumentError(f"region {list(box)} does not fit shape {list(shape)}", path=prefix, key=key)
     return box
+
+
+def _box_runs(offset: int, shape: Tuple[int, ...], local: Box, itemsize: int) -> Tuple[np.ndarray, int, bool]:
+    """Where the sub-box ``local`` of a row-major block stored at ``offset`` lies: the file offset of
+    each run (row-major order, computed in bulk), the bytes of one run, and whether it is one
+    contiguous run (then the single offset starts all of the box's bytes)."""
+    rank = len(shape)
+    strides = [1] * rank
+    for d in range(rank - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    j = rank  # dims j.. are taken whole, so each run spans them
+    while j > 0 and local[j - 1] == (0, shape[j - 1]):
+        j -= 1
+    if j <= 1:
+        start = offset + (local[0][0] * strides[0] * itemsize if rank else 0)
+        total = box_volume(local) * itemsize
+        return np.array([start], dtype=np.int64), total, True
+    runs_dim = j - 1
+    run_bytes = (local[runs_dim][1] - local[runs_dim][0]) * strides[runs_dim] * itemsize
+    elem = np.full((), local[runs_dim][0] * strides[runs_dim], dtype=np.int64)
+    for d in range(runs_dim):
+        elem = np.add.outer(elem, np.arange(local[d][0], local[d][1], dtype=np.int64) * strides[d])
+    return offset + elem.reshape(-1) * itemsize, run_bytes, False
 
 
 def _key_bytes(key: KeyLike) -> bytes:
@@ -154,6 +178,8 @@ class BundleReader:
         self._fs = fs
         self._context = context if context is not None else crc.default_context()
         self._identity_of = getattr(fs, "identity", None)
+        #: object stores: reads held to the version an identity names (``If-Match``), see _open_index
+        self._pin = getattr(fs, "pin", None) if self._identity_of is not None else None
         self._unit = fs.read_step or _UNIT  # a store's preferred request size, when it has one
         self._min_unit = fs.read_step or _MIN_UNIT
         self._sub = fs.read_step or _SUB
@@ -190,7 +216,22 @@ class BundleReader:
         fs = self._fs
         self._close_index()  # from an earlier attempt
         self._raw, self._table = None, None
-        before = self._identity(self.index_path) if self._identity_of is not None else None
+        # Object stores that list and pin: one round trip lists the identity of the index and
+        # of every data object, and reads the index's first bytes with the identity of the
+        # version read. Both name the same index, or the open starts again; later reads are
+        # pinned to the identities (a replaced object fails the read), so no HEAD is needed.
+        both = getattr(fs, "list_and_read", None) if self._pin is not None else None
+        got = both(self.prefix + ".", self.index_path, _EAGER_INDEX_BYTES) if both is not None else None
+        listed, head = got if got is not None else (None, None)
+        if head is not None:
+            before = head[1]
+            if listed is not None and listed.get(self.index_path, before) != before:
+                return False  # the index changed between the two requests
+            if listed is not None and self.index_path not in listed:
+                listed = None  # the listing predates the index: data identities are asked for below
+        else:
+            listed = None
+            before = self._identity(self.index_path) if self._identity_of is not None else None
         lazy = self._load_index is False
         if self._load_index is None:
             size = int(before[0]) if before is not None else fs.size(self.index_path)
@@ -204,7 +245,13 @@ class BundleReader:
             if header_bytes is None:
                 raise CorruptIndexError("index has no header entry (empty key)", path=self.index_path)
         else:
-            data = fs.read_bytes(self.index_path)
+            if head is not None and len(head[0]) >= int(before[0]):
+                data = head[0][:int(before[0])]  # all of it came with the listing
+            else:
+                try:
+                    data = self._read_index_whole(before, pinned=head is not None)
+                except CheckpointReplacedError:
+                    return False
             raw = dict(read_table(data, self.index_path))
             header_bytes = raw.pop(b"", None)
             if header_bytes is None:
@@ -220,6 +267,17 @@ class BundleReader:
         if self._identity_of is None:
             return True
         self._identities = {}
+        if listed is not None:  # the listing that named the index's version names its data objects
+            for shard in range(self.num_shards):
+                path = self.data_path(shard)
+                if path in listed:
+                    self._identities[shard] = listed[path]
+                elif self.num_shards <= _EAGER_IDENTITY:  # not listed: ask the object before calling it missing
+                    try:
+                        self._identities[shard] = self._identity(path)
+                    except NotFoundError:
+                        self._identities[shard] = None
+            return True
         if self.num_shards <= _EAGER_IDENTITY:
             paths = [self.data_path(shard) for shard in range(self.num_shards)]
             batch = getattr(self._fs, "identities", None)
@@ -233,6 +291,25 @@ class BundleReader:
                     except NotFoundError:
                         self._identities[shard] = None
         return self._identity(self.index_path) == before
+
+    def _read_index_whole(self, before: Any, pinned: bool) -> bytes:
+        """The whole index file; with ``pinned``, read held to the identity ``before`` (raises
+        :class:`CheckpointReplacedError` when the index is another one now)."""
+        if not pinned:
+            return self._fs.read_bytes(self.index_path)
+        fd = self._fs.open_read(self.index_path)
+        try:
+            if not self._pin_handle(fd, before):
+                return self._fs.read_bytes(self.index_path)
+            buf = bytearray(int(before[0]))
+            self._fs.pread_into(fd, memoryview(buf), 0, self.index_path)
+            return bytes(buf)
+        finally:
+            self._fs.close(fd)
+
+    def _pin_handle(self, fd: Any, identity: Any) -> bool:
+        """Hold the reads of ``fd`` to ``identity`` where the store can (then its identity costs no request)."""
+        return bool(self._pin is not None and identity is not None and self._pin(fd, identity))
 
     def _open_lazily(self, before: Any) -> Optional[bytes]:
         """Open the index for lookups through its index block; the header entry's value."""
@@ -248,6 +325,7 @@ class BundleReader:
             if self._index_fd is None:
                 fd = self._fs.open_read(self.index_path)
                 if self._identity_of is not None:
+                    self._pin_handle(fd, self._index_identity)
                     try:
                         now = self._identity(self.index_path, fd)
                     except BaseException:
@@ -443,8 +521,11 @@ class BundleReader:
                                                        "and exists now")
                         raise NotFoundError("data file of the checkpoint is missing", path=path)
                     fd = self._fs.open_read(path)
+                    pinned = known and self._pin_handle(fd, recorded)  # then the identity costs no request
                     try:
                         now = self._identity(path, fd)
+                        if not pinned:
+                            self._pin_handle(fd, now)  # later reads see this version or fail
                     except BaseException:
                         self._fs.close(fd)
                         raise
@@ -597,6 +678,46 @@ class BundleReader:
             self._read_piece(piece, dt, local, out, verify, session)
         return out
 
+    def prefetch(self, regions: Sequence[Tuple[KeyLike, Optional[Union[Box, TensorSlice, str]]]]) -> int:
+        """Announce the reads of ``regions`` (``(key, region)``; ``None``: the whole tensor) to the store.
+
+        Object stores then fetch the byte ranges those reads need (whole entries, or the
+        runs of a region) in few large requests, in parallel, ahead of the reads
+        (:meth:`~shardckpt.storage.fsspec_fs.FsspecFileSystem.prefetch`); the reads are
+        unchanged and checked as always. Nothing happens on stores that take no
+        announcements. Only entries that pass the reader's checks are announced; any
+        problem is left for the read to report. Returns the number of requests planned.
+        """
+        hint = getattr(self._fs, "prefetch", None)
+        if hint is None or not getattr(self._fs, "prefetches", False):
+            return 0
+        spans: Dict[int, Tuple[Any, str, List[np.ndarray], List[np.ndarray]]] = {}
+        for key, region in regions:
+            try:
+                kb = _key_bytes(key)
+                dt = self.dtype(kb)
+                box = region_box(region, self.shape(kb), self.prefix, kb)
+                for piece, common in self._overlapping(kb, box):
+                    if box_volume(common) == 0:
+                        continue
+                    fd, path = self._locate(piece, dt)  # opened, and the entry checked against the file
+                    entry, stored = piece.entry, box_shape(piece.box)
+                    local = tuple((a - p0, b - p0) for (a, b), (p0, _) in zip(common, piece.box))
+                    if dt.itemsize is None or local == full_box(stored):
+                        starts = np.array([int(entry.offset)], dtype=np.int64)
+                        run = int(entry.size)
+                    else:
+                        starts, run, _ = _box_runs(int(entry.offset), stored, local, dt.itemsize)
+                    into = spans.setdefault(int(entry.shard_id), (fd, path, [], []))
+                    into[2].append(starts)
+                    into[3].append(starts + run)
+            except ShardckptError:
+                continue
+        planned = 0
+        for fd, path, starts_list, ends_list in spans.values():
+            planned += int(hint(fd, np.concatenate(starts_list), np.concatenate(ends_list), path) or 0)
+        return planned
+
     def verify(self, key: KeyLike) -> None:
         """Check the checksum of every stored piece of ``key`` (raises :class:`DataLossError`)."""
         for piece in self.pieces(key):
@@ -676,28 +797,14 @@ class BundleReader:
         """Read the sub-box ``local`` of a row-major block stored at ``offset``."""
         itemsize = dt.itemsize
         assert itemsize is not None
-        rank = len(shape)
-        strides = [1] * rank
-        for d in range(rank - 2, -1, -1):
-            strides[d] = strides[d + 1] * shape[d + 1]
-        j = rank  # dims j.. are taken whole, so each run spans them
-        while j > 0 and local[j - 1] == (0, shape[j - 1]):
-            j -= 1
-        if j <= 1:  # one contiguous run (e.g. leading rows, or the whole block)
-            start = offset + (local[0][0] * strides[0] * itemsize if rank else 0)
-            self._pread_to(fd, path, start, dest)
+        offsets, run_bytes, contiguous = _box_runs(offset, shape, local, itemsize)
+        if contiguous:  # one contiguous run (e.g. leading rows, or the whole block)
+            self._pread_to(fd, path, int(offsets[0]), dest)
             return
-        runs_dim = j - 1
-        run_bytes = (local[runs_dim][1] - local[runs_dim][0]) * strides[runs_dim] * itemsize
-        # Element offset of every run, row-major over the outer dims (computed in bulk).
-        elem = np.full((), local[runs_dim][0] * strides[runs_dim], dtype=np.int64)
-        for d in range(runs_dim):
-            elem = np.add.outer(elem, np.arange(local[d][0], local[d][1], dtype=np.int64) * strides[d])
-        offsets = offset + elem.reshape(-1) * itemsize
         target = dest if dest.flags.c_contiguous else np.empty(dest.shape, dtype=dest.dtype)
         cover = None
         if run_bytes < _PAGE:  # tiny runs: the rows that hold them, for stores where bytes are cheaper than calls
-            row_bytes = strides[0] * itemsize
+            row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * itemsize
             cover = (offset + local[0][0] * row_bytes, (local[0][1] - local[0][0]) * row_bytes)
         self._fs.pread_batch(fd, RunBatch(offsets, run_bytes, byte_view(target), cover), path)
         if target is not dest:

@@ -86,6 +86,7 @@ def restore_tensors(prefix: str, requests: Sequence[Union[RestoreRequest, str]],
     own = reader is None
     bundle = reader or BundleReader(prefix)
     try:
+        bundle.prefetch([(r.key, r.region) for r in reqs])  # object stores: few large GETs, ahead of the reads
         with bundle.session(defer=True) as session:  # reads overlap; all checked before the block ends
             if max_workers <= 1 or len(reqs) <= 1:
                 results = [_serve(bundle, session, r, verify) for r in reqs]

@@ -27,6 +27,16 @@ Needs the optional extra ``shardckpt[s3]`` (fsspec, s3fs). What differs from a d
   (``read_latency`` seconds vs ``read_bandwidth`` bytes/s), the requests run in
   parallel, and the gap bytes of a merged request are kept on the open handle (a
   bounded budget, ``read_cache``) so a later request for them is served without a GET.
+  A reader that knows what it will read announces it (:meth:`FsspecFileSystem.prefetch`):
+  the ranges of every tensor of a restore are planned together into few large GETs
+  sent ahead of the reads, each kept until its bytes have been read
+  (:mod:`shardckpt.storage.readahead`).
+* Pinned reads (S3): a read handle can be held to one version of its object
+  (:meth:`FsspecFileSystem.pin`, with the identity a listing or HEAD gave): every GET
+  through it carries ``If-Match: <ETag>``, so a replaced object fails the read with
+  :class:`~shardckpt.errors.CheckpointReplacedError` instead of mixing versions, and
+  the handle's identity is known without asking again. :meth:`FsspecFileSystem.list_identities`
+  gives the identity of every object of a checkpoint with one listing.
 * Retries: one layer only. Every request is retried here on transient errors (5xx,
   throttling, timeouts, lost connections) with exponential backoff and jitter,
   ``retries`` attempts in all; botocore's retries are off and aiohttp's silent
@@ -51,14 +61,24 @@ import hashlib
 import logging
 import posixpath
 import random
+import re
 import socket
 import threading
 import time
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from ..errors import AbortedError, DataLossError, NotFoundError, StorageError, UnsupportedError
-from .base import FileSystem, posix_dirname, split_scheme
+from ..errors import (
+    AbortedError,
+    CheckpointReplacedError,
+    DataLossError,
+    NotFoundError,
+    ShardckptError,
+    StorageError,
+    UnsupportedError,
+)
+from .base import FileSystem, RunBatch, posix_dirname, split_scheme
+from .readahead import BlockCache, Blocks, plan_spans
 
 __all__ = ["FsspecFileSystem"]
 
@@ -176,19 +196,24 @@ def classify(exc: BaseException) -> str:
     return _PERMANENT
 
 
-class _ReadHandle:
-    """An open object: its path and the blocks of merged reads kept for later requests.
+#: an S3 ETag: the MD5 of the bytes, or of the parts' MD5s and a part count (only those are pinned)
+_S3_ETAG = re.compile(r"[0-9a-fA-F]{32}(-[0-9]+)?")
 
-    ``blocks``: ``(start, end, future of the bytes)``, in flight or done; a request that
-    lies inside one waits for it instead of sending a GET of its own.
+
+class _ReadHandle:
+    """An open object: its path, its blocks (:mod:`.readahead`) and the version it is pinned to.
+
+    ``pinned``: the identity every read is held to (``etag`` is sent as ``If-Match``),
+    ``None`` when not pinned.
     """
 
-    __slots__ = ("path", "blocks", "cached")
+    __slots__ = ("path", "blocks", "pinned", "etag")
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.blocks: List[Tuple[int, int, "Future[Any]"]] = []
-        self.cached = 0
+        self.blocks = Blocks(self)
+        self.pinned: Optional[Tuple[Any, ...]] = None
+        self.etag: Optional[str] = None
 
 
 class _Upload:
@@ -405,8 +430,7 @@ class FsspecFileSystem(FileSystem):
         #: conditional writes (If-None-Match / If-Match) are available (S3)
         self.conditional_writes = self._is_s3()
         self._buckets_seen: set = set()
-        self._cache_lock = threading.RLock()  # the blocks of every open handle
-        self._cached = 0
+        self._cache = BlockCache(self.read_cache, self._fetch_block)  # the blocks of every open handle
         self._stats_lock = threading.Lock()
         self.stats: Dict[str, int] = {"bytes_read": 0, "read_requests": 0, "bytes_written": 0, "retries": 0,
                                       "cache_hits": 0, "server_copies": 0}
@@ -476,6 +500,8 @@ class FsspecFileSystem(FileSystem):
         while True:
             try:
                 return fn(*args, **kwargs)
+            except ShardckptError:
+                raise
             except Exception as exc:
                 if classify(exc) == _TRANSIENT and attempt + 1 < self.retries:
                     self._count("retries", 1)
@@ -490,6 +516,8 @@ class FsspecFileSystem(FileSystem):
         while True:
             try:
                 return await make()
+            except ShardckptError:
+                raise
             except Exception as exc:
                 if classify(exc) == _TRANSIENT and attempt + 1 < self.retries:
                     self._count("retries", 1)
@@ -628,8 +656,12 @@ class FsspecFileSystem(FileSystem):
     def identity(self, path: str, handle: Any = None) -> Tuple[Any, ...]:
         """What identifies the object's current contents: size and ETag (or version / generation / mtime).
 
-        One metadata request (HEAD); a missing object is a :class:`NotFoundError`.
+        One metadata request (HEAD); a missing object is a :class:`NotFoundError`. For a
+        read handle pinned to a version (:meth:`pin`) no request: its reads can only
+        return that version's bytes (or fail), so that is the identity of what it reads.
         """
+        if isinstance(handle, _ReadHandle) and handle.pinned is not None:
+            return handle.pinned
         try:
             self.fs.invalidate_cache(path)
         except Exception:
@@ -665,13 +697,146 @@ class FsspecFileSystem(FileSystem):
                     out[p] = None
         return out
 
+    def list_identities(self, prefix: str) -> Optional[Dict[str, Tuple[Any, ...]]]:
+        """The :meth:`identity` of every object whose path starts with ``prefix`` (not in subfolders).
+
+        S3: one ``ListObjectsV2`` request per 1,000 objects (e.g. ``<prefix>.`` lists a
+        checkpoint's index and data objects, however full its folder). ``None`` on other
+        stores. An object written after the listing began may be missing from it.
+        """
+        if not self._is_s3():
+            return None
+        try:
+            return self.submit("list", prefix, lambda: self._alist_identities(prefix)).result()  # type: ignore[no-any-return]
+        except NotFoundError:
+            self._check_bucket(prefix)
+            raise
+
+    def list_and_read(self, prefix: str, path: str, limit: int) -> Optional[
+            Tuple[Dict[str, Tuple[Any, ...]], Optional[Tuple[bytes, Tuple[Any, ...]]]]]:
+        """:meth:`list_identities` of ``prefix`` and the first ``limit`` bytes of ``path`` with the
+        identity of the version they come from, in one round trip (both requests at once).
+
+        The bytes are all of the object when it is at most ``limit`` bytes (the identity's
+        size says). ``None`` for them when there is no such object. ``None`` on stores
+        other than S3.
+        """
+        if not self._is_s3():
+            return None
+        listing = self.submit("list", prefix, lambda: self._alist_identities(prefix))
+        head = self.submit("read", path, lambda: self._aread_start(path, limit))
+        try:
+            first = head.result()
+        except NotFoundError:
+            first = None
+        try:
+            return listing.result(), first
+        except NotFoundError:
+            self._check_bucket(prefix)
+            raise
+
+    async def _alist_identities(self, prefix: str) -> Dict[str, Tuple[Any, ...]]:
+        bucket, key, _ = self.fs.split_path(prefix)
+        found: Dict[str, Tuple[Any, ...]] = {}
+        kwargs: Dict[str, Any] = {"Bucket": bucket, "Prefix": key, "Delimiter": "/"}
+        while True:
+            resp = await self.fs._call_s3("list_objects_v2", **kwargs)
+            self._buckets_seen.add(bucket)
+            for obj in resp.get("Contents") or []:
+                found[f"{self.protocol}://{bucket}/{obj['Key']}"] = self._identity_of_info(
+                    {"size": obj.get("Size"), "ETag": obj.get("ETag")})
+            if not resp.get("IsTruncated"):
+                return found
+            kwargs["ContinuationToken"] = resp.get("NextContinuationToken")
+
+    async def _aread_start(self, path: str, limit: int) -> Tuple[bytes, Tuple[Any, ...]]:
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{max(1, limit) - 1}",
+                                          **(getattr(self.fs, "req_kw", None) or {}))
+        except Exception as exc:
+            if _s3_code(exc)[0] != "InvalidRange":
+                raise
+            info = await self.fs._info(path, refresh=True)  # an empty object has no byte 0
+            return b"", self._identity_of_info(info)
+        body = resp["Body"]
+        try:
+            data = bytes(await body.read())
+        finally:
+            body.close()
+        total = len(data)
+        content_range = str(resp.get("ContentRange") or "")
+        if "/" in content_range and content_range.rsplit("/", 1)[1].isdigit():
+            total = int(content_range.rsplit("/", 1)[1])
+        self._count("bytes_read", len(data))
+        self._count("read_requests", 1)
+        return data, self._identity_of_info({"size": total, "ETag": resp.get("ETag")})
+
+    def pin(self, handle: Any, identity: Any) -> bool:
+        """Hold every later read through ``handle`` to the object version ``identity`` (from
+        :meth:`identity`, :meth:`identities` or :meth:`list_identities`); whether it is pinned.
+
+        S3 only, and only for an S3 ETag: each GET carries ``If-Match``, and a replaced
+        object fails the read with :class:`~shardckpt.errors.CheckpointReplacedError`.
+        Elsewhere nothing is pinned (False): callers check identities as before.
+        """
+        if not (self._is_s3() and isinstance(handle, _ReadHandle)) or not identity or len(identity) < 2:
+            return False
+        tag = identity[1]
+        if not isinstance(tag, str) or not _S3_ETAG.fullmatch(tag):
+            return False
+        handle.pinned = tuple(identity)
+        handle.etag = f'"{tag}"'
+        return True
+
     def read_bytes(self, path: str) -> bytes:
         data = self.call("read", path, self.fs.cat_file, path)
         self._count("bytes_read", len(data))
         self._count("read_requests", 1)
         return bytes(data)
 
-    def _get(self, path: str, start: int, view: memoryview) -> None:
+    def _ranged_get(self, handle: Any, path: str, start: int, end: int) -> Callable[[], Any]:
+        """A coroutine factory: one GET of bytes ``[start, end)`` (``If-Match`` when the handle is pinned)."""
+        etag = handle.etag if isinstance(handle, _ReadHandle) else None
+
+        async def get() -> Any:
+            if etag is None:
+                data = await self.fs._cat_file(path, start=start, end=end)
+            else:
+                data = await self._get_pinned(path, start, end, etag)
+            self._count("bytes_read", len(data))
+            self._count("read_requests", 1)
+            return data
+        return get
+
+    async def _get_pinned(self, path: str, start: int, end: int, etag: str) -> bytes:
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
+                                          IfMatch=etag, **(getattr(self.fs, "req_kw", None) or {}))
+        except Exception as exc:
+            if is_precondition_failed(exc):
+                raise CheckpointReplacedError(f"checkpoint was replaced while open: the object is no longer the "
+                                              f"version opened (ETag {etag}; open the checkpoint again to read "
+                                              "what is there now)", path=path) from None
+            raise
+        body = resp["Body"]
+        try:
+            return bytes(await body.read())
+        finally:
+            body.close()
+
+    def _fetch_block(self, handle: Any, start: int, end: int) -> "Future[Any]":
+        return self.submit("read", handle.path, self._ranged_get(handle, handle.path, start, end))
+
+    def _get(self, handle: Any, path: str, start: int, view: memoryview) -> None:
+        if getattr(self.fs, "async_impl", False):
+            data = self.submit("read", path, self._ranged_get(handle, path, start, start + len(view))).result()
+            if len(data) != len(view):
+                raise DataLossError(f"unexpected end of object at offset {start + len(data)} "
+                                    f"(wanted {len(view) - len(data)} more bytes)", path=path)
+            view[:] = data
+            return
         data = self.call("read", path, self.fs.cat_file, path, start=start, end=start + len(view))
         self._fill(path, start, view, data)
 
@@ -690,9 +855,12 @@ class FsspecFileSystem(FileSystem):
         n = len(buf)
         if n == 0:
             return
+        if isinstance(handle, _ReadHandle) and handle.blocks and self._cache.read(handle.blocks, offset, buf, path):
+            self._count("cache_hits", 1)
+            return
         step = self.read_part_size
         if n <= step:
-            self._get(path, offset, buf)
+            self._get(handle, path, offset, buf)
             return
         self.pread_batch(handle, [(offset + a, buf[a:a + step]) for a in range(0, n, step)], path)
 
@@ -700,18 +868,21 @@ class FsspecFileSystem(FileSystem):
         """Bytes of gap worth downloading rather than sending another request (the cost model)."""
         return int(self.read_latency * self.read_bandwidth)
 
+    def read_cap(self) -> int:
+        """The largest merged GET: ``read_part_size`` or four gap limits, whichever is larger (a long
+        span is split into requests that run in parallel, each worth several requests' cost in bytes)."""
+        return max(self.read_part_size, 4 * self.gap_limit())
+
     def plan_reads(self, requests: Sequence[Tuple[int, int]]) -> List[Tuple[int, int, List[int]]]:
         """Group ranges ``(offset, length)`` into GETs: ``(start, end, indices of the ranges served)``.
 
         Ranges are sorted; a range joins the current GET when the gap to it costs less
         to download than a request (:meth:`gap_limit`) and the GET stays within
-        ``read_part_size`` or four gap limits, whichever is larger (large reads still
-        split into parallel requests, each worth several requests' cost in bytes).
+        :meth:`read_cap`.
         """
         order = sorted((i for i, r in enumerate(requests) if r[1] > 0), key=lambda i: requests[i][0])
         limit = self.gap_limit()
-        # a GET is split for parallelism only where each part carries well over a request's cost in bytes
-        cap = max(self.read_part_size, 4 * limit)
+        cap = self.read_cap()
         groups: List[Tuple[int, int, List[int]]] = []
         for i in order:
             off, n = requests[i]
@@ -724,84 +895,62 @@ class FsspecFileSystem(FileSystem):
             groups.append((off, off + n, [i]))
         return groups
 
-    def _cached_block(self, handle: Any, off: int, n: int) -> "Optional[Tuple[int, Future[Any]]]":
-        if not isinstance(handle, _ReadHandle):
-            return None
-        with self._cache_lock:
-            for start, end, fut in handle.blocks:
-                if start <= off and off + n <= end:
-                    return start, fut
-        return None
+    @property
+    def prefetches(self) -> bool:
+        """Whether :meth:`prefetch` does anything here (stores with concurrent requests and a read budget)."""
+        return bool(getattr(self.fs, "async_impl", False)) and self.read_cache > 0
 
-    def _keep_block(self, handle: Any, start: int, end: int, fut: "Future[Any]") -> None:
-        if not isinstance(handle, _ReadHandle) or self.read_cache <= 0 or end - start > self.read_cache:
-            return
-        with self._cache_lock:
-            while handle.blocks and self._cached + end - start > self.read_cache:
-                s0, e0, _ = handle.blocks.pop(0)  # oldest first
-                self._cached -= e0 - s0
-                handle.cached -= e0 - s0
-            if self._cached + end - start > self.read_cache:
-                return  # other handles hold the budget
-            handle.blocks.append((start, end, fut))
-            handle.cached += end - start
-            self._cached += end - start
+    def prefetch(self, handle: Any, starts: Any, ends: Any, path: str = "") -> int:
+        """Announce reads: bytes ``[starts[i], ends[i])`` of the object will be read soon, by any thread.
 
-        def forget_failed(f: "Future[Any]") -> None:
-            if f.cancelled() or f.exception() is not None:
-                with self._cache_lock:
-                    if (start, end, f) in handle.blocks:
-                        handle.blocks.remove((start, end, f))
-                        handle.cached -= end - start
-                        self._cached -= end - start
-
-        fut.add_done_callback(forget_failed)
-
-    def _drop_blocks(self, handle: "_ReadHandle") -> None:
-        with self._cache_lock:
-            self._cached -= handle.cached
-            handle.cached = 0
-            handle.blocks = []
-
-    def _counted_get(self, path: str, start: int, end: int) -> Callable[[], Any]:
-        async def get() -> Any:
-            data = await self.fs._cat_file(path, start=start, end=end)
-            self._count("bytes_read", len(data))
-            self._count("read_requests", 1)
-            return data
-        return get
+        They are planned together with the cost model (:func:`~shardckpt.storage.readahead.plan_spans`:
+        gaps cheaper than a request are fetched, spans cut at :meth:`read_cap`) and fetched
+        in parallel ahead of the reads, within the ``read_cache`` budget; each block is kept
+        until its announced bytes have been read (or the handle is closed). A read of
+        other bytes goes to the store as usual. Returns the number of GETs planned.
+        """
+        if not self.prefetches or not isinstance(handle, _ReadHandle):
+            return 0
+        return self._cache.announce(handle.blocks, plan_spans(starts, ends, self.gap_limit(), self.read_cap()))
 
     def pread_batch(self, handle: Any, requests: Sequence[Tuple[int, memoryview]], path: str = "") -> None:
         """Fill every ``(offset, buffer)`` of ``requests`` with few GETs, in parallel.
 
-        Plan (:meth:`plan_reads`): neighbouring ranges share one GET when the gap
-        between them costs less to download than a request (``read_latency`` x
-        ``read_bandwidth`` bytes); every GET is sent at once (the connection pool
-        bounds how many run). A GET that fetched gap bytes is kept on the handle
-        (within the ``read_cache`` budget, dropped on close): a later request inside
-        it — e.g. the other column block of the same rows — is served from it, and one
-        still in flight is waited for rather than sent twice.
+        Requests inside blocks (announced reads, or kept gap bytes) are served from them.
+        The others are planned (:meth:`plan_reads`): neighbouring ranges share one GET
+        when the gap between them costs less to download than a request; every GET is
+        sent at once (the connection pool bounds how many run). A GET that fetched gap
+        bytes is kept on the handle (within the ``read_cache`` budget, dropped on close):
+        a later request inside it — e.g. the other column block of the same rows — is
+        served from it, and one still in flight is waited for rather than sent twice.
         """
         path = path or handle.path
+        if isinstance(requests, RunBatch) and isinstance(handle, _ReadHandle) and handle.blocks:
+            rest = self._cache.read_runs(handle.blocks, requests.offsets, requests.run_bytes, requests.dest, path)
+            self._count("cache_hits", len(requests) - len(rest))
+            if len(rest) == 0:
+                return
+            requests = [requests[int(i)] for i in rest]
         views = [(o, b.cast("B") if b.format != "B" or b.ndim != 1 else b) for o, b in requests if len(b)]
         todo: List[Tuple[int, memoryview]] = []
-        waits: List[Tuple[int, memoryview, int, "Future[Any]"]] = []
+        hits: List[Tuple[int, memoryview, Any]] = []
         parallel = getattr(self.fs, "async_impl", False)
+        blocks = handle.blocks if isinstance(handle, _ReadHandle) else None
         futures: List[Tuple[int, int, List[int], "Future[Any]"]] = []
-        with self._cache_lock:  # look up, plan and register at once: a concurrent batch waits for our GETs
+        with self._cache.lock:  # look up, plan and register at once: a concurrent batch waits for our GETs
             for off, b in views:
-                hit = self._cached_block(handle, off, len(b))
-                if hit is None:
+                found = self._cache.covering(blocks, off, len(b)) if blocks else None
+                if found is None:
                     todo.append((off, b))
                 else:
-                    waits.append((off, b, hit[0], hit[1]))
+                    hits.append((off, b, found))
             groups = self.plan_reads([(o, len(b)) for o, b in todo])
             if groups and parallel:
                 for start, end, members in groups:
-                    fut = self.submit("read", path, self._counted_get(path, start, end))
+                    fut = self.submit("read", path, self._ranged_get(handle, path, start, end))
                     useful = sum(len(todo[i][1]) for i in members)
-                    if useful < end - start:  # gap bytes fetched: worth keeping for a later request
-                        self._keep_block(handle, start, end, fut)
+                    if useful < end - start and blocks is not None:  # gap bytes fetched: keep for a later request
+                        self._cache.keep(blocks, start, end, fut)
                     futures.append((start, end, members, fut))
 
         def scatter(start: int, end: int, members: List[int], data: bytes) -> None:
@@ -827,12 +976,11 @@ class FsspecFileSystem(FileSystem):
                     scatter(start, end, members, data)
             except BaseException as exc:
                 error = error or exc
-        for off, b, start, fut in waits:
+        for off, b, found in hits:
             try:
-                data = fut.result()
-                if error is None:
-                    self._count("cache_hits", 1)
-                    b[:] = memoryview(data)[off - start:off - start + len(b)]
+                assert blocks is not None
+                self._cache.fill(blocks, found, off, b, path)
+                self._count("cache_hits", 1)
             except BaseException as exc:
                 error = error or exc
         if error is not None:
@@ -968,7 +1116,7 @@ class FsspecFileSystem(FileSystem):
     def close(self, handle: Any) -> None:
         """Complete the upload; the object appears now (raises if it cannot)."""
         if isinstance(handle, _ReadHandle):
-            self._drop_blocks(handle)
+            self._cache.drop(handle.blocks)
             return
         handle.close()
 
@@ -1009,6 +1157,29 @@ class FsspecFileSystem(FileSystem):
             self.call("delete", path, self.fs.rm_file, path)
         except NotFoundError:
             pass
+
+    def remove_many(self, paths: Sequence[str]) -> None:
+        """Remove objects (missing ones are fine): on S3 one ``DeleteObjects`` request per 1,000 keys of
+        a bucket (retried: deleting is idempotent), elsewhere one by one."""
+        if not self._is_s3() or len(paths) <= 1:
+            for path in paths:
+                self.remove(path)
+            return
+        by_bucket: Dict[str, List[str]] = {}
+        for path in paths:
+            bucket, key, _ = self.fs.split_path(path)
+            by_bucket.setdefault(bucket, []).append(key)
+        for bucket, keys in by_bucket.items():
+            for at in range(0, len(keys), 1000):
+                chunk = keys[at:at + 1000]
+                where = f"{self.protocol}://{bucket}/{chunk[0]}"
+                resp = self.call("delete", where, self.fs.call_s3, "delete_objects", Bucket=bucket,
+                                 Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True})
+                errors = [e for e in resp.get("Errors") or [] if e.get("Code") != "NoSuchKey"]
+                if errors:
+                    first = errors[0]
+                    raise StorageError(f"delete failed for {len(errors)} object(s): {first.get('Code')}: "
+                                       f"{first.get('Message')}", path=f"{self.protocol}://{bucket}/{first.get('Key')}")
 
     def remove_tree(self, path: str) -> None:
         try:

@@ -7,10 +7,11 @@ What is in the store at each moment of a save to ``<prefix>``:
 1. ``prepare`` [io client]: one listing of the prefix's folder (sizes, ETags, times).
    Data objects of a count no index uses and older than the store's ``stale_after``
    (a dead save's) and ``.tempstate`` objects are removed, and so are stale multipart
-   uploads of checkpoint names in the folder; younger ones may be a live writer's and
-   are kept. The index is read only when the listing shows something to judge. The
-   counts left (the committed checkpoint's, live writers') are to be avoided. The
-   ETag of the index seen now (or its absence) is remembered for the commit.
+   uploads of checkpoint names in the folder (listed and aborted beside the save's own
+   uploads, done before the commit); younger ones may be a live writer's and are kept.
+   The index is read only when the listing shows something to judge. The counts left
+   (the committed checkpoint's, live writers') are to be avoided. The ETag of the index
+   seen now (or its absence) is remembered for the commit.
    Registered savers write their bundles into a local temporary folder; their data
    files take shard ids ``0..k-1``.
 2. ``plan`` [every client]: the shard count ``N`` is fixed before any byte is written:
@@ -24,12 +25,14 @@ What is in the store at each moment of a save to ``<prefix>``:
    travel to the io client as JSON; it merges them one client's shard at a time.
 4. ``commit`` [io client]: the registered savers' data files are uploaded, empty
    padding objects are added for ids past the shards (all created exclusively), every
-   data object the new index names is checked to carry the ETag this save wrote, and
+   data object the new index names is checked to carry the ETag this save wrote (one
+   listing of them; a HEAD for any the listing lacks), and
    the merged ``.index`` object is written with one conditional PUT: **the commit** —
    ``If-None-Match: *`` when prepare saw no index, ``If-Match: <the ETag seen>`` when
    it replaces one. Before it a reader sees the previous checkpoint (whose data
    objects have another count, never touched) or none.
-5. ``finish`` [io client]: the previous checkpoint's data objects are removed.
+5. ``finish`` [io client]: the previous checkpoint's data objects are removed (one
+   request per 1,000 where the store deletes in bulk).
 
 Concurrent writers to one prefix (the winner rule, object stores with conditional
 writes): **at most one save commits, and it commits whole**; every other save fails
@@ -174,17 +177,21 @@ class IndexLastCommitter(Committer):
         self._scratch: Optional[str] = None
         self._extra: List[Tuple[str, Serialized, Dict[str, int]]] = []  # (bundle, entries, data file -> new id)
         self._committed = False
+        self._cleanup: Optional[threading.Thread] = None
+
+    def _join_cleanup(self) -> None:
+        if self._cleanup is not None:
+            self._cleanup.join()
+            self._cleanup = None
 
     def prepare(self, extra_bundles: Optional[BundleMaker] = None) -> Setup:
-        # stale uploads are listed and aborted beside the listing, and done before any upload of ours exists
-        cleanup = threading.Thread(target=self._abort_stale_uploads, name="shardckpt-stale-uploads", daemon=True)
+        # stale uploads (a dead save's, idle for stale_after) are listed and aborted beside the save: ours
+        # are young and never touched, so the data uploads need not wait (joined before the commit)
         if self._conditional:
-            cleanup.start()
-        try:
-            self._scan = scan_in_place(self.location)
-        finally:
-            if cleanup.is_alive():
-                cleanup.join()
+            self._cleanup = threading.Thread(target=self._abort_stale_uploads, name="shardckpt-stale-uploads",
+                                             daemon=True)
+            self._cleanup.start()
+        self._scan = scan_in_place(self.location)
         if self._scan.removed:
             _log.info("removed what dead saves left at %s: %s", self.location.prefix, self._scan.removed)
         self._previous = dict(self._scan.previous)
@@ -276,28 +283,41 @@ class IndexLastCommitter(Committer):
                 self._create(data_filename(self.location.prefix, new_id, self.num_shards), source)
 
     def _check_ours(self, named: List[str]) -> None:
-        """Every data object the index will name is there and carries the ETag this save wrote."""
+        """Every data object the index will name is there and carries the ETag this save wrote.
+
+        One listing of the prefix's data objects (one request per 1,000; S3 listings are
+        strongly consistent) gives their ETags; an object the listing lacks is asked for
+        itself (HEAD) before it is called gone.
+        """
         fs: Any = self.location.fs
+        lister = getattr(fs, "list_identities", None)
+        listed = lister(f"{self.location.prefix}.data-") if lister is not None else None
 
         def check(path: str) -> Optional[str]:
             expected = self._mine.get(path)
             if expected is None:
                 return f"{path}: no ETag recorded for it"
-            etag = fs.head_etag(path)
+            seen = listed.get(path) if listed is not None else None
+            etag = str(seen[1]) if seen is not None and seen[1] is not None else fs.head_etag(path)
             if etag is None:
                 return f"{path} is gone"
             if etag.strip('"') != expected.strip('"'):
                 return f"{path} was replaced (ETag {etag}, this save wrote {expected})"
             return None
 
-        with ThreadPoolExecutor(max_workers=min(16, max(1, len(named))), thread_name_prefix="shardckpt-check") as pool:
-            problems = [p for p in pool.map(check, named) if p is not None]
+        if listed is not None and all(p in listed for p in named):
+            problems = [p for p in map(check, named) if p is not None]
+        else:
+            with ThreadPoolExecutor(max_workers=min(16, max(1, len(named))),
+                                    thread_name_prefix="shardckpt-check") as pool:
+                problems = [p for p in pool.map(check, named) if p is not None]
         if problems:
             raise AbortedError("not committed: another writer changed this save's data objects: "
                                + "; ".join(problems[:3]) + (" ..." if len(problems) > 3 else ""),
                                path=self.location.prefix)
 
     def commit(self, written: List[Written]) -> None:
+        self._join_cleanup()
         fs: Any = self.location.fs
         prefix = self.location.prefix
         for i, w in enumerate(written):
@@ -336,12 +356,17 @@ class IndexLastCommitter(Committer):
             yield name, _decode_entries(w["entries"], name)
 
     def finish(self) -> None:
-        for path, count in self._previous.items():
-            if count != self.num_shards:
+        old = [path for path, count in self._previous.items() if count != self.num_shards]
+        remove_many = getattr(self.location.fs, "remove_many", None)  # S3: one request per 1,000 objects
+        if remove_many is not None:
+            remove_many(old)
+        else:
+            for path in old:
                 self.location.fs.remove(path)
         self._drop_scratch()
 
     def abort(self) -> None:
+        self._join_cleanup()
         if self._committed:
             self._drop_scratch()
             return
