@@ -67,7 +67,7 @@ import tempfile
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 from ...errors import AbortedError, CorruptIndexError, NotFoundError
 from ...format.bundle_writer import BundleWriter
@@ -185,13 +185,18 @@ class IndexLastCommitter(Committer):
             self._cleanup = None
 
     def prepare(self, extra_bundles: Optional[BundleMaker] = None) -> Setup:
-        # stale uploads (a dead save's, idle for stale_after) are listed and aborted beside the save: ours
-        # are young and never touched, so the data uploads need not wait (joined before the commit)
+        # stale uploads (a dead save's, idle for stale_after) are listed beside the scan and aborted beside
+        # the save's uploads (joined before the commit); the save's own uploads start only once the listing
+        # is back, so none of them can be taken for a dead save's
+        listed = threading.Event()
         if self._conditional:
-            self._cleanup = threading.Thread(target=self._abort_stale_uploads, name="shardckpt-stale-uploads",
-                                             daemon=True)
+            self._cleanup = threading.Thread(target=self._abort_stale_uploads, args=(listed.set,),
+                                             name="shardckpt-stale-uploads", daemon=True)
             self._cleanup.start()
+        else:
+            listed.set()
         self._scan = scan_in_place(self.location)
+        listed.wait()
         if self._scan.removed:
             _log.info("removed what dead saves left at %s: %s", self.location.prefix, self._scan.removed)
         self._previous = dict(self._scan.previous)
@@ -265,9 +270,9 @@ class IndexLastCommitter(Committer):
         fs.close(handle)
         self._created(path)
 
-    def _abort_stale_uploads(self) -> None:
+    def _abort_stale_uploads(self, listed: Callable[[], None]) -> None:
         try:
-            aborted = abort_stale_uploads(self.location)
+            aborted = abort_stale_uploads(self.location, listed=listed)
             if aborted:
                 _log.info("aborted stale uploads at %s: %s", self.location.prefix, aborted)
         except Exception as exc:  # best effort: the next save tries again

@@ -20,7 +20,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Set
 
 from ...format.merge import read_index_header
 from ...format.naming import DATA_SUFFIX_PATTERN, data_filename, index_filename, parse_data_filename
@@ -194,23 +194,31 @@ def scan_in_place(location: Location, now: Optional[float] = None) -> InPlaceSca
 _OWN_OBJECT = re.compile(r".+(\.index|" + DATA_SUFFIX_PATTERN + r")|checkpoint")
 
 
-def abort_stale_uploads(location: Location, now: Optional[float] = None) -> List[str]:
+def abort_stale_uploads(location: Location, now: Optional[float] = None,
+                        listed: Optional[Callable[[], None]] = None) -> List[str]:
     """Abort incomplete multipart uploads of checkpoint objects in the prefix's folder idle for ``stale_after``.
 
     Idle: started, and last given a part, more than ``stale_after`` seconds ago (the
     start time alone is not enough: a long upload that is still sending parts is live).
 
     Only names shardckpt writes there (``*.index``, ``*.data-I-of-N``, ``checkpoint``)
-    are touched. Stores without multipart uploads: nothing to do.
+    are touched. Stores without multipart uploads: nothing to do. ``listed`` is called once
+    the uploads are listed (also when listing fails): a save that runs this beside its own
+    uploads starts them only after it, so that none of its own can be among those listed
+    (a store may report a wrong start time, as moto does, and an upload with no part yet
+    has no activity to tell it is live).
     """
     fs = location.fs
     lister = getattr(fs, "list_uploads", None)
-    if lister is None:
-        return []
+    try:
+        found = [] if lister is None else lister(location.directory)
+    finally:
+        if listed is not None:
+            listed()
     now = time.time() if now is None else now
     grace = float(getattr(fs, "stale_after", 0.0))
     aborted = []
-    for path, upload_id, started in lister(location.directory):
+    for path, upload_id, started in found:
         if not _OWN_OBJECT.fullmatch(fs.basename(path)) or now - started < grace:
             continue
         activity = getattr(fs, "upload_activity", None)
