@@ -17,7 +17,7 @@ or fails (other systems, filesystems that refuse it) it is a no-op.
 Descriptors: a pending request names a file descriptor, so the owner calls
 :func:`drain` before it fsyncs or closes it (``LocalFileSystem.fsync`` / ``close``
 do): no request outlives its descriptor, and none can reach a file that reuses the
-number.
+number. A forked child starts with no helper thread and no pending requests.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -79,6 +80,19 @@ def _pool() -> ThreadPoolExecutor:
     if _executor is None:
         _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardckpt-writeback")
     return _executor
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of the parent's helper threads: start afresh (a pool whose thread
+    is gone would never run a request, and ``drain`` would wait forever)."""
+    global _executor, _lock, _pending
+    _executor = None
+    _lock = threading.Lock()
+    _pending = {}
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def start(fd: int, offset: int, length: int) -> None:
