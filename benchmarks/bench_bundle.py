@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Tuple
 
 import common as C
@@ -33,9 +34,11 @@ REPO = os.path.dirname(HERE)
 SYSTEMS: Dict[str, Tuple[str, Optional[str]]] = {
     "raw_write": ("py", None),
     "raw_write_fsync": ("py", None),
+    "raw_write_fsync_parallel": ("py", None),
     "raw_read": ("py", "setup_raw"),
     "shardckpt_save": ("py", None),
     "shardckpt_save_fsync": ("py", None),
+    "shardckpt_write_fsync": ("py", None),
     "shardckpt_restore": ("py", "setup_shardckpt"),
     "shardckpt_restore_into": ("py", "setup_shardckpt"),
     "tf_save": ("tf", None),
@@ -52,6 +55,9 @@ RATIOS = [
     ("shardckpt restore into arrays / TF RestoreV2+numpy", "shardckpt_restore_into", "tf_restore_numpy"),
     ("shardckpt save / raw write", "shardckpt_save", "raw_write"),
     ("shardckpt save fsync / raw write fsync", "shardckpt_save_fsync", "raw_write_fsync"),
+    ("Checkpoint.write fsync / raw write fsync", "shardckpt_write_fsync", "raw_write_fsync"),
+    ("Checkpoint.write fsync / parallel raw write fsync", "shardckpt_write_fsync", "raw_write_fsync_parallel"),
+    ("save_v2 fsync / parallel raw write fsync", "shardckpt_save_fsync", "raw_write_fsync_parallel"),
     ("shardckpt restore into arrays / raw readinto", "shardckpt_restore_into", "raw_read"),
     ("shardckpt restore_v2 / raw readinto", "shardckpt_restore", "raw_read"),
     ("cold: shardckpt restore_v2 / TF RestoreV2+numpy", "shardckpt_restore_cold", "tf_restore_numpy_cold"),
@@ -124,6 +130,24 @@ def _write_raw(path: str, arrays: List[np.ndarray], fsync: bool) -> None:
         os.close(fd)
 
 
+def _write_raw_parallel(path: str, arrays: List[np.ndarray], files: int) -> None:
+    """The same bytes as ``files`` files of about equal bytes (largest tensors first), written and
+    fsynced by one thread each, then the folder fsynced: the parallel raw baseline of a durable save."""
+    groups: List[List[np.ndarray]] = [[] for _ in range(files)]
+    sizes = [0] * files
+    for a in sorted(arrays, key=lambda a: -a.nbytes):
+        g = sizes.index(min(sizes))
+        groups[g].append(a)
+        sizes[g] += a.nbytes
+    with ThreadPoolExecutor(max_workers=files) as pool:
+        list(pool.map(lambda ig: _write_raw(f"{path}-{ig[0]}", ig[1], True), enumerate(groups)))
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _read_raw(path: str, arrays: List[np.ndarray]) -> None:
     with open(path, "rb", buffering=0) as f:
         for a in arrays:
@@ -140,6 +164,12 @@ def w_raw_write(ctx: Ctx, fsync: bool = False) -> Dict:
     arrays = C.make_state(ctx.spec)
     return ctx.timed_save("raw_write_fsync" if fsync else "raw_write", arrays,
                           lambda prefix: _write_raw(prefix + ".raw", arrays, fsync))
+
+
+def w_raw_write_parallel(ctx: Ctx) -> Dict:
+    arrays = C.make_state(ctx.spec)
+    return ctx.timed_save("raw_write_fsync_parallel", arrays,
+                          lambda prefix: _write_raw_parallel(prefix + ".raw", arrays, ctx.args.raw_files))
 
 
 def w_raw_read(ctx: Ctx) -> Dict:
@@ -162,6 +192,16 @@ def w_shardckpt_save(ctx: Ctx, fsync: bool = False) -> Dict:
     arrays = C.make_state(ctx.spec)
     return ctx.timed_save("shardckpt_save_fsync" if fsync else "shardckpt_save", arrays,
                           lambda prefix: save_v2(prefix, ctx.names, [""] * ctx.n, arrays, fsync=fsync))
+
+
+def w_shardckpt_write(ctx: Ctx) -> Dict:
+    """``Checkpoint.write`` of a ``Module`` of ``Variable``s holding the state (fsync: always)."""
+    import shardckpt
+    arrays = C.make_state(ctx.spec)
+    model = shardckpt.Module()
+    model.tensors = [shardckpt.Variable(a) for a in arrays]
+    ckpt = shardckpt.Checkpoint(model=model)
+    return ctx.timed_save("shardckpt_write_fsync", arrays, lambda prefix: ckpt.write(prefix))
 
 
 def w_shardckpt_restore(ctx: Ctx) -> Dict:
@@ -270,9 +310,11 @@ def w_one(ctx: Ctx, system: str) -> Dict:
 WORKERS: Dict[str, Callable[[Ctx], Dict]] = {
     "raw_write": w_raw_write,
     "raw_write_fsync": lambda ctx: w_raw_write(ctx, fsync=True),
+    "raw_write_fsync_parallel": w_raw_write_parallel,
     "raw_read": w_raw_read,
     "shardckpt_save": w_shardckpt_save,
     "shardckpt_save_fsync": lambda ctx: w_shardckpt_save(ctx, fsync=True),
+    "shardckpt_write_fsync": w_shardckpt_write,
     "shardckpt_restore": w_shardckpt_restore,
     "shardckpt_restore_into": w_shardckpt_restore_into,
     "tf_save": w_tf_save,
@@ -318,7 +360,7 @@ class Driver:
         python = self.tf if interp == "tf" else sys.executable
         cmd = [python, os.path.abspath(__file__), "--worker", system, "--state", state, "--size", str(size),
                "--dir", self.work, "--cold" if cold else "--no-cold", "--prime" if self.args.prime else "--no-prime",
-               "--rehearse" if self.args.rehearse else "--no-rehearse"]
+               "--rehearse" if self.args.rehearse else "--no-rehearse", "--raw-files", str(self.args.raw_files)]
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
         if interp == "tf":
             env.pop("PYTHONPATH", None)  # the TF side sees only this folder (the script's own)
@@ -528,6 +570,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help="touch and free the memory a phase allocates right before it (see README)")
     ap.add_argument("--rehearse", action=argparse.BooleanOptionalAction, default=True,
                     help="each save worker saves once in full (untimed, deleted) before the timed save")
+    ap.add_argument("--raw-files", type=int, default=2,
+                    help="files written in parallel by raw_write_fsync_parallel (default 2)")
     ap.add_argument("--one-tensor", action=argparse.BooleanOptionalAction, default=True,
                     help="read one tensor of a large checkpoint and count the bytes read")
     ap.add_argument("--one-tensor-size", type=C.parse_size, default=2 * C.GIB)

@@ -120,7 +120,7 @@ def run_worker(args: argparse.Namespace) -> None:
             comps = {d: (region(i, layout.box(d, shape)) if args.op.endswith("save")
                          else np.zeros(layout.local_shape(shape), C.DTYPE)) for d in mesh.local_device_ids()}
             variables[name] = dt.DVariable(dt.DTensor(layout, shape, comps), name=name)
-        arrays = [c for v in variables.values() for c in v.value.components.values()]
+        arrays = [c for v in variables.values() for c in v.value().components.values()]
         ckpt = dt.DTensorCheckpoint(mesh, coordinator=coord, **variables)
         original = LocalFileSystem.pread_into
 
@@ -138,14 +138,14 @@ def run_worker(args: argparse.Namespace) -> None:
 
         def check() -> bool:
             for i, var in enumerate(variables.values()):
-                for d, comp in var.value.components.items():
-                    if not np.array_equal(comp, region(i, var.value.box(d))):
+                for d, comp in var.value().components.items():
+                    if not np.array_equal(comp, region(i, var.value().box(d))):
                         return False
             return True
 
         local_bytes = sum(c.nbytes for c in arrays)
         distinct = sum(int(np.prod([b - a for a, b in box])) for v in variables.values()
-                       for box in v.value.local_pieces()) * C.DTYPE().itemsize
+                       for box in v.value().local_pieces()) * C.DTYPE().itemsize
     else:
         import torch.distributed.checkpoint as dcp
 
@@ -233,11 +233,11 @@ def launch(args: argparse.Namespace, worker: str, op: str, clients: int) -> Dict
         return json.load(f)
 
 
-def measure_pair(args: argparse.Namespace, worker: str, clients: int) -> Tuple[Dict, Dict]:
+def measure_pair(args: argparse.Namespace, worker: str, clients: int) -> Tuple[Dict, Optional[Dict]]:
     shutil.rmtree(args.dir, ignore_errors=True)
     os.sync()
     save = launch(args, worker, "save", clients)
-    restore = launch(args, worker, "restore", clients)
+    restore = launch(args, worker, "restore", clients) if not args.save_only else None
     shutil.rmtree(args.dir, ignore_errors=True)
     return save, restore
 
@@ -267,6 +267,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--clients", default="1,2,4")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-reshard", action="store_true", help="skip the resharded restore")
+    p.add_argument("--save-only", action="store_true", help="time saves only (no restore launches)")
     p.add_argument("--rehearse", action=argparse.BooleanOptionalAction, default=True,
                    help="save once, untimed, and delete it before the timed save (default: on)")
     p.add_argument("--dir", default="/tmp/shardckpt-bench-dtensor")
@@ -290,11 +291,13 @@ def main(argv: Optional[List[str]] = None) -> None:
                     print(f"FAILED: {failures[-1][:2000]}", file=sys.stderr, flush=True)
                     continue
                 for r in (save, restore):
-                    r["repeat"] = rep
-                    runs.append(r)
-                flag = "" if restore["values_ok"] else "  WRONG VALUES"
-                print(f"  rep {rep} {n} client(s) {worker:9s}: save {save['gbps']:.2f} GB/s, "
-                      f"restore {restore['gbps']:.2f} GB/s{flag}", file=sys.stderr, flush=True)
+                    if r is not None:
+                        r["repeat"] = rep
+                        runs.append(r)
+                flag = "" if restore is None or restore["values_ok"] else "  WRONG VALUES"
+                read = "" if restore is None else f", restore {restore['gbps']:.2f} GB/s"
+                print(f"  rep {rep} {n} client(s) {worker:9s}: save {save['gbps']:.2f} GB/s{read}{flag}",
+                      file=sys.stderr, flush=True)
         if not args.no_reshard:
             try:
                 reshards.append(measure_reshard(args))

@@ -7,8 +7,10 @@ same inputs the files are byte-identical to TensorFlow's.
 
 Both files are first written under ``.tempstate<random>`` names and renamed when
 :meth:`BundleWriter.finish` succeeds; with ``fsync=True`` they are made durable
-first. On a store without rename (object stores) the data object is written in
-place (it appears only when its upload completes) and the index is written last.
+first (the data file's write-back is started every 16 MiB while it is written,
+``FileSystem.start_writeback``, so that the fsync waits only for the tail). On a
+store without rename (object stores) the data object is written in place (it
+appears only when its upload completes) and the index is written last.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ __all__ = ["BundleWriter", "encode_key", "make_header", "shape_proto", "to_disk_
            "byte_chunks", "byte_view"]
 
 _CHUNK = 16 << 20  # bytes per write/checksum step for large tensors
+_WRITEBACK_STEP = 16 << 20  # with fsync: start the device write of every this many bytes written
 
 
 def encode_key(key: Union[str, bytes]) -> bytes:
@@ -132,6 +135,7 @@ class BundleWriter:
         self._data_tmp = self._data_path if self._in_place else fs.temp_name(self._data_path)
         self._fd: Any = fs.open_write(self._data_tmp)
         self._offset = 0
+        self._hinted = 0  # bytes whose write-back was started (``fsync``: see storage/writeback.py)
         self._finished = False
 
     @property
@@ -146,6 +150,10 @@ class BundleWriter:
         assert self._fd is not None
         self._fs.write_all(self._fd, buf, self._data_tmp)
         self._offset += len(buf)
+        if self._fsync and self._offset - self._hinted >= _WRITEBACK_STEP:
+            # the fsync at the end will wait only for the tail: earlier bytes go to the device now
+            self._fs.start_writeback(self._fd, self._hinted, self._offset - self._hinted, self._data_tmp)
+            self._hinted = self._offset
 
     def _write_numeric(self, array: np.ndarray, dt: DType, digest: Any = None) -> "tuple[int, int]":
         if self._big_endian and dt.swap_unit:

@@ -137,6 +137,10 @@ def as_dtype(value: Any) -> DType:
     """
     if isinstance(value, DType):
         return value
+    if isinstance(value, np.dtype) and value.byteorder in "=|" and value.kind not in "SUO":
+        found = _BY_NUMPY.get(value)  # the common case, once per tensor: no name lookup
+        if found is not None:
+            return found
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         return from_enum(int(value))
     if isinstance(value, str) and value in _BY_NAME:

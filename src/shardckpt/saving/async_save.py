@@ -1,11 +1,14 @@
 """Asynchronous saves: snapshot on the caller's thread, write and commit in the background.
 
 An :class:`AsyncSaver` runs at most one save at a time. ``submit`` first waits for
-the previous save to commit (raising its error, if it failed), then stages the
-new save's values into reused host buffers (or holds values whose bytes cannot
-change, see :func:`~shardckpt.saving.staging.register_holder`) — the only part the
-caller waits for — and starts a thread that writes the shards, commits, updates the state file
-and runs the write callbacks, in that order.
+the previous save to commit (raising its error, if it failed), then starts a thread
+that writes the shards, commits, updates the state file and runs the write
+callbacks, in that order, and stages the new save's values into reused host buffers
+(or holds values whose bytes cannot change, see
+:func:`~shardckpt.saving.staging.register_holder`) — the only part the caller waits
+for. The writer takes each value once its copy is made (``StagedValue.get`` waits
+for it), so writing overlaps the copy; nothing is committed before every value is
+copied and written.
 
 An error in the background is kept and raised, chained to the original, by the
 next ``submit``, by ``wait()`` (``Checkpoint.sync()``), or at interpreter exit.
@@ -60,24 +63,24 @@ class AsyncSaver:
         """Wait for the previous save, snapshot ``plan``'s values, and write it in the background."""
         self.wait()
         staged, fill = self.pool.stage_plan(plan)
-        streaming = self.pool.budget is not None
-        if not streaming:
-            fill()  # the snapshot: after this the caller may change its arrays
         thread = threading.Thread(target=self._run, args=(prefix, staged, write, on_failure),
                                   name=f"shardckpt-async-save {prefix}", daemon=False)
         with self._lock:
             self._thread = thread
         thread.start()
-        if streaming:
+        try:
+            # The snapshot: after it the caller may change its arrays. The writer runs meanwhile
+            # (prepare, numbering, then each value's bytes as soon as its copy is made; with a
+            # budget it also frees room for the next copies), so the save commits about when a
+            # synchronous one would, not a whole copy later.
+            fill()
+        except BaseException as exc:
             try:
-                fill()  # streams into the budget while the writer drains it
-            except BaseException as exc:
-                try:
-                    self.wait()  # the writer stops: the values it waits for will not come
-                except AsyncSaveError:
-                    if self.pool._failed is not exc:
-                        raise  # the writer failed first: its error is the one to raise
-                raise
+                self.wait()  # the writer stops: the values it waits for will not come
+            except AsyncSaveError:
+                if self.pool._failed is not exc:
+                    raise  # the writer failed first: its error is the one to raise
+            raise
 
     def _run(self, prefix: str, plan: SavePlan, write: Callable[[SavePlan], None],
              on_failure: Optional[Callable[[], None]]) -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any, List, Optional
 
+import numpy as np
+
 from ..sharding.shardable import ShardableTensor
 
 try:
@@ -44,7 +46,7 @@ def pieces_of(key: str, value: Any, *, clients: int = 1, writes_whole: bool = Tr
     A :class:`DistributedValue` lists its own; any other value is one whole piece, saved
     only where ``writes_whole`` (the io client of a collective save; always in one process).
     """
-    if isinstance(value, DistributedValue):
+    if not isinstance(value, np.ndarray) and isinstance(value, DistributedValue):  # a protocol check is slow
         return value.shardable_pieces(key, clients=clients, replica_writer=replica_writer)
     if not writes_whole:
         return []

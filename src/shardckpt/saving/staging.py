@@ -212,10 +212,10 @@ class StagingPool:
     def stage_plan(self, plan: SavePlan) -> Tuple[SavePlan, Callable[[], None]]:
         """A new plan whose every value is served from a staging buffer, and the function that copies them.
 
-        Without a budget, call the returned function at once (the snapshot), then
-        hand the staged plan to the writer. With a budget, start the writer first and
-        then call it: it copies in the order the shards are written, waiting for the
-        writer to release buffers whenever the budget is spent.
+        Start the writer on the staged plan, then call the function (the snapshot):
+        the writer takes each value as soon as its copy is made (``StagedValue.get``
+        waits for it). The function copies in plan order; with a budget it waits for
+        the writer to release buffers whenever the budget is spent.
         """
         with self._cond:  # no save is in flight: start afresh
             self._in_use = 0

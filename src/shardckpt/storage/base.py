@@ -12,7 +12,8 @@ filesystem object and never look it up again.
 Roles and call sequences (who calls what):
 
 * **Writers** (``format.BundleWriter``, the committers):
-  ``open_write`` -> ``write_all`` (repeated) -> [``fsync``] -> ``close``. On an object store
+  ``open_write`` -> ``write_all`` (repeated, with ``start_writeback`` hints for what is
+  written when an ``fsync`` will follow) -> [``fsync``] -> ``close``. On an object store
   ``close`` completes the upload and raises if it fails; ``discard`` drops a handle
   without publishing anything it wrote where the store allows that.
   ``write_atomic`` writes a small whole file (an index, the state file) so that
@@ -101,6 +102,11 @@ class FileSystem(abc.ABC):
     @abc.abstractmethod
     def fsync(self, handle: WriteHandle, path: str = "") -> None:
         """Make what was written durable (a no-op where objects are durable once complete)."""
+
+    def start_writeback(self, handle: WriteHandle, offset: int, length: int, path: str = "") -> None:
+        """A hint from a writer that will ``fsync``: the bytes ``[offset, offset + length)`` are
+        written; begin moving them to the device now (default: nothing). Promises no durability."""
+        return None
 
     @abc.abstractmethod
     def close(self, handle: ReadHandle) -> None:

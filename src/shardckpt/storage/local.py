@@ -33,6 +33,7 @@ import threading
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import NotFoundError, ShardckptError, StorageError
+from . import writeback
 from .base import FileSystem, RunBatch
 
 __all__ = ["LocalFileSystem", "local_fs", "StorageError"]
@@ -320,7 +321,12 @@ class LocalFileSystem(FileSystem):
             except OSError as exc:
                 raise _wrap(exc, path, "write") from None
 
+    def start_writeback(self, fd: int, offset: int, length: int, path: str = "") -> None:
+        """Begin writing these bytes to the device now (``sync_file_range``, on a helper thread)."""
+        writeback.start(fd, offset, length)
+
     def fsync(self, fd: int, path: str = "") -> None:
+        writeback.drain(fd)
         try:
             os.fsync(fd)
         except OSError as exc:
@@ -328,6 +334,7 @@ class LocalFileSystem(FileSystem):
 
     def close(self, fd: int) -> None:
         """Close ``fd``; closing twice or a bad descriptor is ignored."""
+        writeback.drain(fd)  # no write-behind request may outlive its descriptor
         try:
             os.close(fd)
         except OSError:

@@ -61,6 +61,9 @@ class FileSystemWrapper(FileSystem):
         self.before("write_all", path)
         self.inner.write_all(handle, buf, path)
 
+    def start_writeback(self, handle: WriteHandle, offset: int, length: int, path: str = "") -> None:
+        self.inner.start_writeback(handle, offset, length, path)
+
     def fsync(self, handle: WriteHandle, path: str = "") -> None:
         self.before("fsync", path)
         self.inner.fsync(handle, path)
