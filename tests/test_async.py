@@ -144,6 +144,16 @@ def bg() -> Iterator[SimpleNamespace]:
                 thread.join(30)
 
 
+@pytest.fixture(params=["copy-first", "overlapped"])
+def writer_start(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both orders of an async save: the snapshot copy before the writer starts (few cores), or the
+    writer started first and taking each value once copied (``OVERLAP_MIN_CORES``)."""
+    import shardckpt.saving.async_save as async_save
+
+    monkeypatch.setattr(async_save, "OVERLAP_MIN_CORES", 10**6 if request.param == "copy-first" else 1)
+    return str(request.param)
+
+
 def release_later(event: threading.Event, seconds: float) -> threading.Timer:
     timer = threading.Timer(seconds, event.set)
     timer.start()
@@ -242,7 +252,8 @@ def state_paths(directory: Path) -> Optional[List[str]]:
 # 1. snapshots
 # ---------------------------------------------------------------------------------------------
 
-def test_values_changed_after_save_returns_do_not_leak_sync_then_read(tmp_path: Path, bg: SimpleNamespace) -> None:
+def test_values_changed_after_save_returns_do_not_leak_sync_then_read(tmp_path: Path, bg: SimpleNamespace,
+        writer_start: str) -> None:
     m = make_tree()
     ckpt = Checkpoint(model=m)
     ckpt.save_counter  # noqa: B018 - exists before the snapshot is taken
@@ -313,7 +324,8 @@ def test_counter_and_paths_equal_those_of_synchronous_saves(tmp_path: Path) -> N
             assert_same(got["values"][path], values, f"{mode} {path}")
 
 
-def test_sync_waits_for_the_commit(tmp_path: Path, bg: SimpleNamespace) -> None:
+def test_sync_waits_for_the_commit(tmp_path: Path, bg: SimpleNamespace,
+        writer_start: str) -> None:
     ckpt = Checkpoint(model=make_tree())
     ckpt.sync()  # nothing saved yet: nothing to wait for
     bg.gate.clear()
@@ -729,7 +741,7 @@ def test_save_tensors_honours_the_byte_budget_without_an_explicit_saver(tmp_path
 
 @pytest.mark.parametrize("surface", ["next save", "sync"])
 def test_background_failure_surfaces_with_the_original_error(tmp_path: Path, bg: SimpleNamespace,
-                                                            surface: str) -> None:
+                                                            surface: str, writer_start: str) -> None:
     m = make_tree()
     ckpt = Checkpoint(model=m)
     first = ckpt.save(str(tmp_path / "ckpt"), options=ASYNC)

@@ -6,9 +6,12 @@ that writes the shards, commits, updates the state file and runs the write
 callbacks, in that order, and stages the new save's values into reused host buffers
 (or holds values whose bytes cannot change, see
 :func:`~shardckpt.saving.staging.register_holder`) — the only part the caller waits
-for. The writer takes each value once its copy is made (``StagedValue.get`` waits
-for it), so writing overlaps the copy; nothing is committed before every value is
-copied and written.
+for. Where the process has cores to spare (:data:`OVERLAP_MIN_CORES`), or the staging
+has a budget, the writer starts first and takes each value once its copy is made
+(``StagedValue.get`` waits for it), so writing overlaps the copy and the save commits
+about when a synchronous one would; with fewer cores the writer would take them from
+the caller's copy (the call returns later), so the copy is made first. Either way
+nothing is committed before every value is copied and written.
 
 An error in the background is kept and raised, chained to the original, by the
 next ``submit``, by ``wait()`` (``Checkpoint.sync()``), or at interpreter exit.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures.thread  # noqa: F401 - registers its exit hook before ours (see _join_at_shutdown)
 import logging
+import os
 import threading
 import weakref
 from typing import Callable, Optional
@@ -33,6 +37,16 @@ __all__ = ["AsyncSaver", "AsyncSaveError"]
 
 _log = logging.getLogger("shardckpt")
 _LIVE: "weakref.WeakSet[AsyncSaver]" = weakref.WeakSet()
+
+#: The cores a process needs before the background writer runs beside the snapshot copy.
+OVERLAP_MIN_CORES = 4
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 class AsyncSaver:
@@ -63,11 +77,17 @@ class AsyncSaver:
         """Wait for the previous save, snapshot ``plan``'s values, and write it in the background."""
         self.wait()
         staged, fill = self.pool.stage_plan(plan)
+        # the writer first where cores are to spare; with a budget always (it drains only while the writer runs)
+        overlap = _usable_cores() >= OVERLAP_MIN_CORES or self.pool.budget is not None
+        if not overlap:
+            fill()  # the snapshot: after this the caller may change its arrays
         thread = threading.Thread(target=self._run, args=(prefix, staged, write, on_failure),
                                   name=f"shardckpt-async-save {prefix}", daemon=False)
         with self._lock:
             self._thread = thread
         thread.start()
+        if not overlap:
+            return
         try:
             # The snapshot: after it the caller may change its arrays. The writer runs meanwhile
             # (prepare, numbering, then each value's bytes as soon as its copy is made; with a
