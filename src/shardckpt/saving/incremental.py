@@ -23,8 +23,12 @@ them).
 **Change detection** (:func:`arrange`, on every client, for its own pieces, before any
 byte is staged or written), cheapest first:
 
-1. with ``trust_versions``, a piece whose change token equals the one recorded is
-   unchanged (writes into ``Variable.array`` must call ``mark_changed()``);
+1. a piece whose change token (a :class:`~shardckpt.Variable`'s version stamp, new at
+   every write through the API) equals the one recorded is unchanged, without reading
+   a byte, when the variable never handed out its live buffer (``.array``,
+   ``np.asarray(var)``): every write then went through the API. A variable that did
+   hand it out is hashed (a direct write through a kept reference is caught), unless
+   ``trust_versions`` says that direct writes are followed by ``mark_changed()``;
 2. a piece whose head hash (its first :data:`HEAD_BYTES` bytes: microseconds) differs
    from the recorded one changed: it is written, and hashed while its bytes stream to
    storage (no extra pass; when every piece changed, detection costs next to nothing);
@@ -57,6 +61,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import xxhash
 
 from ..format.bundle_writer import byte_chunks, encode_key, shape_proto, to_disk_array
+from ..format.crc import shared_executor
 from ..format.merge import _parse_header
 from ..format.naming import data_filename, index_filename
 from ..format.ordered_code import encode_tensor_name_slice
@@ -82,6 +87,8 @@ PieceId = Tuple[str, str]
 OWN_FILE_BYTES = 1 << 20
 #: a piece's first bytes hashed for the cheap pre-check of change detection
 HEAD_BYTES = 4096
+#: below this many bytes in all, change detection runs on the calling thread
+_PARALLEL_HASH_BYTES = 8 << 20
 Written = Dict[str, Any]
 
 
@@ -213,7 +220,7 @@ def _detect(item: PlanItem, previous: Previous, trust_versions: bool) -> _Verdic
     entry = previous.entries.get(entry_key(item.key, item.slice_spec))
     if record is None or record.hash is None or entry is None or not _same_form(item, entry):
         return "new", None, head_hash(item.source.get(), item.dtype.enum)
-    if trust_versions and item.version is not None and item.version == record.token:
+    if item.version is not None and item.version == record.token and (trust_versions or item.version_proves):
         return "unchanged", record.hash, record.head
     value = item.source.get()
     head = head_hash(value, item.dtype.enum)
@@ -221,6 +228,17 @@ def _detect(item: PlanItem, previous: Previous, trust_versions: bool) -> _Verdic
         return "changed", None, head
     digest = content_hash(value, item.dtype.enum)
     return ("unchanged" if digest == record.hash else "changed"), digest, head
+
+
+def _detect_all(items: Sequence[PlanItem], previous: Previous, trust_versions: bool) -> List[_Verdict]:
+    """:func:`_detect` for every item; pieces that must be hashed are hashed on the checksum helpers,
+    the largest first (xxh3 releases the GIL: the hashing runs on every core)."""
+    if len(items) < 2 or sum(i.nbytes for i in items) < _PARALLEL_HASH_BYTES:
+        return [_detect(item, previous, trust_versions) for item in items]
+    pool = shared_executor()
+    order = sorted(range(len(items)), key=lambda n: -items[n].nbytes)
+    futures = {n: pool.submit(_detect, items[n], previous, trust_versions) for n in order}
+    return [futures[n].result() for n in range(len(items))]
 
 
 def _reuse(previous: Previous, shard_id: int, members: List[PlanItem]) -> Reuse:
@@ -259,11 +277,9 @@ def arrange(plan: SavePlan, previous: Optional[Previous], *, trust_versions: boo
             None if i.dtype.is_string else head_hash(i.source.get(), i.dtype.enum) for i in group))
             for n, (task, group) in enumerate((s.task, g) for s in plan.shards for g in _split(s.items)))
         return replace(plan, shards=shards)
-    verdicts: Dict[int, _Verdict] = {}
-    by_entry: Dict[bytes, PlanItem] = {}
-    for item in plan.items:
-        verdicts[id(item)] = _detect(item, previous, trust_versions)
-        by_entry[entry_key(item.key, item.slice_spec)] = item
+    items = plan.items
+    verdicts = dict(zip(map(id, items), _detect_all(items, previous, trust_versions)))
+    by_entry = {entry_key(item.key, item.slice_spec): item for item in items}
     reused: Dict[int, List[PlanItem]] = {}
     for shard_id, keys in sorted(previous.files.items()):
         found = [by_entry[k] for k in keys if k in by_entry]
