@@ -61,7 +61,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import xxhash
 
 from ..format.bundle_writer import byte_chunks, encode_key, shape_proto, to_disk_array
-from ..format.crc import shared_executor
+from ..format.crc import default_context
 from ..format.merge import _parse_header
 from ..format.naming import data_filename, index_filename
 from ..format.ordered_code import encode_tensor_name_slice
@@ -211,9 +211,10 @@ def _same_form(item: PlanItem, entry: pb.BundleEntryProto) -> bool:
 _Verdict = Tuple[str, Optional[str], Optional[str]]
 
 
-def _detect(item: PlanItem, previous: Previous, trust_versions: bool) -> _Verdict:
-    """``("unchanged" | "changed" | "new", hash or None, head hash or None)`` for one piece; a hash
-    of ``None`` (not a string) is computed while the piece's bytes stream out."""
+def _detect(item: PlanItem, previous: Previous, trust_versions: bool) -> "_Verdict | _Record":
+    """``("unchanged" | "changed" | "new", hash or None, head hash or None)`` for one piece when it is
+    known without reading the piece's bytes (a hash of ``None``, not a string, is computed while the
+    piece's bytes stream out); else the record its bytes must be compared with (:func:`_by_bytes`)."""
     if item.dtype.is_string:
         return "new", None, None
     record = previous.pieces.get((item.key, item.slice_spec))
@@ -222,6 +223,11 @@ def _detect(item: PlanItem, previous: Previous, trust_versions: bool) -> _Verdic
         return "new", None, head_hash(item.source.get(), item.dtype.enum)
     if item.version is not None and item.version == record.token and (trust_versions or item.version_proves):
         return "unchanged", record.hash, record.head
+    return record
+
+
+def _by_bytes(item: PlanItem, record: _Record) -> _Verdict:
+    """The verdict on a piece from its bytes: its head first, then (same head) its whole xxh3-128 hash."""
     value = item.source.get()
     head = head_hash(value, item.dtype.enum)
     if record.head is not None and head != record.head:  # changed for sure: no hashing pass
@@ -231,14 +237,33 @@ def _detect(item: PlanItem, previous: Previous, trust_versions: bool) -> _Verdic
 
 
 def _detect_all(items: Sequence[PlanItem], previous: Previous, trust_versions: bool) -> List[_Verdict]:
-    """:func:`_detect` for every item; pieces that must be hashed are hashed on the checksum helpers,
-    the largest first (xxh3 releases the GIL: the hashing runs on every core)."""
-    if len(items) < 2 or sum(i.nbytes for i in items) < _PARALLEL_HASH_BYTES:
-        return [_detect(item, previous, trust_versions) for item in items]
-    pool = shared_executor()
-    order = sorted(range(len(items)), key=lambda n: -items[n].nbytes)
-    futures = {n: pool.submit(_detect, items[n], previous, trust_versions) for n in order}
-    return [futures[n].result() for n in range(len(items))]
+    """The verdict on every item: versions and the previous checkpoint first (no byte read), then the
+    pieces left are compared by their bytes, on the checksum helpers in batches of about equal bytes
+    when there is much to hash (xxh3 releases the GIL: it runs on every core)."""
+    found = [_detect(item, previous, trust_versions) for item in items]
+    left = [n for n, f in enumerate(found) if isinstance(f, _Record)]
+    out: List[Any] = list(found)
+    helpers = default_context()
+    workers = min(len(left), helpers.workers)
+    if workers < 2 or sum(items[n].nbytes for n in left) < _PARALLEL_HASH_BYTES:
+        for n in left:
+            out[n] = _by_bytes(items[n], found[n])  # type: ignore[arg-type]
+        return out
+    batches: List[List[int]] = [[] for _ in range(workers)]
+    loads = [0] * workers
+    for n in sorted(left, key=lambda n: -items[n].nbytes):  # largest first, onto the lightest batch
+        lightest = loads.index(min(loads))
+        batches[lightest].append(n)
+        loads[lightest] += items[n].nbytes
+
+    def run(batch: List[int]) -> List[_Verdict]:
+        return [_by_bytes(items[n], found[n]) for n in batch]  # type: ignore[arg-type]
+
+    pool = helpers.executor
+    for batch, future in [(b, pool.submit(run, b)) for b in batches if b]:
+        for n, verdict in zip(batch, future.result()):
+            out[n] = verdict
+    return out
 
 
 def _reuse(previous: Previous, shard_id: int, members: List[PlanItem]) -> Reuse:
