@@ -1,28 +1,36 @@
 """Benchmark incremental saves: time and bytes written when 1%, 10% or 100% of a state changed.
 
-A uniform float32 state (default 256 MiB in 256 tensors of 1 MiB: each tensor a data file of
-its own) is saved once in full; then a fraction of its tensors changes (every element of
-them) and the state is saved again, three ways, each into a new prefix of the same folder:
+A uniform float32 state (default 256 MiB in 256 tensors: each tensor a data file of its own)
+is saved once in full; then a fraction of its tensors changes (every element of them) and
+the state is saved again, each way into a place of its own:
 
-* ``full``         -- ``save_tensors(p, state)``: a plain full save (the baseline);
-* ``incremental``  -- ``save_tensors(p, state, CheckpointOptions(incremental=True), previous=p0)``:
-                      unchanged tensors found by their xxh3-128 hashes, their data files
-                      hard-linked from ``p0``;
-* ``trusted``      -- the same through ``Checkpoint.write`` of ``shardckpt.Variable``s with
-                      ``trust_versions=True``: unchanged variables are known by their version
-                      counters, nothing is hashed;
+* ``full``         -- ``save_tensors(p, arrays)``: a plain full save (the baseline of every ratio);
+* ``vfull``        -- a ``CheckpointManager`` (not incremental) saving the same state as
+                      ``shardckpt.Variable``s: the full save of the object-graph front door;
+* ``variables``    -- ``CheckpointManager(..., incremental=True)`` of ``Variable``s changed
+                      through the API (``assign_add``), default options: what a user of the
+                      manager does. Unchanged variables are known by their version stamps (they
+                      never handed out their live buffer), so no byte of them is read;
+* ``hashed``       -- the same manager and options, but every variable's ``.array`` was taken
+                      (as code that writes into it directly does): every variable is hashed
+                      (xxh3-128, on the checksum helpers) to find the unchanged ones;
+* ``incremental``  -- ``save_tensors(p, arrays, CheckpointOptions(incremental=True), previous=p0)``:
+                      plain arrays have no versions, so they are always hashed;
 * ``dcp``          -- ``torch.distributed.checkpoint.save`` of the same state (reference).
 
-Times are wall seconds (median and best of the repeats) and CPU seconds (all threads; less
-sensitive to a shared disk). Every save is durable (fsync, commit); before each one
-``os.sync()`` settles earlier writes, the systems take turns going first, and each save's
-files are deleted once measured (their page cache slowed later writes down here). Reported
-per fraction over ``--repeats``: seconds, bytes written (``/proc/self/io`` ``wchar``: every
-byte through ``write``; links write none), both as ratios to the full save, and the time to restore every tensor of
-the incremental checkpoint vs the full one (page cache dropped first where allowed).
+Unchanged tensors' data files are hard-linked from the previous checkpoint in every
+incremental variant. Times are wall seconds (median and best of the repeats) and CPU
+seconds (all threads; less sensitive to a shared disk). Every save is durable (fsync,
+commit; the managers also write their state file and apply ``max_to_keep=2``); before each
+one ``os.sync()`` settles earlier writes, the systems take turns going first, and the
+plain saves' files are deleted once measured (their page cache slowed later writes down
+here). Reported per fraction over ``--repeats``: seconds, bytes written (``/proc/self/io``
+``wchar``: every byte through ``write``; links write none), both as ratios to the full
+save, and the time to restore every tensor of the incremental checkpoint vs the full one
+(page cache dropped first where allowed).
 
     .venv/bin/python benchmarks/bench_incremental.py                       # 256 MiB, 3 repeats
-    .venv/bin/python benchmarks/bench_incremental.py --size 1GiB --repeats 1
+    .venv/bin/python benchmarks/bench_incremental.py --size 1GiB --repeats 3 --no-dcp
 
 Results: a table on stdout, everything in ``benchmarks/results/incremental-<time>.json``.
 """
@@ -37,7 +45,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import common as C
 import numpy as np
@@ -59,6 +67,14 @@ def _measure(fn: Callable[[], Any]) -> Dict[str, float]:
     return {"seconds": out["seconds"], "cpu_s": out["cpu_s"], "wchar": float(out["wchar"] or 0)}
 
 
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as fh:
+            return " ".join(fh.read().split()[:3])
+    except OSError:
+        return "n/a"
+
+
 def _restore_seconds(prefix: str, names: List[str], out: List[np.ndarray]) -> float:
     C.drop_page_cache()
     t0 = time.perf_counter()
@@ -69,6 +85,19 @@ def _restore_seconds(prefix: str, names: List[str], out: List[np.ndarray]) -> fl
     return time.perf_counter() - t0
 
 
+def _manager(folder: str, name: str, state: List[np.ndarray], incremental: bool,
+             hand_out: bool = False) -> Tuple[Any, List[Any]]:
+    """A manager of the state as Variables (copies) in ``folder/name``; ``hand_out``: take every ``.array``."""
+    model = shardckpt.Module()
+    model.v = [shardckpt.Variable(a) for a in state]  # copies
+    if hand_out:
+        for v in model.v:
+            _ = v.array  # as code writing into the live buffer does: these variables are hashed
+    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(model=model), os.path.join(folder, name),
+                                          max_to_keep=2, incremental=incremental)
+    return manager, list(model.v)
+
+
 def run_fraction(work: str, fraction: float, state: List[np.ndarray], names: List[str],
                  with_dcp: bool, rotate: int = 0) -> Dict[str, Any]:
     folder = tempfile.mkdtemp(prefix="inc-", dir=work)
@@ -76,25 +105,26 @@ def run_fraction(work: str, fraction: float, state: List[np.ndarray], names: Lis
         values = dict(zip(names, state))
         base = os.path.join(folder, "p0")
         shardckpt.save_tensors(base, values, CheckpointOptions(incremental=True))
-        # the same state as Variables for the trusted variant (their own full save first)
-        variables = shardckpt.Module()
-        variables.v = [shardckpt.Variable(a) for a in state]  # copies
-        ckpt = shardckpt.Checkpoint(model=variables)
-        trusted_opts = CheckpointOptions(incremental=True, trust_versions=True)
-        ckpt.write(os.path.join(folder, "v0"), options=trusted_opts)
+        managed = {"vfull": _manager(folder, "vfull", state, False),
+                   "variables": _manager(folder, "variables", state, True),
+                   "hashed": _manager(folder, "hashed", state, True, hand_out=True)}
+        for name in ("variables", "hashed"):
+            managed[name][0].save()  # their previous checkpoint
         count = max(1, round(fraction * len(state)))
         step = len(state) / count
         changed = sorted({int(i * step) for i in range(count)})
         for i in changed:
             state[i] += 1.0
-            variables.v[i].assign_add(np.float32(1.0))
+            for _, variables in managed.values():
+                variables[i].assign_add(np.float32(1.0))
         res: Dict[str, Any] = {"fraction": fraction, "changed_tensors": len(changed),
                                "changed_bytes": sum(state[i].nbytes for i in changed)}
         saves: Dict[str, Callable[[], Any]] = {
             "full": lambda: shardckpt.save_tensors(os.path.join(folder, "full"), values),
             "incremental": lambda: shardckpt.save_tensors(os.path.join(folder, "inc"), values,
-                                                          CheckpointOptions(incremental=True), previous=base),
-            "trusted": lambda: ckpt.write(os.path.join(folder, "v0"), options=trusted_opts)}
+                                                          CheckpointOptions(incremental=True), previous=base)}
+        for name, (manager, _) in managed.items():
+            saves[name] = manager.save
         if with_dcp:
             import torch
             import torch.distributed.checkpoint as dcp
@@ -115,6 +145,14 @@ def run_fraction(work: str, fraction: float, state: List[np.ndarray], names: Lis
                     if entry == outputs[name] or entry.startswith(outputs[name] + "."):
                         path = os.path.join(folder, entry)
                         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        for name in ("variables", "hashed"):  # the managers' latest checkpoints hold the new state
+            latest = managed[name][0].latest_checkpoint
+            with shardckpt.load_checkpoint(latest) as reader:
+                keys = sorted(k for k in reader.get_variable_to_shape_map() if k.startswith("model/v/"))
+                assert len(keys) == len(state), (name, len(keys))
+                for i in changed[:3] + [j for j in (0, len(state) - 1) if j not in changed]:
+                    got = reader.get_tensor(f"model/v/{i}/.ATTRIBUTES/VARIABLE_VALUE")
+                    assert np.array_equal(got, state[i]), f"the {name} checkpoint holds wrong values ({i})"
         return res
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -134,6 +172,7 @@ def main() -> None:
     names = [n for n, _ in spec]
     fractions = [float(f) for f in args.fractions.split(",")]
     work = tempfile.mkdtemp(prefix="bench-incremental-", dir=args.dir)
+    load_before = _loadavg()
     runs: Dict[float, List[Dict[str, Any]]] = {f: [] for f in fractions}
     try:
         for repeat in range(args.repeats):
@@ -143,8 +182,10 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = []
-    systems = ["full", "incremental", "trusted"] + ([] if args.no_dcp else ["dcp"])
-    print(f"state: {C.fmt_size(C.spec_bytes(spec))} in {len(spec)} float32 tensors; medians of {args.repeats}")
+    systems = ["full", "vfull", "variables", "hashed", "incremental"] + ([] if args.no_dcp else ["dcp"])
+    load_after = _loadavg()
+    print(f"state: {C.fmt_size(C.spec_bytes(spec))} in {len(spec)} float32 tensors; medians of {args.repeats}; "
+          f"load average {load_before} before, {load_after} after")
     print(f"{'changed':>8} {'system':>12} {'median s':>9} {'x full':>7} {'best s':>7} {'x full':>7} "
           f"{'cpu s':>6} {'x full':>7} {'written':>11} {'x full':>7}")
     for f in fractions:
@@ -163,11 +204,15 @@ def main() -> None:
         rf = C.median([r["restore_full_s"] for r in runs[f]])
         ri = C.median([r["restore_incremental_s"] for r in runs[f]])
         print(f"{f:>8.0%} {'restore':>12} full {rf:.3f} s, incremental {ri:.3f} s ({ri / rf:.2f}x)")
+        vfull = med["vfull"]["seconds"]
+        print(f"{f:>8.0%} {'managers':>12} variables / vfull {med['variables']['seconds'] / vfull:.3f}x, "
+              f"hashed / vfull {med['hashed']['seconds'] / vfull:.3f}x (median seconds)")
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     path = os.path.join(HERE, "results", f"incremental-{time.strftime('%Y%m%d-%H%M%S')}.json")
     with open(path, "w") as fh:
         json.dump({"size": C.spec_bytes(spec), "tensors": len(spec), "repeats": args.repeats,
                    "machine": platform.platform(), "cpus": os.cpu_count(), "rows": rows,
+                   "loadavg_before": load_before, "loadavg_after": load_after,
                    "runs": {str(f): runs[f] for f in fractions}}, fh, indent=1)
     print(f"results: {path}")
 

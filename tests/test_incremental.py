@@ -166,6 +166,50 @@ def test_writes_through_array_are_caught_by_hashing(tmp_path: Path) -> None:
     assert _same(_restored(str(tmp_path / "ck")), _values(model))
 
 
+def test_variables_written_only_through_the_api_are_not_hashed(tmp_path: Path) -> None:
+    """Default detection: an unchanged Variable that never handed out its live buffer is known unchanged
+    by its version stamp alone. No byte of it is read: a write behind the library's back (the private
+    attribute) goes unseen, which shows that no hash ran. Once ``.array`` or ``np.asarray`` hands the
+    buffer out, the variable is hashed at every save, so a direct write through a kept reference is saved."""
+    model = _model(11)
+    ckpt = shardckpt.Checkpoint(model=model)
+    prefix = str(tmp_path / "ck")
+    ckpt.write(prefix, options=_policy())
+    model.frozen[0].assign_add(np.ones(N_FROZEN, np.float32))  # through the API: a new stamp
+    copied = np.array(model.frozen[1]) + model.frozen[1].numpy()  # copies hand nothing out
+    model.frozen[2]._value[0] = 7.0  # behind the library's back
+    ckpt.write(prefix, options=_policy())
+    got = _restored(prefix)
+    assert np.array_equal(got[0], model.frozen[0].numpy()) and np.array_equal(got[1] * 2, copied)
+    assert got[2][0] != 7.0, "an unchanged stamp of a sealed variable was not trusted"
+    assert not any(v._handed_out for v in model.frozen)
+    kept = model.frozen[3].array  # handed out: hashed from now on
+    live = np.asarray(model.frozen[4])
+    ckpt.write(prefix, options=_policy())  # no change yet
+    kept[5] = 9.0
+    live[6] = 10.0
+    ckpt.write(prefix, options=_policy())
+    got = _restored(prefix)
+    assert got[3][5] == 9.0 and got[4][6] == 10.0
+
+
+def test_copies_of_a_variable_do_not_share_stamps_after_a_write(tmp_path: Path) -> None:
+    """A deep copy shares its original's stamp only while it shares its bytes: after a write to each,
+    saving the copy under the original's key writes the copy's bytes."""
+    import copy
+
+    original = shardckpt.Variable(np.zeros(N_FROZEN, np.float32))
+    twin = copy.deepcopy(original)
+    prefix = str(tmp_path / "ck")
+    original.assign_add(np.float32(1.0))
+    shardckpt.Checkpoint(v=original).write(prefix, options=_policy())
+    twin.assign_add(np.float32(2.0))  # one write each since the copy
+    shardckpt.Checkpoint(v=twin).write(prefix, options=_policy())
+    fresh = shardckpt.Variable(np.zeros(N_FROZEN, np.float32))
+    shardckpt.Checkpoint(v=fresh).read(prefix).assert_existing_objects_matched()
+    assert np.array_equal(fresh.numpy(), twin.numpy())
+
+
 def test_trust_versions_skips_hashing_and_honours_assign_and_mark_changed(tmp_path: Path) -> None:
     model = _model(3)
     ckpt = shardckpt.Checkpoint(model=model)

@@ -341,7 +341,7 @@ class NameBasedSaverStatus(LoadStatus):
                                            f"checkpoint holds {stored_dtype.name}{list(stored_shape)}",
                                            path=reader.prefix, key=name)
         for var, name in reads:
-            reader.read_region(name, None, out=var.array)
+            reader.read_region(name, None, out=var._peek())
             var.mark_changed()
             self._matched.append(var)
 

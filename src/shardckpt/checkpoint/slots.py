@@ -38,7 +38,7 @@ class Optimizer(Module):
         if slot is not None:
             return slot
         if initial_value is None:
-            like = np.asarray(variable)
+            like = variable._peek() if isinstance(variable, Variable) else np.asarray(variable)
             initial_value = np.full(like.shape, b"", dtype=object) if like.dtype == object else np.zeros_like(like)
         base = getattr(variable, "name", "Variable")
         slot = Variable(initial_value, name=f"{base}/{type(self).__name__}/{slot_name}")

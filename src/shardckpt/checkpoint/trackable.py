@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import uuid
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -27,9 +28,24 @@ __all__ = ["Trackable", "Variable", "Module", "TrackedList", "TrackedDict", "Arr
 
 VARIABLE_VALUE = "VARIABLE_VALUE"
 
-# Variables' change tokens: unique within this process, never equal to another process's.
+# Variables' change stamps: a new one at every write, unique within this process (copies of a
+# variable share a stamp only while they share the bytes), never equal to another process's (a
+# forked child draws a new process id).
 _PROCESS = uuid.uuid4().hex[:16]
-_VARIABLE_IDS = itertools.count()
+_STAMPS = itertools.count()
+
+
+def _new_process_id() -> None:
+    global _PROCESS
+    _PROCESS = uuid.uuid4().hex[:16]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_process_id)
+
+
+def _stamp() -> str:
+    return f"{_PROCESS}:{next(_STAMPS)}"
 
 # A restoration waiting for a child: called with the child once it is attached.
 PendingRestore = Callable[["Trackable"], None]
@@ -95,11 +111,16 @@ class Variable(Trackable):
     checkpoint of it restores into the equivalent ``tf.Variable``. NumPy arrays and
     scalars keep their dtype (see :mod:`shardckpt.checkpoint.convert`).
 
-    A version counter goes up at every write through the API (``assign*``, restores);
-    incremental saves with ``CheckpointOptions(trust_versions=True)`` skip hashing a
-    variable whose version did not move. Code that writes into :attr:`array` directly
-    must then call :meth:`mark_changed` (without ``trust_versions`` the content hash
-    catches such writes anyway).
+    A version counter goes up at every write through the API (``assign*``, restores,
+    :meth:`mark_changed`), and every such write draws a new change stamp. Incremental
+    saves (``CheckpointOptions(incremental=True)``) take a variable whose stamp did not
+    move since the previous save as unchanged *without hashing its bytes* as long as
+    the variable never handed out its live buffer: :attr:`array` and ``np.asarray(var)``
+    hand it out, and from then on the variable's bytes are hashed at every incremental
+    save (a direct write through a kept reference is then always caught), unless
+    ``CheckpointOptions(trust_versions=True)`` says that every direct write is followed
+    by :meth:`mark_changed`. Reads that copy (:meth:`numpy`, :meth:`read_value`,
+    ``np.array(var)``) hand nothing out.
     """
 
     def __init__(self, initial_value: Any, name: Optional[str] = None, dtype: Any = None,
@@ -115,8 +136,9 @@ class Variable(Trackable):
         self._value = array
         self._name = name or "Variable"
         self.trainable = trainable
-        self._uid = next(_VARIABLE_IDS)
         self._version = 0
+        self._stamp = _stamp()
+        self._handed_out = False  # whether a reference to the live buffer left the variable
 
     @property
     def name(self) -> str:
@@ -139,7 +161,13 @@ class Variable(Trackable):
 
     @property
     def array(self) -> np.ndarray:
-        """The live array (no copy); restores write into it."""
+        """The live array (no copy); restores write into it. Writing into it bypasses the version
+        counter: incremental saves hash this variable from now on (see the class docstring)."""
+        self._handed_out = True
+        return self._value
+
+    def _peek(self) -> np.ndarray:
+        """The live array for the library's own reads, and writes followed by :meth:`mark_changed`."""
         return self._value
 
     def assign(self, value: Any) -> "Variable":
@@ -149,12 +177,16 @@ class Variable(Trackable):
             raise InvalidArgumentError(f"cannot assign a value of shape {list(new.shape)} to variable "
                                        f"{self._name!r} of shape {list(self._value.shape)}")
         np.copyto(self._value, new, casting="same_kind" if self._value.dtype != object else "unsafe")
-        self._version += 1
+        self._changed()
         return self
+
+    def _changed(self) -> None:
+        self._version += 1
+        self._stamp = _stamp()
 
     def mark_changed(self) -> None:
         """Say that :attr:`array` was written directly (incremental saves trusting versions then save it)."""
-        self._version += 1
+        self._changed()
 
     @property
     def version(self) -> int:
@@ -163,10 +195,15 @@ class Variable(Trackable):
 
     def _change_token(self) -> str:
         """Equal at two saves exactly when no API write happened between them (in this process)."""
-        return f"{_PROCESS}:{self._uid}:{self._version}"
+        return self._stamp
+
+    def _token_proves_unchanged(self) -> bool:
+        """Whether an unchanged :meth:`_change_token` alone proves the bytes unchanged: no reference
+        to the live buffer was ever handed out, so every write went through the API."""
+        return not self._handed_out
 
     def _after_restore(self, attributes: Iterable[str]) -> None:
-        self._version += 1
+        self._changed()
         super()._after_restore(attributes)
 
     def assign_add(self, delta: Any) -> "Variable":
@@ -182,7 +219,12 @@ class Variable(Trackable):
         return self.numpy()
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        return self._value if dtype is None else self._value.astype(dtype)
+        if dtype is not None:
+            return self._value.astype(dtype)
+        if copy:
+            return self._value.copy()
+        self._handed_out = True  # np.asarray(var): the live buffer (see the class docstring)
+        return self._value
 
     def _serialize_to_tensors(self) -> Dict[str, np.ndarray]:
         return {VARIABLE_VALUE: self._value}

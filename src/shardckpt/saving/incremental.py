@@ -23,8 +23,12 @@ them).
 **Change detection** (:func:`arrange`, on every client, for its own pieces, before any
 byte is staged or written), cheapest first:
 
-1. with ``trust_versions``, a piece whose change token equals the one recorded is
-   unchanged (writes into ``Variable.array`` must call ``mark_changed()``);
+1. a piece whose change token (a :class:`~shardckpt.Variable`'s version stamp, new at
+   every write through the API) equals the one recorded is unchanged, without reading
+   a byte, when the variable never handed out its live buffer (``.array``,
+   ``np.asarray(var)``): every write then went through the API. A variable that did
+   hand it out is hashed (a direct write through a kept reference is caught), unless
+   ``trust_versions`` says that direct writes are followed by ``mark_changed()``;
 2. a piece whose head hash (its first :data:`HEAD_BYTES` bytes: microseconds) differs
    from the recorded one changed: it is written, and hashed while its bytes stream to
    storage (no extra pass; when every piece changed, detection costs next to nothing);
@@ -57,6 +61,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import xxhash
 
 from ..format.bundle_writer import byte_chunks, encode_key, shape_proto, to_disk_array
+from ..format.crc import default_context
 from ..format.merge import _parse_header
 from ..format.naming import data_filename, index_filename
 from ..format.ordered_code import encode_tensor_name_slice
@@ -82,6 +87,8 @@ PieceId = Tuple[str, str]
 OWN_FILE_BYTES = 1 << 20
 #: a piece's first bytes hashed for the cheap pre-check of change detection
 HEAD_BYTES = 4096
+#: below this many bytes in all, change detection runs on the calling thread
+_PARALLEL_HASH_BYTES = 8 << 20
 Written = Dict[str, Any]
 
 
@@ -204,23 +211,59 @@ def _same_form(item: PlanItem, entry: pb.BundleEntryProto) -> bool:
 _Verdict = Tuple[str, Optional[str], Optional[str]]
 
 
-def _detect(item: PlanItem, previous: Previous, trust_versions: bool) -> _Verdict:
-    """``("unchanged" | "changed" | "new", hash or None, head hash or None)`` for one piece; a hash
-    of ``None`` (not a string) is computed while the piece's bytes stream out."""
+def _detect(item: PlanItem, previous: Previous, trust_versions: bool) -> "_Verdict | _Record":
+    """``("unchanged" | "changed" | "new", hash or None, head hash or None)`` for one piece when it is
+    known without reading the piece's bytes (a hash of ``None``, not a string, is computed while the
+    piece's bytes stream out); else the record its bytes must be compared with (:func:`_by_bytes`)."""
     if item.dtype.is_string:
         return "new", None, None
     record = previous.pieces.get((item.key, item.slice_spec))
     entry = previous.entries.get(entry_key(item.key, item.slice_spec))
     if record is None or record.hash is None or entry is None or not _same_form(item, entry):
         return "new", None, head_hash(item.source.get(), item.dtype.enum)
-    if trust_versions and item.version is not None and item.version == record.token:
+    if item.version is not None and item.version == record.token and (trust_versions or item.version_proves):
         return "unchanged", record.hash, record.head
+    return record
+
+
+def _by_bytes(item: PlanItem, record: _Record) -> _Verdict:
+    """The verdict on a piece from its bytes: its head first, then (same head) its whole xxh3-128 hash."""
     value = item.source.get()
     head = head_hash(value, item.dtype.enum)
     if record.head is not None and head != record.head:  # changed for sure: no hashing pass
         return "changed", None, head
     digest = content_hash(value, item.dtype.enum)
     return ("unchanged" if digest == record.hash else "changed"), digest, head
+
+
+def _detect_all(items: Sequence[PlanItem], previous: Previous, trust_versions: bool) -> List[_Verdict]:
+    """The verdict on every item: versions and the previous checkpoint first (no byte read), then the
+    pieces left are compared by their bytes, on the checksum helpers in batches of about equal bytes
+    when there is much to hash (xxh3 releases the GIL: it runs on every core)."""
+    found = [_detect(item, previous, trust_versions) for item in items]
+    left = [n for n, f in enumerate(found) if isinstance(f, _Record)]
+    out: List[Any] = list(found)
+    helpers = default_context()
+    workers = min(len(left), helpers.workers)
+    if workers < 2 or sum(items[n].nbytes for n in left) < _PARALLEL_HASH_BYTES:
+        for n in left:
+            out[n] = _by_bytes(items[n], found[n])  # type: ignore[arg-type]
+        return out
+    batches: List[List[int]] = [[] for _ in range(workers)]
+    loads = [0] * workers
+    for n in sorted(left, key=lambda n: -items[n].nbytes):  # largest first, onto the lightest batch
+        lightest = loads.index(min(loads))
+        batches[lightest].append(n)
+        loads[lightest] += items[n].nbytes
+
+    def run(batch: List[int]) -> List[_Verdict]:
+        return [_by_bytes(items[n], found[n]) for n in batch]  # type: ignore[arg-type]
+
+    pool = helpers.executor
+    for batch, future in [(b, pool.submit(run, b)) for b in batches if b]:
+        for n, verdict in zip(batch, future.result()):
+            out[n] = verdict
+    return out
 
 
 def _reuse(previous: Previous, shard_id: int, members: List[PlanItem]) -> Reuse:
@@ -259,11 +302,9 @@ def arrange(plan: SavePlan, previous: Optional[Previous], *, trust_versions: boo
             None if i.dtype.is_string else head_hash(i.source.get(), i.dtype.enum) for i in group))
             for n, (task, group) in enumerate((s.task, g) for s in plan.shards for g in _split(s.items)))
         return replace(plan, shards=shards)
-    verdicts: Dict[int, _Verdict] = {}
-    by_entry: Dict[bytes, PlanItem] = {}
-    for item in plan.items:
-        verdicts[id(item)] = _detect(item, previous, trust_versions)
-        by_entry[entry_key(item.key, item.slice_spec)] = item
+    items = plan.items
+    verdicts = dict(zip(map(id, items), _detect_all(items, previous, trust_versions)))
+    by_entry = {entry_key(item.key, item.slice_spec): item for item in items}
     reused: Dict[int, List[PlanItem]] = {}
     for shard_id, keys in sorted(previous.files.items()):
         found = [by_entry[k] for k in keys if k in by_entry]

@@ -45,8 +45,10 @@ class CheckpointOptions:
         complete on its own (see :mod:`shardckpt.saving.incremental`).
       trust_versions: with ``incremental``, a :class:`~shardckpt.Variable` whose version
         did not move since the previous save (in this process) is taken as unchanged
-        without hashing its bytes; direct writes into ``.array`` must then call
-        ``mark_changed()``. Default: every value is hashed (xxh3-128).
+        without hashing its bytes even when it handed out its live buffer (``.array``,
+        ``np.asarray``); direct writes into it must then call ``mark_changed()``.
+        Default: only variables that never handed out their buffer are trusted, every
+        other value is hashed (xxh3-128).
       skip_slot_variables: on restore, ignore optimizer slot variables.
       async_staging_bytes: with ``enable_async``, hold at most this many bytes of staged
         copies: the snapshot then streams (the call returns once the last value is copied).

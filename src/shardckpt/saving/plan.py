@@ -33,8 +33,8 @@ try:
 except ImportError:  # pragma: no cover - Python < 3.8
     from typing_extensions import Protocol  # type: ignore[assignment]
 
-__all__ = ["ValueSource", "ArraySource", "PlanItem", "Reuse", "ShardPlan", "change_token", "SavePlan", "make_save_plan",
-           "as_shardable_tensors", "TensorsToSave"]
+__all__ = ["ValueSource", "ArraySource", "PlanItem", "Reuse", "ShardPlan", "change_token", "token_proves", "SavePlan",
+           "make_save_plan", "as_shardable_tensors", "TensorsToSave"]
 
 _log = logging.getLogger("shardckpt")
 
@@ -80,8 +80,11 @@ class PlanItem:
     box: Box
     tensor: ShardableTensor
     source: ValueSource
-    #: the value's change token when it was planned (a ``Variable``'s version), for incremental saves
+    #: the value's change token when it was planned (a ``Variable``'s version stamp), for incremental saves
     version: Optional[str] = None
+    #: whether an unchanged ``version`` alone proves the bytes unchanged (a ``Variable`` that never
+    #: handed out its live buffer); otherwise only ``trust_versions`` makes it count
+    version_proves: bool = False
 
     @property
     def dtype(self) -> DType:
@@ -207,6 +210,13 @@ def change_token(tensor: ShardableTensor) -> Optional[str]:
     return None if value is None else f"{value}/{tensor.slice_spec}"
 
 
+def token_proves(tensor: ShardableTensor) -> bool:
+    """Whether :func:`change_token` alone proves the value unchanged (the trackable's
+    ``_token_proves_unchanged()``: a :class:`~shardckpt.Variable` whose live buffer never left it)."""
+    proves = getattr(tensor.trackable, "_token_proves_unchanged", None)
+    return bool(proves()) if proves is not None else False
+
+
 def make_save_plan(tensors: TensorsToSave, callback: Optional[ShardingCallback] = None) -> SavePlan:
     """Group by task, run the callback per task, validate, number the shards."""
     callback = callback or ShardByTaskPolicy()
@@ -221,8 +231,8 @@ def make_save_plan(tensors: TensorsToSave, callback: Optional[ShardingCallback] 
     for task, group in by_task.items():
         result = callback(group)
         for checked in validate_shards(result, group, callback.description):
-            items = tuple(PlanItem(i.key, i.slice_spec, i.box, i.source, ArraySource(i.value), change_token(i.source))
-                          for i in checked)
+            items = tuple(PlanItem(i.key, i.slice_spec, i.box, i.source, ArraySource(i.value), change_token(i.source),
+                                   token_proves(i.source)) for i in checked)
             shards.append(ShardPlan(len(shards), task, items))
     elapsed = time.perf_counter() - started
     _log.debug("sharding callback %r took %.1f us", callback.description, elapsed * 1e6)

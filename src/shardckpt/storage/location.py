@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Optional
 
 from .base import FileSystem, normalize
@@ -32,12 +33,12 @@ class Location:
         prefix = normalize(os.fspath(path))
         return cls(fs if fs is not None else get_fs(prefix), prefix)
 
-    @property
+    @cached_property
     def directory(self) -> str:
         """The folder holding the checkpoint's files (``"."`` for a bare name)."""
         return self.fs.dirname(self.prefix) or "."
 
-    @property
+    @cached_property
     def basename(self) -> str:
         """The prefix's last component: every file of the checkpoint starts with it."""
         return self.fs.basename(self.prefix)

@@ -72,10 +72,11 @@ def committed_num_shards(location: Location) -> int:
 def data_files(location: Location, names: List[str]) -> Dict[str, int]:
     """The data files of the prefix among ``names`` (a listing of its folder): path -> shard count."""
     found = {}
+    base, directory, join = location.basename, location.directory, location.fs.join
     for name in names:
-        parsed = parse_data_filename(name, location.basename)
+        parsed = parse_data_filename(name, base)
         if parsed is not None:
-            found[location.sibling(name)] = parsed[1]
+            found[join(directory, name)] = parsed[1]
     return found
 
 
