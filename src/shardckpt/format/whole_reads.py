@@ -38,9 +38,8 @@ until :meth:`ReadPump.drain` returns.
 from __future__ import annotations
 
 import threading
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Deque, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
@@ -189,6 +188,19 @@ class _Span:
         self.end += b - a
 
 
+class _Lane:
+    """Spans ``[next, stop)`` of the pump's list that one reader takes in order (one sequential stream)."""
+
+    __slots__ = ("next", "stop")
+
+    def __init__(self, start: int, stop: int) -> None:
+        self.next = start
+        self.stop = stop
+
+    def left(self) -> int:
+        return self.stop - self.next
+
+
 class ReadPump:
     """Reads queued whole entries on up to ``workers`` helper threads (see the module docstring).
 
@@ -207,7 +219,9 @@ class ReadPump:
         self._sub = sub
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._queue: Deque[_Span] = deque()
+        self._spans: List[Optional[_Span]] = []  # in arrival order; a taken span's slot is emptied
+        self._frontier = 0  # spans before it belong to a lane
+        self._lanes: List[_Lane] = []
         self._outstanding = 0  # spans queued or being read
         self._helpers = 0
         self._gather: Optional[_Span] = None  # small neighbours waiting for more
@@ -249,9 +263,9 @@ class ReadPump:
         """Queue ``spans`` and start helpers for them (holding the lock)."""
         if not spans:
             return
-        self._queue.extend(spans)
+        self._spans.extend(spans)
         self._outstanding += len(spans)
-        wanted = min(self._workers, len(self._queue)) - self._helpers
+        wanted = min(self._workers, self._outstanding) - self._helpers
         for _ in range(max(0, wanted)):
             try:
                 self._executor().submit(self._help)
@@ -275,18 +289,46 @@ class ReadPump:
                 self._helpers -= 1
 
     def _work(self) -> None:
+        lane: Optional[_Lane] = None
         while True:
             with self._lock:
-                if not self._queue:
+                lane, i = self._claim(lane)
+                if lane is None:
                     return
-                span = self._queue.popleft()
+                span = self._spans[i]
+                self._spans[i] = None
+            assert span is not None
             try:
                 self._read(span)
             finally:
                 with self._lock:
                     self._outstanding -= 1
                     if self._outstanding == 0:
+                        self._spans, self._frontier, self._lanes = [], 0, []
                         self._idle.notify_all()
+
+    def _claim(self, lane: Optional[_Lane]) -> Tuple[Optional[_Lane], int]:
+        """The next span for a reader that held ``lane`` (holding the lock): the next of its lane; else
+        the spans no lane has yet, as a new lane; else the back half of the longest lane."""
+        if lane is not None:
+            if lane.next < lane.stop:
+                lane.next += 1
+                return lane, lane.next - 1
+            if lane in self._lanes:
+                self._lanes.remove(lane)
+        if self._frontier < len(self._spans):
+            lane = _Lane(self._frontier, len(self._spans))
+            self._frontier = lane.stop
+        else:
+            victim = max(self._lanes, key=_Lane.left, default=None)
+            if victim is None or victim.left() < 2:
+                return None, -1
+            mid = (victim.next + victim.stop + 1) // 2
+            lane = _Lane(mid, victim.stop)
+            victim.stop = mid
+        self._lanes.append(lane)
+        lane.next += 1
+        return lane, lane.next - 1
 
     def drain(self) -> None:
         """Queue everything, read spans on this thread too, and wait until every span is read."""
