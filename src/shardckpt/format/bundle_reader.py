@@ -8,15 +8,19 @@ data block that may hold its key (see :class:`~shardckpt.format.sstable.TableRea
 regions of them. A region read issues positional reads of just the byte ranges
 that hold the region, straight into the destination array; reads smaller than a
 page are served by the filesystem's ``pread_batch`` (which coalesces nearby
-ranges). Whole-entry reads are split into units read and checksummed on several
-threads at once (the calling thread and the helpers of a
-:class:`~shardckpt.format.crc.ChecksumContext`); the units' CRC32Cs are combined
-and compared with the stored one.
+ranges). Whole-entry reads go through a :class:`~shardckpt.format.whole_reads.ReadPump`:
+large entries are split into units, small neighbours gathered into one request, and the
+spans read and checksummed on several threads at once (the calling thread and the
+helpers of a :class:`~shardckpt.format.crc.ChecksumContext`), each piece checksummed
+while it is still in the CPU cache; the pieces' CRC32Cs are combined and compared with
+the stored one. (Stores with a preferred request size, ``read_step``, read entries in
+units of that size instead.)
 
-A :class:`ReadSession` groups reads whose completion and checks may be deferred
-to the end of the session (so one thread can issue the next read while helpers
-still read and checksum the last ones); each session owns its own pending
-checks, so two threads reading through one reader each see their own failures.
+A :class:`ReadSession` groups reads whose completion and checks are deferred to the
+end of the session: its whole-entry reads are queued on the session's pump, whose
+helpers read them in file order while the caller plans the next ones; each session
+owns its own pending checks, so two threads reading through one reader each see
+their own failures.
 
 The reader sees the checkpoint it opened, or raises
 :class:`~shardckpt.errors.CheckpointReplacedError`: the identity of the index and
@@ -882,10 +886,10 @@ class _EntryJob:
 class ReadSession:
     """Reads through one :class:`BundleReader` whose completion and checks may wait for the session's end.
 
-    With ``defer`` (the default) a whole-entry read returns as soon as no unit of it is
-    left to start (the calling thread reads units too; helpers may still be reading
-    the last ones); :meth:`finish` (or leaving the ``with`` block)
-    waits for all of them and raises the first failure — a read error, a checksum
+    With ``defer`` (the default) a whole-entry read returns once it is queued on the
+    session's pump (helpers read it, in file order, while the caller goes on);
+    :meth:`finish` (or leaving the ``with`` block) reads what is left on the calling
+    thread too, waits for all of it and raises the first failure — a read error, a checksum
     mismatch (:class:`DataLossError`), a replaced file. Values read through the
     session must not be trusted before that. The session is safe to use from
     several threads; its failures are its own (another session, or a plain read,
