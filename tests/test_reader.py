@@ -161,6 +161,117 @@ def test_restore_tensors_checks_every_entry_before_returning(tmp_path: Path) -> 
         shardckpt.restore_tensors(prefix, [shardckpt.RestoreRequest(k, out=o) for k, o in outs.items()])
 
 
+# -- the read pump: slow-copy skews, gathered neighbours, lanes ---------------------------------------
+def _skewed(shape: tuple, dtype: Any, file_offset: int, skew: int) -> np.ndarray:
+    """A C-contiguous array whose first byte lies ``skew`` bytes past ``file_offset`` modulo 4096."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    buf = np.zeros(nbytes + 3 * 4096, np.uint8)
+    start = (file_offset + skew - buf.ctypes.data) % 4096
+    return buf[start:start + nbytes].view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("skew", [16, 8, 2048, 0])
+@pytest.mark.parametrize("elements", [3000, (3 << 20) + 5])  # one small read; several units on helpers
+def test_whole_entries_read_into_arrays_at_any_skew_and_every_byte_is_checked(tmp_path: Path, skew: int,
+                                                                               elements: int) -> None:
+    from shardckpt.format import whole_reads
+
+    prefix = str(tmp_path / "ck")
+    value = np.random.default_rng(skew).standard_normal(elements).astype(np.float32)
+    shardckpt.save_tensors(prefix, {"pad": np.zeros(7, np.float32), "v": value})
+    with BundleReader(prefix) as reader:
+        entry = reader.entry("v")
+        offset, size = int(entry.offset), int(entry.size)
+        out = _skewed(value.shape, np.float32, offset, skew)
+        assert whole_reads._slow_copy(out.ctypes.data, offset) == (0 < skew < 64)  # the bounce path when slow
+        reader.read_region("v", None, out)
+        np.testing.assert_array_equal(out, value)
+        out[...] = 0
+        with reader.session() as session:
+            session.read_region("v", None, out)
+        np.testing.assert_array_equal(out, value)
+    for at in sorted({0, size // 2, size - 1}):
+        _flip(prefix + DATA, offset + at)
+        with BundleReader(prefix) as reader:
+            with pytest.raises(DataLossError, match="'v': checksum does not match"):
+                reader.read_region("v", None, out)
+            with pytest.raises(DataLossError, match="'v': checksum does not match"):
+                with reader.session() as session:
+                    session.read_region("v", None, out)
+        _flip(prefix + DATA, offset + at)
+
+
+class _CountingLocal(LocalFileSystem):
+    """The local filesystem, recording every positional read (offset, length)."""
+
+    def __init__(self) -> None:
+        self.reads: List[Any] = []
+        self._lock = threading.Lock()
+
+    def pread_into(self, fd: int, buf: memoryview, offset: int, path: str = "") -> None:
+        with self._lock:
+            self.reads.append((offset, len(buf)))
+        super().pread_into(fd, buf, offset, path)
+
+
+def test_small_neighbours_are_read_in_few_requests_and_each_is_checked_on_its_own(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "ck")
+    rng = np.random.default_rng(5)
+    arrays = {f"t{i:03d}": rng.standard_normal(int(rng.integers(1, 9000))).astype(np.float32) for i in range(120)}
+    arrays["big"] = rng.standard_normal(3 << 20).astype(np.float32)  # between two runs of small ones
+    arrays.update({f"u{i:03d}": rng.standard_normal(700 + i).astype(np.float32) for i in range(40)})
+    shardckpt.save_tensors(prefix, arrays)
+    fs = _CountingLocal()
+    with BundleReader(prefix, fs=fs) as reader:
+        order = sorted(arrays, key=lambda k: reader.entry(k).offset)
+        outs = {k: np.zeros_like(arrays[k]) for k in order}
+        with reader.session() as session:
+            for k in order:
+                session.read_region(k, None, outs[k])
+        data = sorted(r for r in fs.reads if r[1] > 0)
+    for k in arrays:
+        np.testing.assert_array_equal(outs[k], arrays[k])
+    small = sum(a.nbytes for k, a in arrays.items() if k != "big")
+    assert len(data) < 20, len(data)  # 160 small entries, gathered (and the large one in pieces)
+    covered = sum(n for _, n in data)
+    assert covered == small + arrays["big"].nbytes  # every byte read once
+    bad = order[len(order) // 3]
+    with BundleReader(prefix) as reader:
+        entry = reader.entry(bad)
+    _flip(prefix + DATA, int(entry.offset) + int(entry.size) // 2)
+    with BundleReader(prefix) as reader:
+        outs = {k: np.zeros_like(arrays[k]) for k in order}
+        with pytest.raises(DataLossError, match=f"'{bad}'"):
+            with reader.session() as session:
+                for k in order:
+                    session.read_region(k, None, outs[k])
+        for k in order:  # every other entry was read and is right
+            if k != bad:
+                np.testing.assert_array_equal(outs[k], arrays[k])
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_many_entries_on_several_lanes_are_each_read_exactly_once(tmp_path: Path, workers: int) -> None:
+    prefix = str(tmp_path / "ck")
+    rng = np.random.default_rng(workers)
+    sizes = [int(rng.integers(1, 3 << 20)) for _ in range(30)]
+    arrays = {f"t{i:02d}": rng.standard_normal(n // 4 + 1).astype(np.float32) for i, n in enumerate(sizes)}
+    shardckpt.save_tensors(prefix, arrays)
+    fs = _CountingLocal()
+    ctx = crc.ChecksumContext(workers=workers)
+    try:
+        with BundleReader(prefix, fs=fs, context=ctx) as reader:
+            outs = shardckpt.restore_tensors(prefix, list(arrays), reader=reader)
+            spans = sorted(r for r in fs.reads if r[1] > 0)
+    finally:
+        ctx.shutdown()
+    for got, want in zip(outs, arrays.values()):
+        np.testing.assert_array_equal(got, want)
+    for (a, n), (b, _) in zip(spans, spans[1:]):
+        assert a + n <= b  # no byte read twice
+    assert sum(n for _, n in spans) == sum(a.nbytes for a in arrays.values())
+
+
 # -- pread_batch ----------------------------------------------------------------------------------
 class _SerialLocal(LocalFileSystem):
     """The local filesystem with the interface's default (serial) pread_batch."""

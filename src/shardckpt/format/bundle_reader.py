@@ -8,15 +8,19 @@ data block that may hold its key (see :class:`~shardckpt.format.sstable.TableRea
 regions of them. A region read issues positional reads of just the byte ranges
 that hold the region, straight into the destination array; reads smaller than a
 page are served by the filesystem's ``pread_batch`` (which coalesces nearby
-ranges). Whole-entry reads are split into units read and checksummed on several
-threads at once (the calling thread and the helpers of a
-:class:`~shardckpt.format.crc.ChecksumContext`); the units' CRC32Cs are combined
-and compared with the stored one.
+ranges). Whole-entry reads go through a :class:`~shardckpt.format.whole_reads.ReadPump`:
+large entries are split into units, small neighbours gathered into one request, and the
+spans read and checksummed on several threads at once (the calling thread and the
+helpers of a :class:`~shardckpt.format.crc.ChecksumContext`), each piece checksummed
+while it is still in the CPU cache; the pieces' CRC32Cs are combined and compared with
+the stored one. (Stores with a preferred request size, ``read_step``, read entries in
+units of that size instead.)
 
-A :class:`ReadSession` groups reads whose completion and checks may be deferred
-to the end of the session (so one thread can issue the next read while helpers
-still read and checksum the last ones); each session owns its own pending
-checks, so two threads reading through one reader each see their own failures.
+A :class:`ReadSession` groups reads whose completion and checks are deferred to the
+end of the session: its whole-entry reads are queued on the session's pump, whose
+helpers read them in file order while the caller plans the next ones; each session
+owns its own pending checks, so two threads reading through one reader each see
+their own failures.
 
 The reader sees the checkpoint it opened, or raises
 :class:`~shardckpt.errors.CheckpointReplacedError`: the identity of the index and
@@ -59,14 +63,14 @@ from .protos import tensor_bundle_pb2 as pb
 from .sstable import TableReader, read_table
 from .strings import decode_strings, decode_variants
 from .tensor_slice import Box, TensorSlice, box_shape, box_volume, boxes_tile, full_box, intersect
+from .whole_reads import EntryRead, ReadPump, read_range, unit_bounds
 
 __all__ = ["BundleReader", "ReadSession", "StoredPiece", "MAX_SUPPORTED_VERSION"]
 
 MAX_SUPPORTED_VERSION = 1  # the bundle format's producer/consumer version
-_UNIT = 2 << 20  # whole entries are read and checksummed in units of this size, on several threads
+_UNIT = 4 << 20  # whole entries are read and checksummed in units of this size, on several threads
 _MIN_UNIT = 512 << 10  # entries are split across threads only into units at least this large
-_ALIGN = 64 << 10  # unit boundaries (relative to the entry) are multiples of this
-_SUB = 512 << 10  # within a unit, read this much and checksum it while it is still in the CPU cache
+_SUB = 2 << 20  # within a unit, read this much and checksum it while it is still in the CPU cache (L3)
 _MAX_SHARDS = 1 << 24
 _PAGE = 4096
 _MAX_RANK = 64  # NumPy's limit (TensorFlow allows 254; such tensors cannot be arrays here)
@@ -185,6 +189,7 @@ class BundleReader:
         self._sub = fs.read_step or _SUB
         self._fds: Dict[int, Any] = {}
         self._file_sizes: Dict[int, int] = {}
+        self._paths: Dict[int, str] = {}
         self._identities: Dict[int, Any] = {}  # shard -> identity at open (None: missing then)
         self._lock = threading.Lock()
         self._load_index = load_index
@@ -496,7 +501,10 @@ class BundleReader:
 
     # -- data files ----------------------------------------------------------
     def data_path(self, shard_id: int) -> str:
-        return data_filename(self.prefix, shard_id, self.num_shards)
+        path = self._paths.get(shard_id)
+        if path is None:
+            path = self._paths[shard_id] = data_filename(self.prefix, shard_id, self.num_shards)
+        return path
 
     def _replaced(self, path: str, what: str) -> CheckpointReplacedError:
         return CheckpointReplacedError(f"checkpoint was replaced while open: {what} (open the checkpoint again "
@@ -625,6 +633,10 @@ class BundleReader:
         ``session`` the read may complete when the session does.
         """
         kb = _key_bytes(key)
+        if region is None:
+            entry = self.entry(kb)
+            if not entry.slices:  # the common case, kept short: one stored entry read whole
+                return self._read_entry(kb, entry, out, verify, session)
         dt = self.dtype(kb)
         shape = self.shape(kb)
         box = region_box(region, shape, self.prefix, kb)
@@ -649,6 +661,22 @@ class BundleReader:
             index = tuple(slice(a - r0, b - r0) for (a, b), (r0, _) in zip(common, box))
             dest = out[index] if index else out
             self._read_piece(piece, dt, local, dest, verify, session, where)
+        return out
+
+    def _read_entry(self, kb: bytes, entry: pb.BundleEntryProto, out: Optional[np.ndarray], verify: bool,
+                    session: Optional["ReadSession"]) -> np.ndarray:
+        """:meth:`read_region` of a whole tensor stored as one entry (same checks, fewer steps)."""
+        dt = from_enum(entry.dtype)
+        shape = tuple(int(d.size) for d in entry.shape.dim)
+        box = full_box(shape)
+        piece = StoredPiece(box, kb, entry, kb)
+        located = self._locate(piece, dt)  # sizes (and the shape) checked before allocating
+        if out is None:
+            out = np.empty(shape, dtype=dt.numpy)
+        elif tuple(out.shape) != shape or out.dtype != dt.numpy:
+            raise InvalidArgumentError(f"destination has shape {list(out.shape)} and dtype {out.dtype}; "
+                                       f"expected {list(shape)} and {dt.numpy}", path=self.prefix, key=kb)
+        self._read_piece(piece, dt, box, out, verify, session, located)
         return out
 
     def read_piece_region(self, piece: StoredPiece, local: Box, out: Optional[np.ndarray] = None, *,
@@ -770,20 +798,61 @@ class BundleReader:
 
     def _read_whole(self, piece: StoredPiece, fd: Any, path: str, dest: np.ndarray, verify: bool,
                     session: Optional["ReadSession"]) -> None:
-        """Read one entry whole into ``dest``: in units on several threads, each unit checksummed as it lands."""
+        """Read one entry whole into ``dest``: queued on the session's pump (or a pump of its own), read
+        in units on several threads, each piece checksummed as it lands (see :mod:`.whole_reads`)."""
+        if self._fs.read_step is not None:  # stores with their own request size: units of that size
+            self._read_whole_units(piece, fd, path, dest, verify, session)
+            return
+        flat = dest.reshape(-1).view(np.uint8)
+        entry = piece.entry
+        offset = int(entry.offset)
+        if session is None and len(flat) < 2 * self._min_unit:  # one unit: no pump, no helpers
+            computed = read_range(self._fs, fd, path, offset, flat, self._sub, verify)
+            self._check_read(piece, path, verify, computed)
+            return
+        read = EntryRead(fd, path, offset, flat, verify, crc.unmask(entry.crc32c), piece, int(entry.shard_id))
+        if session is not None:  # read by the session's helpers; checked when the session finishes
+            session._queue(read)
+            return
+        pump = self._pump()
+        pump.add(read)
+        pump.drain()
+        self._check_entry(read)
+
+    def _pump(self) -> ReadPump:
+        return ReadPump(self._fs, lambda: self._context.executor, self._context.workers, unit=self._unit,
+                        min_unit=self._min_unit, sub=self._sub)
+
+    def _check_read(self, piece: StoredPiece, path: str, verify: bool, computed: int) -> None:
+        if not verify:
+            self._check_unchanged(piece.entry.shard_id)
+            return
+        expected = crc.unmask(piece.entry.crc32c)
+        if computed != expected:
+            self._check_unchanged(piece.entry.shard_id)  # a replaced file says so
+            raise DataLossError(f"checksum does not match: stored 0x{expected:08x}, computed "
+                                f"0x{computed:08x}", path=path, **piece.where())
+
+    def _check_entry(self, read: EntryRead) -> None:
+        """Raise what went wrong with a queued whole-entry read: a failed read, a replaced file, a checksum."""
+        if read.error is not None:
+            raise read.error
+        if not read.verify:
+            self._check_unchanged(read.shard)
+            return
+        problem = read.mismatch()
+        if problem is not None:
+            self._check_unchanged(read.shard)  # a replaced file says so
+            raise DataLossError(problem, path=read.path, **read.tag.where())
+
+    def _read_whole_units(self, piece: StoredPiece, fd: Any, path: str, dest: np.ndarray, verify: bool,
+                          session: Optional["ReadSession"]) -> None:
+        """Read one entry whole in units of the store's request size, on several threads."""
         size = int(piece.entry.size)
         if session is None and size <= self._sub:  # one small read: no job, no helpers
             flat = byte_view(dest)
             self._fs.pread_into(fd, flat, int(piece.entry.offset), path)
-            if not verify:
-                self._check_unchanged(piece.entry.shard_id)
-                return
-            computed = crc.value(flat)
-            expected = crc.unmask(piece.entry.crc32c)
-            if computed != expected:
-                self._check_unchanged(piece.entry.shard_id)  # a replaced file says so
-                raise DataLossError(f"checksum does not match: stored 0x{expected:08x}, computed "
-                                    f"0x{computed:08x}", path=path, **piece.where())
+            self._check_read(piece, path, verify, crc.value(flat) if verify else 0)
             return
         job = _EntryJob(self, piece, fd, path, byte_view(dest), verify)
         job.run(self._context.executor if self._context.workers else None)  # this thread reads units too
@@ -836,21 +905,6 @@ class BundleReader:
         return values
 
 
-def _unit_bounds(size: int, unit: int, min_unit: int, workers: int) -> List[Tuple[int, int]]:
-    """Split ``size`` bytes into nearly equal units of at most ``unit`` bytes (64 KiB aligned).
-
-    An entry of at least two ``min_unit`` is split into one unit per worker at least,
-    so a single large-ish read uses every core. Without helpers (``workers`` 0) the
-    entry is one unit: the calling thread reads it all, with no CRCs to combine.
-    """
-    if size <= 0 or workers == 0:
-        return [(0, max(size, 0))]
-    count = max(-(-size // unit), min(workers, size // min_unit))
-    step = -(-size // count)
-    step = -(-step // _ALIGN) * _ALIGN
-    return [(a, min(size, a + step)) for a in range(0, size, step)]
-
-
 class _EntryJob:
     """One whole-entry read: its units are read, and checksummed as they land, by whichever threads take them.
 
@@ -868,7 +922,7 @@ class _EntryJob:
         self.flat = flat
         self.verify = verify
         size = int(piece.entry.size)
-        self.bounds = _unit_bounds(size, reader._unit, reader._min_unit, reader._context.workers)
+        self.bounds = unit_bounds(size, reader._unit, reader._min_unit, reader._context.workers)
         self.crcs = [0] * len(self.bounds)
         self.error: Optional[BaseException] = None
         self._next = 0
@@ -952,10 +1006,10 @@ class _EntryJob:
 class ReadSession:
     """Reads through one :class:`BundleReader` whose completion and checks may wait for the session's end.
 
-    With ``defer`` (the default) a whole-entry read returns as soon as no unit of it is
-    left to start (the calling thread reads units too; helpers may still be reading
-    the last ones); :meth:`finish` (or leaving the ``with`` block)
-    waits for all of them and raises the first failure — a read error, a checksum
+    With ``defer`` (the default) a whole-entry read returns once it is queued on the
+    session's pump (helpers read it, in file order, while the caller goes on);
+    :meth:`finish` (or leaving the ``with`` block) reads what is left on the calling
+    thread too, waits for all of it and raises the first failure — a read error, a checksum
     mismatch (:class:`DataLossError`), a replaced file. Values read through the
     session must not be trusted before that. The session is safe to use from
     several threads; its failures are its own (another session, or a plain read,
@@ -966,6 +1020,8 @@ class ReadSession:
         self.reader = reader
         self.defer = defer
         self._jobs: List[_EntryJob] = []
+        self._reads: List[EntryRead] = []
+        self._pump: Optional[ReadPump] = None
         self._lock = threading.Lock()
 
     def read(self, key: KeyLike, *, verify: bool = True) -> np.ndarray:
@@ -979,14 +1035,35 @@ class ReadSession:
         with self._lock:
             self._jobs.append(job)
 
+    def _queue(self, read: EntryRead) -> None:
+        """Hand a whole-entry read to the session's pump (its helpers start on it at once)."""
+        with self._lock:
+            pump = self._pump
+            if pump is None:
+                pump = self._pump = self.reader._pump()
+            self._reads.append(read)
+        pump.add(read)
+
     def finish(self) -> None:
         """Wait for every pending read of the session and check it; raise the first failure."""
         with self._lock:
             jobs, self._jobs = self._jobs, []
+            reads, self._reads = self._reads, []
+            pump = self._pump
         first: Optional[BaseException] = None
+        if pump is not None:
+            try:
+                pump.drain()  # this thread reads too, until every queued span is read
+            except BaseException as exc:
+                first = exc
         for job in jobs:
             try:
                 job.finish()
+            except BaseException as exc:
+                first = first or exc
+        for read in reads:
+            try:
+                self.reader._check_entry(read)
             except BaseException as exc:
                 first = first or exc
         if first is not None:

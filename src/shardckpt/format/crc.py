@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Dict, Optional, Union
 
@@ -166,6 +167,7 @@ class ChecksumContext:
         self.workers = max(0, int(workers)) if workers is not None else max(1, os.cpu_count() or 1)
         self._lock = threading.Lock()
         self._executor: Optional[ThreadPoolExecutor] = None
+        _CONTEXTS.add(self)
 
     @property
     def executor(self) -> ThreadPoolExecutor:
@@ -186,6 +188,21 @@ class ChecksumContext:
 
 _DEFAULT_LOCK = threading.Lock()
 _DEFAULT: Optional[ChecksumContext] = None
+_CONTEXTS: "weakref.WeakSet[ChecksumContext]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of its parent's threads: every context starts a new pool when next used
+    (work handed to the parent's pool would wait forever)."""
+    global _DEFAULT_LOCK
+    _DEFAULT_LOCK = threading.Lock()
+    for context in list(_CONTEXTS):
+        context._lock = threading.Lock()
+        context._executor = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def default_context() -> ChecksumContext:

@@ -88,11 +88,16 @@ def restore_tensors(prefix: str, requests: Sequence[Union[RestoreRequest, str]],
     try:
         bundle.prefetch([(r.key, r.region) for r in reqs])  # object stores: few large GETs, ahead of the reads
         with bundle.session(defer=True) as session:  # reads overlap; all checked before the block ends
-            if max_workers <= 1 or len(reqs) <= 1:
+            # Whole tensors are only queued on the session's pump (its helpers read them), so they are
+            # planned on this thread; regions (synchronous run reads) are served by a few threads.
+            parts = [i for i, r in enumerate(reqs) if r.region is not None]
+            if max_workers <= 1 or len(parts) <= 1:
                 results = [_serve(bundle, session, r, verify) for r in reqs]
             else:
                 with ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shardckpt-read") as pool:
-                    results = list(pool.map(lambda r: _serve(bundle, session, r, verify), reqs))
+                    futures = {i: pool.submit(_serve, bundle, session, reqs[i], verify) for i in parts}
+                    results = [futures[i].result() if i in futures else _serve(bundle, session, r, verify)
+                               for i, r in enumerate(reqs)]
         return results
     finally:
         if own:
