@@ -329,13 +329,19 @@ def _read_block(data: bytes, offset: int, size: int, path: str, what: str) -> by
     return _decode_block(data, offset, size, offset, path, what)
 
 
-def _iter_block(block: bytes, path: str, what: str) -> Iterator[Tuple[bytes, bytes]]:
+def _entries_end(block: bytes, path: str, what: str) -> int:
+    """Where ``block``'s entries end (its restart array and count follow), checked."""
     if len(block) < 4:
         raise _corrupt(path, f"{what} block too short ({len(block)} bytes)")
     (num_restarts,) = struct.unpack_from("<I", block, len(block) - 4)
     limit = len(block) - 4 - 4 * num_restarts
     if num_restarts == 0 or limit < 0:
         raise _corrupt(path, f"{what} block: bad restart count {num_restarts}")
+    return limit
+
+
+def _iter_block(block: bytes, path: str, what: str) -> Iterator[Tuple[bytes, bytes]]:
+    limit = _entries_end(block, path, what)
     pos = 0
     key = b""
     try:
@@ -361,12 +367,7 @@ def _block_lists(block: bytes, path: str, what: str, budget: int) -> Tuple[List[
     Raises the prefix-compression-bomb error as soon as the keys exceed ``budget``.
     Keys are not checked for order here.
     """
-    if len(block) < 4:
-        raise _corrupt(path, f"{what} block too short ({len(block)} bytes)")
-    (num_restarts,) = struct.unpack_from("<I", block, len(block) - 4)
-    limit = len(block) - 4 - 4 * num_restarts
-    if num_restarts == 0 or limit < 0:
-        raise _corrupt(path, f"{what} block: bad restart count {num_restarts}")
+    limit = _entries_end(block, path, what)
     keys: List[bytes] = []
     values: List[bytes] = []
     add_key = keys.append
