@@ -111,3 +111,12 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@pytest.fixture
+def s3dir(s3_server: "S3Server", request: pytest.FixtureRequest) -> str:
+    """A fresh 'folder' in the session's bucket, named after the test module."""
+    import uuid
+
+    module = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+    return s3_server.url(f"{module}-{uuid.uuid4().hex[:12]}")

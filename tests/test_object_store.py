@@ -25,28 +25,16 @@ from shardckpt import dtensor
 from shardckpt.errors import NotFoundError, ShardckptError, StorageError
 from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.saving.restore import RestoreRequest
-from shardckpt.storage import configure, get_fs
+from shardckpt.storage import configure
 from shardckpt.storage.fsspec_fs import FsspecFileSystem
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
-from s3_faults import FaultProxy, configured  # noqa: E402  (tests/helpers)
-
-
-@pytest.fixture
-def s3dir(s3_server: Any) -> str:
-    """A fresh 'folder' in the session's bucket."""
-    return s3_server.url(f"t-{uuid.uuid4().hex[:12]}")
-
-
-def _fs() -> FsspecFileSystem:
-    fs = get_fs("s3://x/y")
-    assert isinstance(fs, FsspecFileSystem)
-    return fs
+from s3_faults import FaultProxy, configured, s3_fs  # noqa: E402  (tests/helpers)
 
 
 def _names(directory: str) -> list:
-    return _fs().listdir(directory)
+    return s3_fs().listdir(directory)
 
 
 def _arrays(seed: int = 0) -> dict:
@@ -94,7 +82,7 @@ def test_sharded_save_and_overwrite_keeps_old_until_commit(s3dir: str) -> None:
     shardckpt.save_tensors(prefix, second, policy)  # same shard count: one empty padding object
     names = _names(s3dir)
     assert names == [f"ck.data-{i:05d}-of-{n + 1:05d}" for i in range(n + 1)] + ["ck.index"]
-    assert _fs().size(f"{prefix}.data-{n:05d}-of-{n + 1:05d}") == 0
+    assert s3_fs().size(f"{prefix}.data-{n:05d}-of-{n + 1:05d}") == 0
     with shardckpt.load_checkpoint(prefix) as reader:
         _check(reader, second)
 
@@ -124,7 +112,7 @@ def test_checkpoint_manager_retention(s3dir: str) -> None:
                              "ckpt-4.data-00000-of-00001", "ckpt-4.index"]
     # data objects without an index: young ones may be a live writer's and stay; once older than
     # the store's grace period (stale_after) they are a dead save's, removed by the manager's next save
-    fs = _fs()
+    fs = s3_fs()
     fs.write_atomic(f"{s3dir}/ckpt-9.data-00000-of-00001", b"partial")
     v.assign(np.full(10, 3, dtype=np.float32))
     manager.save(checkpoint_number=4)
@@ -151,7 +139,7 @@ def test_partial_region_reads_follow_the_cost_model(s3dir: str) -> None:
     a = np.arange(512 * 512, dtype=np.float32).reshape(512, 512)
     prefix = f"{s3dir}/ck"
     shardckpt.save_tensors(prefix, {"a": a})
-    fs = _fs()
+    fs = s3_fs()
     region = ((100, 300), (64, 192))  # 200 rows of 512 bytes, 1,536-byte gaps
     with BundleReader(prefix) as reader:
         fs.reset_stats()
@@ -161,7 +149,7 @@ def test_partial_region_reads_follow_the_cost_model(s3dir: str) -> None:
         assert fs.stats["read_requests"] == 1 and fs.stats["bytes_read"] == 199 * 2048 + 512, fs.stats
     try:
         configure("s3", read_latency=0.0)  # requests free: fetch exactly the region, one GET per row
-        fs = _fs()
+        fs = s3_fs()
         with BundleReader(prefix) as reader:
             fs.reset_stats()
             np.testing.assert_array_equal(reader.read_region("a", region), a[100:300, 64:192])
@@ -174,7 +162,7 @@ def test_gap_bytes_of_a_merged_read_serve_the_next_region(s3dir: str) -> None:
     a = np.arange(256 * 256, dtype=np.float32).reshape(256, 256)
     prefix = f"{s3dir}/ck"
     shardckpt.save_tensors(prefix, {"a": a})
-    fs = _fs()
+    fs = s3_fs()
     with BundleReader(prefix) as reader:
         fs.reset_stats()
         left = reader.read_region("a", ((0, 256), (0, 128)))
@@ -193,7 +181,7 @@ def test_resharded_dtensor_restore(s3dir: str) -> None:
     mesh4 = dtensor.create_mesh([("a", 4)])
     for spec in (["unsharded", "a"], ["a", "unsharded"]):
         target = dtensor.DVariable.from_global(np.zeros_like(full), dtensor.Layout(spec, mesh4))
-        fs = _fs()
+        fs = s3_fs()
         fs.reset_stats()
         dtensor.DTensorCheckpoint(mesh4, v=target).restore(prefix).assert_consumed()
         np.testing.assert_array_equal(dtensor.to_global(target.value()), full)
@@ -244,7 +232,7 @@ def test_transient_errors_are_retried(s3_server: Any, s3dir: str) -> None:
         proxy.fail_next(2)
         with shardckpt.load_checkpoint(prefix) as reader:
             _check(reader, arrays)
-        assert _fs().stats["retries"] >= 2
+        assert s3_fs().stats["retries"] >= 2
 
 
 def test_persistent_errors_fail_clearly_and_commit_nothing(s3_server: Any, s3dir: str) -> None:
@@ -264,7 +252,7 @@ def test_persistent_errors_fail_clearly_and_commit_nothing(s3_server: Any, s3dir
     assert _names(s3dir) == ["ck.data-00000-of-00001", "ck.index"]
     with shardckpt.load_checkpoint(prefix) as reader:
         _check(reader, old)
-    uploads = _fs().fs.list_multipart_uploads(s3_server.bucket)
+    uploads = s3_fs().fs.list_multipart_uploads(s3_server.bucket)
     assert not [u for u in uploads if u["Key"].startswith(s3dir.split("/", 3)[3])]  # aborted
 
 
@@ -291,7 +279,7 @@ def test_save_killed_mid_upload_leaves_previous_checkpoint_and_next_save_aborts_
     script.write_text(_KILLED_SAVE)
     proc = subprocess.Popen([sys.executable, str(script), first], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": os.path.join(REPO, "src")})
-    fs = _fs()
+    fs = s3_fs()
     key = first.split("/", 3)[3]
     deadline = time.monotonic() + 120
     try:
@@ -317,7 +305,7 @@ def test_save_killed_mid_upload_leaves_previous_checkpoint_and_next_save_aborts_
     assert leftovers  # the dead save's complete objects and its incomplete upload(s) ...
 
     def uploads() -> list:
-        return [u for u in _fs().fs.list_multipart_uploads(s3_server.bucket) if u["Key"].startswith(key)]
+        return [u for u in s3_fs().fs.list_multipart_uploads(s3_server.bucket) if u["Key"].startswith(key)]
 
     # a live writer's upload beside them (a part sent just now): never touched
     live_key = f"{key.rsplit('/', 1)[0]}/ckpt-1.data-00000-of-00009"
@@ -413,7 +401,7 @@ def test_tensorflow_reads_a_checkpoint_from_the_store(s3dir: str, tmp_path: Any,
     policy = shardckpt.CheckpointOptions(sharding_callback=shardckpt.MaxShardSizePolicy(50_000))
     shardckpt.save_tensors(prefix, _arrays(4), policy)
     shardckpt.save_tensors(prefix, arrays, policy)  # with padding objects
-    fs = _fs()
+    fs = s3_fs()
     local = tmp_path / "copy"
     local.mkdir()
     for name in _names(s3dir):

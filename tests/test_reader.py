@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import threading
-import uuid
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -467,10 +466,6 @@ def test_data_file_rewritten_in_place_is_never_read_silently(tmp_path: Path) -> 
         with pytest.raises(DataLossError):
             reader.read("w")
 
-
-@pytest.fixture
-def s3dir(s3_server: Any) -> str:
-    return s3_server.url(f"reader-{uuid.uuid4().hex[:12]}")
 
 
 def test_s3_reader_opened_on_an_old_index_raises_after_the_prefix_is_overwritten_twice(s3dir: str) -> None:

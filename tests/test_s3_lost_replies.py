@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-import uuid
 from typing import Any
 
 import numpy as np
@@ -21,11 +20,6 @@ from shardckpt.storage import get_fs
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
 from s3_faults import FaultProxy, LostReplies, configured  # noqa: E402  (tests/helpers)
-
-
-@pytest.fixture
-def s3dir(s3_server: Any) -> str:
-    return s3_server.url(f"lost-{uuid.uuid4().hex[:12]}")
 
 
 def _key(path: str) -> str:

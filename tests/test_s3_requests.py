@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import sys
-import uuid
 from typing import Any, List
 
 import numpy as np
@@ -27,24 +26,12 @@ import s3fs  # noqa: F401 - the optional extra; the test extra installs it (miss
 import shardckpt
 from shardckpt.errors import AbortedError, CheckpointReplacedError
 from shardckpt.format.bundle_reader import BundleReader
-from shardckpt.storage import get_fs
 from shardckpt.storage.fsspec_fs import FsspecFileSystem
 from shardckpt.storage.registry import mounted
 from shardckpt.storage.wrappers import FileSystemWrapper
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
-from s3_faults import FaultProxy, configured  # noqa: E402  (tests/helpers)
-
-
-@pytest.fixture
-def s3dir(s3_server: Any) -> str:
-    return s3_server.url(f"rq-{uuid.uuid4().hex[:12]}")
-
-
-def _fs() -> FsspecFileSystem:
-    fs = get_fs("s3://x/y")
-    assert isinstance(fs, FsspecFileSystem)
-    return fs
+from s3_faults import FaultProxy, configured, s3_fs  # noqa: E402  (tests/helpers)
 
 
 def _kinds(requests: List[str]) -> List[str]:
@@ -87,7 +74,7 @@ def test_large_objects_are_read_in_parallel_parts_of_the_read_cap(s3_server: Any
     shardckpt.save_tensors(prefix, tensors)
     with FaultProxy(s3_server.endpoint) as proxy, configured(proxy.endpoint, read_part_size=1 << 20,
                                                               read_latency=0.001, read_bandwidth=100e6):
-        fs = _fs()
+        fs = s3_fs()
         fs.reset_stats()
         proxy.requests.clear()
         out = shardckpt.restore_tensors(prefix, list(tensors))
@@ -108,7 +95,7 @@ def test_column_resharded_restore_fetches_what_it_needs_in_few_gets(s3dir: str, 
     shardckpt.save_tensors(prefix, pieces)
     halves = [shardckpt.RestoreRequest("w", "0,256:0,256"), shardckpt.RestoreRequest("w", "0,256:256,256")]
     with configured(None, read_latency=latency):
-        fs = _fs()
+        fs = s3_fs()
         index = fs.size(prefix + ".index")
         for reqs, expect in ((halves, full), (halves[:1], full[:, :256])):
             fs.reset_stats()
@@ -131,7 +118,7 @@ def test_reads_of_an_object_replaced_since_the_open_fail(s3dir: str, prefetch: b
     values = _tensors(4, 4096)
     prefix = f"{s3dir}/ck"
     shardckpt.save_tensors(prefix, values)
-    fs = _fs()
+    fs = s3_fs()
     data = f"{prefix}.data-00000-of-00001"
     with BundleReader(prefix) as reader:
         original = fs.fs.cat_file(data)
@@ -181,7 +168,7 @@ def test_commit_refuses_a_data_object_deleted_or_replaced_before_it(s3dir: str, 
     prefix = f"{s3dir}/ck"
     old = _tensors(4, 1024, seed=1)
     shardckpt.save_tensors(prefix, old)
-    meddler = _Meddler(_fs(), action)
+    meddler = _Meddler(s3_fs(), action)
     with mounted(meddler, "s3"):
         with pytest.raises(AbortedError, match="is gone" if action == "deleted" else "was replaced"):
             shardckpt.save_tensors(prefix, _tensors(4, 1024, seed=2), shardckpt.CheckpointOptions(
@@ -203,7 +190,7 @@ def test_prefetched_region_restores_of_3d_pieces_return_the_right_values(s3dir: 
     regions = ["1,4:3,30:0,48", "0,6:0,40:5,20", "2,1:-:-", "-:7,9:30,18", "1,4:3,30:5,20", "0,6:0,40:0,48"]
     # latency 0.2 ms at 100 MB/s: a 20 kB gap limit, so blocks of ``part`` bytes (cut inside runs when small)
     with configured(None, read_part_size=part, read_latency=0.0002, read_bandwidth=100e6):
-        fs = _fs()
+        fs = s3_fs()
         fs.reset_stats()
         got = shardckpt.restore_tensors(prefix, [shardckpt.RestoreRequest("v", r) for r in regions])
         assert fs.stats["cache_hits"] > 0, fs.stats
@@ -226,7 +213,7 @@ def test_overwrite_removes_the_previous_data_objects_with_one_request(s3_server:
     assert len(deletes) == 1 and "HEAD data" not in kinds and "DELETE data" not in kinds, kinds
     assert kinds.count("PUT data") == 5, kinds  # 4 shards of count 5 (4 is the committed one's) + 1 padding
     assert kinds.index("PUT index") < kinds.index(deletes[0]), kinds
-    assert sorted(n for n in _fs().listdir(s3dir)) == [f"ck.data-0000{i}-of-00005" for i in range(5)] + ["ck.index"]
+    assert sorted(n for n in s3_fs().listdir(s3dir)) == [f"ck.data-0000{i}-of-00005" for i in range(5)] + ["ck.index"]
     with shardckpt.load_checkpoint(prefix) as reader:
         for key, value in new.items():
             np.testing.assert_array_equal(reader.get_tensor(key), value)

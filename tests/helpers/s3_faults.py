@@ -12,6 +12,7 @@ import threading
 from typing import Any, Callable, List, Optional
 
 from shardckpt.storage import configure, get_fs
+from shardckpt.storage.fsspec_fs import FsspecFileSystem
 
 
 class FaultProxy:
@@ -174,3 +175,10 @@ class LostReplies:
         events = self.client.meta.events
         events.unregister(f"after-call.s3.{self.operation}", self._handler)
         events.unregister(f"before-parameter-build.s3.{self.operation}", self._remember)
+
+
+def s3_fs() -> FsspecFileSystem:
+    """The S3 filesystem the library uses for ``s3://`` paths (its statistics and settings)."""
+    fs = get_fs("s3://x/y")
+    assert isinstance(fs, FsspecFileSystem)
+    return fs
