@@ -6,19 +6,21 @@ io client, which checks all of them (:mod:`.piece_check`). At 1 000 clients x 1 
 tensors that is 10^6 pieces, so the description is a table of columns the io client
 reads with numpy, not a JSON object it would turn into 10^6 Python lists.
 
-The table (all integers little-endian), zlib-compressed and base64-encoded (the
-coordinator carries JSON)::
+The table travels as base64 (the coordinator carries JSON) of (integers little-endian)::
 
-    b"SCPT"   magic, then u32 K (keys)
-    u32[K]    the keys' lengths (UTF-8 bytes)       \\ the "key section": clients that hold
-    bytes     the keys, concatenated, in table order / the same keys send the same bytes
-    i32[K]    dtype enum per key
-    u8[K]     number of dimensions per key (n_k)
-    u32[K]    number of boxes per key (b_k)
-    i64[...]  global shapes: n_k values per key, in key order
-    i64[...]  boxes: per key, b_k boxes of n_k (start, stop) pairs
+    b"SCPT"   magic;  u32 K (keys);  u32 Z (bytes of the compressed key stream)
+    Z bytes   the key stream, zlib'd:  u32[K] the keys' lengths (UTF-8 bytes), then the keys,
+              concatenated, in table order. Clients that hold the same keys send the same
+              bytes here, so the io client decodes them once (it compares the compressed bytes)
+    rest      the column stream, zlib'd:
+                i32[K]    dtype enum per key
+                u8[K]     number of dimensions per key (n_k)
+                u32[K]    number of boxes per key (b_k)
+                u8        width W of the next two columns: 4 (i32) or 8 (i64)
+                iW[...]   global shapes: n_k values per key, in key order
+                iW[...]   boxes: per key, b_k boxes of n_k (start, stop) pairs
 
-~4-5 bytes a piece for parameters sliced alike (the JSON of the same took ~84). Nothing
+~4 bytes a piece for parameters sliced alike (the JSON of the same took ~84). Nothing
 here is written to disk.
 """
 
@@ -38,7 +40,7 @@ from ..errors import ShardingValidationError
 __all__ = ["PieceTable", "pack_table", "unpack_table"]
 
 _MAGIC = b"SCPT"
-_HEAD = struct.Struct("<4sI")
+_HEAD = struct.Struct("<4sII")
 _MAX_RANK = 255
 
 
@@ -46,26 +48,34 @@ _MAX_RANK = 255
 class PieceTable:
     """One client's decoded table: column arrays (read-only views of the decompressed bytes)."""
 
-    key_section: bytes  #: the key lengths and key bytes, as sent (compared whole between clients)
-    key_lengths: np.ndarray  #: u32[K]
-    key_bytes: bytes  #: the keys, concatenated
+    key_section: bytes  #: the compressed key stream, as sent (compared whole between clients)
     dtypes: np.ndarray  #: i32[K]
     ndims: np.ndarray  #: u8[K]
     nboxes: np.ndarray  #: u32[K]
-    shapes: np.ndarray  #: i64[sum ndims]
-    boxes: np.ndarray  #: i64[sum nboxes * ndims * 2]
+    shapes: np.ndarray  #: i32 or i64 [sum ndims]
+    boxes: np.ndarray  #: i32 or i64 [sum nboxes * ndims * 2]
 
     def __len__(self) -> int:
         return int(self.dtypes.shape[0])
 
     def keys(self) -> List[str]:
-        """The keys, in table order (decoded)."""
-        ends = np.cumsum(self.key_lengths, dtype=np.int64).tolist()
-        starts = [0] + ends[:-1]
+        """The keys, in table order (decoded from the key stream)."""
+        k = len(self)
         try:
-            return [self.key_bytes[a:b].decode("utf-8") for a, b in zip(starts, ends)]
+            raw = zlib.decompress(self.key_section)
+        except zlib.error as exc:
+            raise ShardingValidationError(f"piece descriptions do not decode (keys: {exc})") from None
+        if len(raw) < 4 * k:
+            raise ShardingValidationError("piece descriptions do not decode (truncated keys)")
+        ends = np.cumsum(np.frombuffer(raw, "<u4", count=k), dtype=np.int64)
+        if (ends[-1] if k else 0) != len(raw) - 4 * k:
+            raise ShardingValidationError("piece descriptions do not decode (key lengths do not add up)")
+        text = raw[4 * k:]
+        starts = [0] + ends[:-1].tolist()
+        try:
+            return [text[a:b].decode("utf-8") for a, b in zip(starts, ends.tolist())]
         except UnicodeDecodeError as exc:
-            raise ShardingValidationError(f"a key is not UTF-8 ({exc})") from None
+            raise ShardingValidationError(f"piece descriptions do not decode (a key is not UTF-8: {exc})") from None
 
     def entries(self, positions: Sequence[int]) -> List[Tuple[int, Tuple[int, ...], List[Tuple[Tuple[int, int], ...]]]]:
         """``(dtype, shape, boxes)`` of the keys at ``positions`` (Python ints), for messages."""
@@ -98,55 +108,66 @@ def pack_table(described: Mapping[str, Sequence[Any]]) -> str:
             raise ShardingValidationError(f"key {key!r}: a box is not {n} (start, stop) pairs (its global shape's "
                                           "rank)")
     try:
-        parts = [_HEAD.pack(_MAGIC, len(keys)),
-                 np.asarray([len(k) for k in keys], dtype="<u4").tobytes(), b"".join(keys),
-                 np.asarray([int(d) for d, _, _ in values], dtype="<i4").tobytes(),
-                 np.asarray(ndims, dtype="<u1").tobytes(),
-                 np.asarray([len(boxes) for _, _, boxes in values], dtype="<u4").tobytes(),
-                 np.asarray([int(v) for _, shape, _ in values for v in shape], dtype="<i8").tobytes(),
-                 np.asarray([int(v) for _, _, boxes in values for box in boxes for pair in box for v in pair],
-                            dtype="<i8").tobytes()]
+        shapes = np.asarray([int(v) for _, shape, _ in values for v in shape], dtype=np.int64)
+        boxes = np.asarray([int(v) for _, _, bs in values for box in bs for pair in box for v in pair], dtype=np.int64)
     except OverflowError as exc:
         raise ShardingValidationError(f"piece descriptions hold a number out of range ({exc})") from None
-    return base64.b64encode(zlib.compress(b"".join(parts), 6)).decode("ascii")
+    narrow = all(a.shape[0] == 0 or (int(a.min()) >= -2**31 and int(a.max()) < 2**31) for a in (shapes, boxes))
+    width = "<i4" if narrow else "<i8"
+    key_stream = zlib.compress(np.asarray([len(k) for k in keys], dtype="<u4").tobytes() + b"".join(keys), 6)
+    columns = zlib.compress(b"".join([
+        np.asarray([int(d) for d, _, _ in values], dtype="<i4").tobytes(),
+        np.asarray(ndims, dtype="<u1").tobytes(),
+        np.asarray([len(bs) for _, _, bs in values], dtype="<u4").tobytes(),
+        bytes([np.dtype(width).itemsize]),
+        shapes.astype(width).tobytes(), boxes.astype(width).tobytes()]), 6)
+    return base64.b64encode(_HEAD.pack(_MAGIC, len(keys), len(key_stream)) + key_stream + columns).decode("ascii")
 
 
 def unpack_table(packed: str) -> PieceTable:
-    """What :func:`pack_table` packed; :class:`ShardingValidationError` when it is not such a table."""
+    """What :func:`pack_table` packed; :class:`ShardingValidationError` when it is not such a table.
+
+    The key stream stays compressed (:meth:`PieceTable.keys` decodes it when asked)."""
     try:
-        raw = zlib.decompress(base64.b64decode(packed, validate=True))
-    except (ValueError, TypeError, binascii.Error, zlib.error) as exc:
+        raw = base64.b64decode(packed, validate=True)
+    except (ValueError, TypeError, binascii.Error) as exc:
         raise ShardingValidationError(f"piece descriptions do not decode ({exc})") from None
     if len(raw) < _HEAD.size:
         raise ShardingValidationError("piece descriptions do not decode (truncated table)")
-    magic, k = _HEAD.unpack_from(raw)
+    magic, k, z = _HEAD.unpack_from(raw)
     if magic != _MAGIC:
         raise ShardingValidationError("piece descriptions do not decode (not a piece table)")
-    at = _HEAD.size
+    if _HEAD.size + z > len(raw):
+        raise ShardingValidationError("piece descriptions do not decode (truncated table)")
+    key_section = raw[_HEAD.size:_HEAD.size + z]
+    try:
+        cols = zlib.decompress(raw[_HEAD.size + z:])
+    except zlib.error as exc:
+        raise ShardingValidationError(f"piece descriptions do not decode ({exc})") from None
+    at = 0
 
     def take(dtype: str, count: int) -> np.ndarray:
         nonlocal at
         size = np.dtype(dtype).itemsize * count
-        if count < 0 or at + size > len(raw):
+        if at + size > len(cols):
             raise ShardingValidationError("piece descriptions do not decode (truncated table)")
-        out = np.frombuffer(raw, dtype=dtype, count=count, offset=at)
+        out = np.frombuffer(cols, dtype=dtype, count=count, offset=at)
         at += size
         return out
 
-    section_start = at
-    key_lengths = take("<u4", k)
-    key_total = int(key_lengths.sum(dtype=np.int64))
-    key_bytes = take("u1", key_total).tobytes()
-    key_section = raw[section_start:at]
     dtypes = take("<i4", k)
     ndims = take("<u1", k)
     nboxes = take("<u4", k)
+    code = int(take("u1", 1)[0])
+    if code not in (4, 8):
+        raise ShardingValidationError(f"piece descriptions do not decode (integer width {code})")
+    width = f"<i{code}"
     nd = ndims.astype(np.int64)
-    shapes = take("<i8", int(nd.sum()))
-    boxes = take("<i8", int((nboxes.astype(np.int64) * nd).sum()) * 2)
-    if at != len(raw):
-        raise ShardingValidationError(f"piece descriptions do not decode ({len(raw) - at} bytes after the table)")
-    return PieceTable(key_section, key_lengths, key_bytes, dtypes, ndims, nboxes, shapes, boxes)
+    shapes = take(width, int(nd.sum()))
+    boxes = take(width, int((nboxes.astype(np.int64) * nd).sum()) * 2)
+    if at != len(cols):
+        raise ShardingValidationError(f"piece descriptions do not decode ({len(cols) - at} bytes after the table)")
+    return PieceTable(key_section, dtypes, ndims, nboxes, shapes, boxes)
 
 
 def table_as_dict(table: PieceTable) -> Dict[str, List[Any]]:
