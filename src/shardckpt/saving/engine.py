@@ -267,8 +267,8 @@ def _number_shards(plan: SavePlan, request: SaveRequest, coordinator: Coordinato
     pieces = describe_pieces(plan)
     shards: List[ShardPlan] = list(plan.shards)
     if request.funnel and coordinator.size > 1:
-        described = coordinator.all_gather(describe_plan(plan) if rank != io else [], timeout=timeout)
-        if rank == io:
+        described = coordinator.gather(describe_plan(plan) if rank != io else [], root=io, timeout=timeout)
+        if described is not None:
             for source in range(coordinator.size):
                 if source != io:
                     shards += receive_plan(described[source], coordinator, source)
