@@ -9,8 +9,11 @@ short, outside the tensor; a client's dtype, shape or key name changed).
 
 from __future__ import annotations
 
+import base64
 import copy
+import struct
 import time
+import zlib
 from typing import Any, Dict, List
 
 import numpy as np
@@ -72,8 +75,9 @@ def broken(draw) -> Described:
         if how == "drop" and boxes:
             boxes.pop(draw(st.integers(0, len(boxes) - 1)))
         elif how == "repeat" and boxes:
-            other = draw(st.integers(0, n - 1))
-            described[other].setdefault(key, [dtype, list(shape), []])[2].append(copy.deepcopy(boxes[0]))
+            target = described[draw(st.integers(0, n - 1))].setdefault(key, [dtype, list(shape), []])
+            if len(target[1]) == len(shape):  # a client's boxes have its shape's rank
+                target[2].append(copy.deepcopy(boxes[0]))
         elif how in ("move", "short", "outside") and boxes and shape:
             box = boxes[draw(st.integers(0, len(boxes) - 1))]
             d = draw(st.integers(0, len(shape) - 1))
@@ -149,6 +153,12 @@ def test_an_undecodable_table_names_its_client() -> None:
     for bad in (packed[1][:-8], "not base64!", pack_pieces({})[:4] + "AAAA"):
         with pytest.raises(ShardingValidationError, match="client 1's piece descriptions do not decode"):
             check_pieces([packed[0], bad, packed[2]])
+    raw = base64.b64decode(pack_pieces({"w": [1, [4], [[[0, 2]]]], "x": [1, [4], [[[2, 4]]]]}))
+    _, count, size = struct.unpack_from("<4sII", raw)
+    keys = zlib.compress(struct.pack("<II", 1, 1) + b"ww")  # the same key twice
+    twice = base64.b64encode(raw[:4] + struct.pack("<II", count, len(keys)) + keys + raw[12 + size:]).decode()
+    with pytest.raises(ShardingValidationError, match="client 1's piece descriptions name key 'w' twice"):
+        check_pieces([packed[0], twice])
     with pytest.raises(ShardingValidationError, match="not a mapping"):
         pack_pieces([])  # type: ignore[arg-type]
     with pytest.raises(ShardingValidationError, match="start, stop"):

@@ -65,7 +65,11 @@ def check_packed(packed: Sequence[str]) -> Optional[str]:
     """
     check = PieceCheck()
     for rank, text in enumerate(packed):
-        check.add(_decode(rank, text))
+        table = _decode(rank, text)
+        try:
+            check.add(table)
+        except ShardingValidationError as exc:
+            raise ShardingValidationError(f"client {rank}'s {exc}") from None
     return check.finish(lambda rank: _decode(rank, packed[rank]))
 
 
