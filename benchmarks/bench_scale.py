@@ -6,14 +6,17 @@ would give it). Every tensor is sliced across all clients along its first dimens
 FSDP shards parameters), so the merged index holds ``T`` full entries and ``N x T`` slice
 entries. Phases, each timed:
 
-* ``plan``: ``make_save_plan`` of one client's ``T`` pieces (every client does the same);
-* ``gather``: the JSON a client contributes to the save's all-gathers (piece descriptions
-  for the agreement check, packed; index entries on object stores), in bytes per entry;
-* ``agree``: the tiling check of all clients' pieces (``saving.agreement.pieces_problem``),
-  after ``unpack``: their packed descriptions decoded (``unpack_pieces``; before the
-  descriptions were packed, the transport's JSON decoding did this work, unmeasured, and
-  this benchmark checked descriptions that shared their objects, which the check compares
-  faster than decoded ones);
+* ``client``: what every client other than the io client does for the save's metadata:
+  ``make_save_plan`` of its ``T`` pieces (``plan`` alone also reported), the description
+  of its pieces packed for the io client (``describe_pieces`` + ``pack_pieces``); its
+  process's peak RSS then ("client peak": such a client only sends its table and receives
+  the verdict);
+* ``gather``: the bytes a client contributes to the save's gathers (packed piece
+  descriptions for the agreement check; index entries on object stores), per entry;
+* ``agree``: the io client's agreement check: the gathered JSON of every client decoded,
+  as the coordinator's ``gather`` does, then ``check_pieces`` of all clients' packed
+  tables (streaming, vectorized), and the verdict with the shard counts encoded for the
+  broadcast; its peak RSS alone ("agree peak", where the peak can be reset);
 * ``merge_mem``: the io client's merge of all clients' entries held in memory and the
   index bytes (the object-store commit: each client's gathered entries decoded,
   ``merge_entries`` + ``index_bytes``);
@@ -24,11 +27,13 @@ entries. Phases, each timed:
 * ``open_read_part``: open it again and read one client's rows of another tensor (what each
   client of a restore does: one of the ``N`` slices).
 
-Each (N, T) runs in a fresh process; peak RSS above the process's baseline is reported for
-the whole run and, where Linux lets the peak be reset (``/proc/self/clear_refs``), for each
-merge phase alone ("peak mem/files": the most the process holds while the io client merges
-and writes the index, above its baseline: the gathered entries and whatever RSS earlier
-phases left included; "+added": above the RSS at the phase's start).
+Each (N, T) runs in a fresh process, which plays the io client after the first phase;
+peak RSS is reported for the whole run ("io peak": the process's ``ru_maxrss``, absolute,
+and above the baseline it had after its imports) and, where Linux lets the peak be reset
+(``/proc/self/clear_refs``), for the agreement check and each merge phase alone ("peak
+mem/files": the most the process holds while the io client merges and writes the index,
+above its baseline: the gathered entries and whatever RSS earlier phases left included;
+"+added": above the RSS at the phase's start).
 
     .venv/bin/python benchmarks/bench_scale.py                       # N = 1..1024, T = 1000, 10000 (<= 2e6 entries)
     .venv/bin/python benchmarks/bench_scale.py --clients 8 --tensors 100   # smoke test
@@ -93,7 +98,7 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
     from shardckpt.format.ordered_code import encode_tensor_name_slice
     from shardckpt.format.protos import tensor_bundle_pb2 as pb
     from shardckpt.format.tensor_slice import TensorSlice
-    from shardckpt.saving.agreement import describe_pieces, pack_pieces, pieces_problem, unpack_pieces
+    from shardckpt.saving.agreement import check_pieces, describe_pieces, pack_pieces
     from shardckpt.saving.commit.index_last import _decode_entries, _encode_entries
     from shardckpt.saving.plan import make_save_plan
     from shardckpt.sharding.shardable import ShardableTensor
@@ -114,8 +119,30 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
     plan = make_save_plan(pieces)
     out["plan_s"] = time.perf_counter() - t0
     described = describe_pieces(plan)
+    mine = json.dumps({"shards": 1, "pieces": pack_pieces(described)})  # what it sends the io client
+    out["client_s"] = time.perf_counter() - t0
+    out["client_peak_mib"] = _status_kib("VmHWM") / 1024
     out["gather_pieces_json_bytes_per_entry"] = len(json.dumps(described)) / t
-    out["gather_pieces_bytes_per_entry"] = len(json.dumps(pack_pieces(described))) / t
+    out["gather_pieces_bytes_per_entry"] = len(mine) / t
+    del mine
+
+    # agreement, on the io client: every client's descriptions (client r's boxes: its rows), gathered
+    gathered_pieces = [json.dumps({"shards": 1, "pieces": pack_pieces(
+        {k: [d, s, [[[r * ROWS, (r + 1) * ROWS], [0, COLS]]]] for k, (d, s, _) in described.items()})})
+        for r in range(n)]
+    peak_before = _status_kib("VmHWM")
+    windowed = _reset_peak()
+    start_rss = _rss_kib()
+    t0 = time.perf_counter()
+    received = [json.loads(g) for g in gathered_pieces]  # the coordinator's decoding of the gather
+    verdict = {"counts": [g["shards"] for g in received], "problem": check_pieces([g["pieces"] for g in received])}
+    json.dumps(verdict)  # the broadcast
+    out["agree_s"] = time.perf_counter() - t0
+    out["agree_peak_mib"] = _status_kib("VmHWM") / 1024 if windowed else None
+    out["agree_added_mib"] = (_status_kib("VmHWM") - start_rss) / 1024 if windowed else None
+    assert verdict["problem"] is None, verdict["problem"]
+    del gathered_pieces, received
+    peak_before = max(peak_before, _status_kib("VmHWM"))
 
     # each client's entries, as its writer would produce them (shard id = client)
     def client_entries(r: int) -> Dict[bytes, Any]:
@@ -136,26 +163,12 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
             entries[encode_tensor_name_slice(key, extents)] = piece_entry
         return entries
 
-    # agreement: all clients' descriptions (client r's boxes shifted to its rows)
-    packed = []
-    for r in range(n):
-        packed.append(pack_pieces({k: [d, s, [[[r * ROWS, (r + 1) * ROWS], [0, COLS]]]]
-                                   for k, (d, s, _) in described.items()}))
-    t0 = time.perf_counter()
-    all_described = [unpack_pieces(p) for p in packed]  # what every client does with the all-gather
-    out["unpack_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    problem = pieces_problem(all_described)
-    out["agree_s"] = time.perf_counter() - t0
-    assert problem is None, problem
-    del all_described, packed
-
     # object-store commit: entries gathered as JSON, merged in memory, index bytes
     sample = _encode_entries(client_entries(0))
     out["gather_entries_bytes_per_entry"] = len(json.dumps(sample)) / (2 * t)
     gathered = [_encode_entries(client_entries(r)) for r in range(n)]
     out["gathered_entries_mib"] = sum(map(len, gathered)) / 2**20
-    peak_before = _status_kib("VmHWM")
+    peak_before = max(peak_before, _status_kib("VmHWM"))
     windowed = _reset_peak()
     start_rss = _rss_kib()
     t0 = time.perf_counter()
@@ -196,7 +209,10 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
     for r in range(n):  # sparse data files of the right size (zeros)
         with open(data_filename(prefix, r, n), "wb") as f:
             f.truncate(t * slice_bytes)
-    out["peak_extra_mib"] = (max(peak_before, _status_kib("VmHWM"), _hwm_kib()) - base_rss) / 1024
+    peak = max(peak_before, _status_kib("VmHWM"), _hwm_kib())
+    out["peak_extra_mib"] = (peak - base_rss) / 1024
+    out["io_peak_mib"] = peak / 1024
+    out["base_mib"] = base_rss / 1024
 
     t0 = time.perf_counter()
     with BundleReader(prefix) as reader:
@@ -236,9 +252,10 @@ def main() -> None:
         return
     rows: List[Dict[str, Any]] = []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")]))
-    print(f"{'clients':>7} {'tensors':>7} {'entries':>9} {'plan s':>7} {'unpack s':>8} {'agree s':>8} "
+    print(f"{'clients':>7} {'tensors':>7} {'entries':>9} {'plan s':>7} {'client s':>8} {'client peak MiB':>15} "
+          f"{'agree s':>8} {'agree peak MiB (+added)':>23} "
           f"{'merge mem s':>11} {'merge files s':>13} {'open s':>7} {'open+read s':>11} {'open+part s':>11} "
-          f"{'index MB':>8} {'peak MiB':>8} {'peak mem/files MiB (+added)':>27} "
+          f"{'index MB':>8} {'io peak MiB (+above base)':>25} {'peak mem/files MiB (+added)':>27} "
           f"{'B/entry pieces':>14} {'B/entry entries':>15}")
     for t in [int(x) for x in args.tensors.split(",")]:
         for n in [int(x) for x in args.clients.split(",")]:
@@ -251,14 +268,16 @@ def main() -> None:
                 continue
             r = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
             rows.append(r)
-            print(f"{n:>7} {t:>7} {r['entries']:>9} {r['plan_s']:>7.3f} {r['unpack_s']:>8.3f} {r['agree_s']:>8.3f} "
+            print(f"{n:>7} {t:>7} {r['entries']:>9} {r['plan_s']:>7.3f} {r['client_s']:>8.3f} "
+                  f"{r['client_peak_mib']:>15.0f} {r['agree_s']:>8.3f} "
+                  f"{_mib(r['agree_peak_mib']):>15} (+{_mib(r['agree_added_mib'])}) "
                   f"{r['merge_mem_s']:>11.3f} "
                   f"{r['merge_files_s']:>13.3f} {r['open_s']:>7.3f} {r['open_read_s']:>11.3f} "
                   f"{r['open_read_part_s']:>11.3f} "
-                  f"{r['index_bytes'] / 1e6:>8.1f} {r['peak_extra_mib']:>8.0f} "
+                  f"{r['index_bytes'] / 1e6:>8.1f} {r['io_peak_mib']:>17.0f} (+{r['peak_extra_mib']:.0f}) "
                   f"{_mib(r['merge_mem_peak_mib']):>5} (+{_mib(r['merge_mem_added_mib'])})/"
                   f"{_mib(r['merge_files_peak_mib']):>5} (+{_mib(r['merge_files_added_mib'])}) "
-                  f"{r['gather_pieces_bytes_per_entry']:>14.0f} {r['gather_entries_bytes_per_entry']:>15.0f}",
+                  f"{r['gather_pieces_bytes_per_entry']:>14.1f} {r['gather_entries_bytes_per_entry']:>15.1f}",
                   flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -110,6 +110,7 @@ def test_collectives(run):
     assert _ok(results, "all_gather") == [True] * NPROC  # nested JSON objects, in rank order
     assert _ok(results, "all_gather_scalar") == [[0, 10, 20, 30]] * NPROC
     assert _ok(results, "broadcast") == [[True] * NPROC] * NPROC  # from every root
+    assert _ok(results, "gather") == [[True] * NPROC] * NPROC  # to every root; None on the others
 
 
 def test_send_recv_ring(run):
@@ -225,7 +226,8 @@ import json
 from shardckpt.distributed import get_coordinator
 c = get_coordinator()
 out = {"backend": c.backend, "rank": c.rank, "size": c.size, "gather": c.all_gather({"a": [1, None]}),
-       "bcast": c.broadcast("x"), "barrier": c.barrier("b", timeout=5), "agree": c.agree(True)}
+       "to_root": c.gather({"b": "ü"}), "bcast": c.broadcast("x"),
+       "barrier": c.barrier("b", timeout=5), "agree": c.agree(True)}
 c.close()
 print(json.dumps(out))
 """
@@ -241,5 +243,44 @@ def test_one_process(backend):
     proc = subprocess.run([sys.executable, "-c", SINGLE], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out == {"backend": backend, "rank": 0, "size": 1, "gather": [{"a": [1, None]}], "bcast": "x",
+    assert out == {"backend": backend, "rank": 0, "size": 1, "gather": [{"a": [1, None]}], "to_root": [{"b": "ü"}],
+                   "bcast": "x",
                    "barrier": None, "agree": None}
+
+
+def _local_client(group, rank: int, out) -> None:
+    from shardckpt.distributed.local import LocalProcessCoordinator
+
+    c = LocalProcessCoordinator(group, rank, timeout=60)
+    got = [c.gather({"rank": rank, "root": root}, root=root) for root in range(group.size)]
+    c.barrier("gathered")
+    late = None
+    try:  # rank 1 never sends: the root names it
+        if rank != 1:
+            late = c.gather(rank, root=0, timeout=1.5)
+    except Exception as e:  # noqa: BLE001 - judged below
+        late = {"type": type(e).__name__, "missing": list(getattr(e, "missing", []))}
+    out.put((rank, got, late))
+
+
+def test_local_gather_over_processes() -> None:
+    """The multiprocessing coordinator's gather, over three real (spawned) processes."""
+    import multiprocessing
+
+    from shardckpt.distributed.local import local_group
+
+    ctx = multiprocessing.get_context("spawn")
+    group = local_group(3, ctx)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_local_client, args=(group, r, out)) for r in range(3)]
+    for p in procs:
+        p.start()
+    results = dict((r, (got, late)) for r, got, late in (out.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    for rank, (got, _) in results.items():
+        assert got == [[{"rank": r, "root": root} for r in range(3)] if root == rank else None
+                       for root in range(3)], (rank, got)
+    assert results[0][1] == {"type": "CoordinationTimeout", "missing": [1]}
+    assert results[2][1] is None

@@ -85,6 +85,7 @@ def test_the_jax_coordinator_over_three_processes(tmp_path: Path) -> None:
     for r in results:
         assert r["gathered"] == [{"rank": i, "text": "é" * i} for i in range(3)]
         assert r["broadcast"] == {"from": "root"}
+    assert [r["gather"] for r in results] == [None, None, [{"rank": i, "text": "é" * i} for i in range(3)]]
     assert results[0]["received"] is True
     by_case = [{o["case"]: o for o in r["outcomes"]} for r in results]
     for rank, outcome in enumerate(by_case):

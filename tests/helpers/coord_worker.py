@@ -112,6 +112,15 @@ def main():
 
     record("broadcast", broadcasts)
 
+    def gathers():
+        # to every root in turn: the root gets every rank's object in rank order, the others None
+        got = [coord.gather(nested(rank) if rank % 2 else {"rank": rank, "to": root}, root=root, timeout=LONG)
+               for root in range(size)]
+        expected = [nested(r) if r % 2 else {"rank": r, "to": rank} for r in range(size)]
+        return [g == expected if root == rank else g is None for root, g in enumerate(got)]
+
+    record("gather", gathers)
+
     def ring():
         nbytes = 3 * 1024 * 1024 + 7
         mine = np.random.default_rng(rank).integers(0, 256, nbytes, dtype=np.uint8)

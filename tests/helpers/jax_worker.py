@@ -128,6 +128,7 @@ def main() -> None:
         c.barrier("start")
         result["gathered"] = c.all_gather({"rank": RANK, "text": "é" * RANK})
         result["broadcast"] = c.broadcast({"from": "root"} if RANK == 1 else None, root=1)
+        result["gather"] = c.gather({"rank": RANK, "text": "é" * RANK}, root=2)
         if RANK == 1:
             c.send_bytes(memoryview(bytes(range(200)) * 3), dst=0, tag=7)
         if RANK == 0:

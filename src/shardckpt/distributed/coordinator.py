@@ -1,9 +1,9 @@
 """``Coordinator``: what a multi-client checkpoint needs from the processes' engine.
 
 A coordinator knows this client's rank and the world size, and offers a barrier
-with a timeout that names the ranks that did not arrive, all-gather and
-broadcast of small JSON-serializable objects, and point-to-point transfer of
-bytes. Backends wrap existing engines (``torch.distributed``, MPI) on a
+with a timeout that names the ranks that did not arrive, all-gather, gather
+(to one root) and broadcast of small JSON-serializable objects, and
+point-to-point transfer of bytes. Backends wrap existing engines (``torch.distributed``, MPI) on a
 communicator of their own, never the one the user's training uses, so a
 checkpoint's collectives cannot interleave with a training step's.
 
@@ -116,6 +116,20 @@ class Coordinator(abc.ABC):
     @abc.abstractmethod
     def all_gather(self, obj: Any, timeout: Optional[float] = None) -> List[Any]:
         """Every client's ``obj``, in rank order."""
+
+    def gather(self, obj: Any, root: int = 0, timeout: Optional[float] = None) -> Optional[List[Any]]:
+        """Every client's ``obj``, in rank order, on ``root``; ``None`` on the other clients.
+
+        What the io client alone needs (every client's piece descriptions, say) travels
+        to it only: the other clients neither receive nor decode the others' objects. A
+        client other than ``root`` may return as soon as its object is on its way.
+        The default is :meth:`all_gather` (every client receives everything); the
+        backends override it with a real gather.
+        """
+        gathered = self.all_gather(obj, timeout=timeout)
+        if not 0 <= root < self.size:
+            raise InvalidArgumentError(f"gather root {root!r} out of range for {self.size} clients")
+        return gathered if self.rank == root else None
 
     @abc.abstractmethod
     def broadcast(self, obj: Any, root: int = 0, timeout: Optional[float] = None) -> Any:

@@ -12,6 +12,8 @@ process; collective ``s`` uses the keys under ``<namespace><s>/``:
 * ``all_gather``: every rank sets ``<s>/g/<rank>`` to its JSON value, then reads
   every rank's (``blocking_key_value_get`` until the deadline). A rank whose key
   is missing at the deadline is named (:class:`CoordinationTimeout`, ``missing``).
+* ``gather``: as ``all_gather``, but only the root reads the keys (the others return
+  once theirs is set).
 * ``broadcast``: the root sets ``<s>/c``; the others read it until the deadline
   (a timeout names the root).
 * ``barrier``: the arrival protocol of :mod:`.barrier` (written once, in
@@ -159,6 +161,34 @@ class JaxCoordinator(EngineCoordinator):
             except ValueError as e:
                 self._fail("all_gather received undecodable data")
                 raise CoordinationError(f"all_gather: rank {r} sent data that is not JSON: {e}") from e
+        return out
+
+    def gather(self, obj: Any, root: int = 0, timeout: Optional[float] = None) -> Optional[List[Any]]:
+        self._check()
+        self._check_peer(root, "gather root")
+        deadline = self._deadline(timeout)
+        payload = encode(obj).decode("ascii")
+        if self._size == 1:
+            return [decode(payload.encode("ascii"))]
+        base = self._next() + "g/"
+        self._client.key_value_set(base + str(self._rank), payload)
+        if self._rank != root:
+            return None
+        out = []
+        for r in range(self._size):
+            text = payload if r == root else self._get(base + str(r), deadline)
+            if text is None:
+                present = self._dir(base)
+                missing = [m for m in range(self._size) if str(m) not in present]
+                shown = self._timeout if timeout is None else float(timeout)
+                self._fail("gather timed out")
+                raise CoordinationTimeout(f"rank {self._rank}: gather did not complete within {shown:g} s: "
+                                          f"rank(s) {missing} did not arrive", missing=missing)
+            try:
+                out.append(decode(str(text).encode("utf-8")))
+            except ValueError as e:
+                self._fail("gather received undecodable data")
+                raise CoordinationError(f"gather: rank {r} sent data that is not JSON: {e}") from e
         return out
 
     def broadcast(self, obj: Any, root: int = 0, timeout: Optional[float] = None) -> Any:

@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
+from ..errors import InvalidArgumentError
 from .coordinator import CoordinationError, CoordinationTimeout, Coordinator, check_timeout, decode, encode
 
 __all__ = ["LocalGroup", "local_group", "LocalProcessCoordinator"]
@@ -126,6 +127,18 @@ class LocalProcessCoordinator(Coordinator):
             out.append(decode(data if src == self._rank else self._recv("gather", self._seq, src, deadline,
                                                                           "all_gather")))
         return out
+
+    def gather(self, obj: Any, root: int = 0, timeout: Optional[float] = None) -> Optional[List[Any]]:
+        if not isinstance(root, int) or not 0 <= root < self.size:
+            raise InvalidArgumentError(f"gather root {root!r} out of range for {self.size} clients")
+        self._seq += 1
+        data = encode(obj)
+        if self._rank != root:
+            self._send(root, "gather1", self._seq, data)
+            return None
+        deadline = self._deadline(timeout)
+        return [decode(data if src == root else self._recv("gather1", self._seq, src, deadline, "gather"))
+                for src in range(self.size)]
 
     def broadcast(self, obj: Any, root: int = 0, timeout: Optional[float] = None) -> Any:
         self._seq += 1

@@ -7,7 +7,8 @@ of the user's (or of each other). Only mpi4py's buffer-based (upper-case)
 methods are used: the lower-case ones pickle.
 
 * ``all_gather``: JSON bytes; ``Iallgather`` of the lengths, then
-  ``Iallgatherv`` of the bytes. ``broadcast``: ``Ibcast`` of the length, then
+  ``Iallgatherv`` of the bytes. ``gather``: ``Igather`` of the lengths to the
+  root, then ``Igatherv`` of the bytes. ``broadcast``: ``Ibcast`` of the length, then
   of the bytes. Both poll their requests (``Test``, short sleeps) until the
   deadline. A collective request cannot be cancelled, so a collective that
   times out marks the coordinator unusable (later calls raise
@@ -187,6 +188,43 @@ class MPICoordinator(EngineCoordinator):
                 result.append(decode(recv[displs[r]:displs[r] + counts[r]].tobytes()))
             except ValueError as e:
                 raise CoordinationError(f"all_gather: rank {r} sent data that is not JSON: {e}") from e
+        return result
+
+    def gather(self, obj: Any, root: int = 0, timeout: Optional[float] = None) -> Optional[List[Any]]:
+        self._check()
+        self._check_peer(root, "gather root")
+        MPI = self._MPI
+        deadline = self._deadline(timeout)
+        payload = encode(obj)
+        if self._size == 1:
+            return [decode(payload)]
+        is_root = self._rank == root
+        mine = np.array([len(payload)], dtype=np.int64)
+        lengths = np.zeros(self._size, dtype=np.int64) if is_root else None
+        req = self._comm.Igather([mine, MPI.INT64_T], [lengths, MPI.INT64_T] if is_root else None, root=root)
+        self._collective(req, (mine, lengths), deadline, f"gather to rank {root} (lengths)", timeout)
+        send = np.frombuffer(payload, dtype=np.uint8)
+        if not is_root:
+            req = self._comm.Igatherv([send, MPI.BYTE], None, root=root)
+            self._collective(req, send, deadline, f"gather to rank {root}", timeout)
+            return None
+        assert lengths is not None
+        if int(lengths.sum()) > 2**31 - 1:  # the others' Igatherv then waits until its timeout
+            self._failed = "gather of too many bytes"
+            raise InvalidArgumentError(f"gather of {int(lengths.sum())} bytes: objects are too large")
+        counts = [int(n) for n in lengths]
+        displs = [0] * self._size
+        for r in range(1, self._size):
+            displs[r] = displs[r - 1] + counts[r - 1]
+        recv = np.empty(sum(counts), dtype=np.uint8)
+        req = self._comm.Igatherv([send, MPI.BYTE], [recv, counts, displs, MPI.BYTE], root=root)
+        self._collective(req, (send, recv), deadline, f"gather to rank {root}", timeout)
+        result = []
+        for r in range(self._size):
+            try:
+                result.append(decode(recv[displs[r]:displs[r] + counts[r]].tobytes()))
+            except ValueError as e:
+                raise CoordinationError(f"gather: rank {r} sent data that is not JSON: {e}") from e
         return result
 
     def broadcast(self, obj: Any, root: int = 0, timeout: Optional[float] = None) -> Any:

@@ -35,6 +35,11 @@ class SingleProcessCoordinator(Coordinator):
     def all_gather(self, obj: Any, timeout: Optional[float] = None) -> List[Any]:
         return [decode(encode(obj))]
 
+    def gather(self, obj: Any, root: int = 0, timeout: Optional[float] = None) -> Optional[List[Any]]:
+        if root != 0:
+            raise InvalidArgumentError(f"gather root {root} out of range for 1 client")
+        return [decode(encode(obj))]
+
     def broadcast(self, obj: Any, root: int = 0, timeout: Optional[float] = None) -> Any:
         if root != 0:
             raise InvalidArgumentError(f"broadcast root {root} out of range for 1 client")

@@ -6,9 +6,10 @@ same ranks, so a checkpoint's collectives cannot interleave with a training
 step's (which may run on NCCL, or on the default group) and a failed
 checkpoint collective does not poison the training group.
 
-* ``all_gather`` / ``broadcast``: the object is JSON-encoded (never pickled);
-  the lengths are exchanged first, then padded ``uint8`` tensors, on the
-  coordinator's gloo group.
+* ``all_gather`` / ``gather`` / ``broadcast``: the object is JSON-encoded (never
+  pickled); the lengths are exchanged first (all-gathered: gloo gathers tensors of
+  one size, so every rank needs the widest), then padded ``uint8`` tensors, on the
+  coordinator's gloo group (``gather``: to the root only).
 * ``send_bytes`` / ``recv_bytes``: ``dist.send`` / ``dist.irecv`` of ``uint8``
   tensors that wrap the caller's buffer (``torch.frombuffer``, no copy).
 * ``barrier``: the arrival protocol of :mod:`.barrier`, carried by the job's
@@ -258,6 +259,39 @@ class TorchCoordinator(EngineCoordinator):
             except ValueError as e:
                 self._failed = "all_gather received undecodable data"
                 raise CoordinationError(f"all_gather: rank {r} sent data that is not JSON: {e}") from e
+        return result
+
+    def gather(self, obj: Any, root: int = 0, timeout: Optional[float] = None) -> Optional[List[Any]]:
+        self._check()
+        self._check_peer(root, "gather root")
+        torch, dist = self._torch, self._dist
+        deadline = self._deadline(timeout)
+        self._gloo_timeout(timeout)
+        payload = encode(obj)
+        if self._size == 1:
+            return [decode(payload)]
+        lengths = torch.zeros(self._size, dtype=torch.int64)
+        work = dist.all_gather(list(lengths.split(1)), torch.tensor([len(payload)], dtype=torch.int64),
+                               group=self._group, async_op=True)
+        self._wait(work, deadline, "gather (lengths)", timeout)
+        sizes = [int(n) for n in lengths.tolist()]
+        width = max(sizes)
+        send = torch.zeros(width, dtype=torch.uint8)
+        send[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        out = torch.empty((self._size, width), dtype=torch.uint8) if self._rank == root else None
+        work = dist.gather(send, list(out.unbind(0)) if out is not None else None, group=self._group,
+                           group_dst=root, async_op=True)
+        self._wait(work, deadline, f"gather to rank {root}", timeout)
+        if out is None:
+            return None
+        raw = out.numpy()
+        result = []
+        for r, n in enumerate(sizes):
+            try:
+                result.append(decode(raw[r, :n].tobytes()))
+            except ValueError as e:
+                self._failed = "gather received undecodable data"
+                raise CoordinationError(f"gather: rank {r} sent data that is not JSON: {e}") from e
         return result
 
     def broadcast(self, obj: Any, root: int = 0, timeout: Optional[float] = None) -> Any:

@@ -17,9 +17,10 @@ is trivial. Steps (``io``: the request's io client; ``all``: every client)::
                    registered savers' bundles written
     identity  all  all-gather of every client's save identity (prefix, number)
                    and the io client's setup: clients running different saves fail
-    number    all  all-gather of shard counts and piece descriptions; every client
-                   checks that the pieces tile each tensor (agreement.py); shard i
-                   of client r gets the id first + sum(counts[:r]) + i;
+    number    all  gather of shard counts and piece descriptions to the io client,
+                   which checks that the pieces tile each tensor (agreement.py)
+                   and broadcasts the counts and its verdict; shard i of client r
+                   gets the id first + sum(counts[:r]) + i;
                    committer.plan(total) (with funnelling the io client first
                    receives everyone's values)
     write     all  committer.write_shard() per own shard, in parallel
@@ -48,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..distributed.coordinator import CoordinationError, CoordinationTimeout, Coordinator
-from .agreement import describe_pieces, identity_problem, pack_pieces, pieces_problem, save_identity, unpack_pieces
+from .agreement import check_pieces, describe_pieces, identity_problem, pack_pieces, save_identity
 from .async_save import AsyncSaver
 from .commit import Committer, committer_for
 from .commit.base import Written
@@ -266,17 +267,27 @@ def _number_shards(plan: SavePlan, request: SaveRequest, coordinator: Coordinato
     pieces = describe_pieces(plan)
     shards: List[ShardPlan] = list(plan.shards)
     if request.funnel and coordinator.size > 1:
-        described = coordinator.all_gather(describe_plan(plan) if rank != io else [], timeout=timeout)
-        if rank == io:
+        described = coordinator.gather(describe_plan(plan) if rank != io else [], root=io, timeout=timeout)
+        if described is not None:
             for source in range(coordinator.size):
                 if source != io:
                     shards += receive_plan(described[source], coordinator, source)
         else:
             send_plan(plan, coordinator, io)
             shards = []
-    gathered = coordinator.all_gather({"shards": len(shards), "pieces": pack_pieces(pieces)}, timeout=timeout)
-    counts = [g["shards"] for g in gathered]
-    return shards, sum(counts), sum(counts[:rank]), pieces_problem([unpack_pieces(g["pieces"]) for g in gathered])
+    # Only the io client receives and checks every client's pieces; everyone learns its verdict.
+    gathered = coordinator.gather({"shards": len(shards), "pieces": pack_pieces(pieces)}, root=io, timeout=timeout)
+    verdict: Dict[str, Any] = {}
+    if gathered is not None:
+        verdict = {"counts": [int(g["shards"]) for g in gathered]}
+        try:
+            verdict["problem"] = check_pieces([g["pieces"] for g in gathered])
+        except Exception as exc:  # a table that does not decode: every client fails alike
+            verdict["problem"] = f"client {io} could not check the clients' pieces: {_describe(exc)}"
+        del gathered
+    verdict = coordinator.broadcast(verdict, root=io, timeout=timeout)
+    counts = verdict["counts"]
+    return shards, sum(counts), sum(counts[:rank]), verdict["problem"]
 
 
 def _write_shards(committer: Committer, shards: Sequence[ShardPlan], first_id: int,
