@@ -235,7 +235,8 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
                 with _PeakRSS() as mem:
                     seconds = _timed(lambda system=system, target=target, reader=reader: dcp.load(
                         target, storage_reader=reader, planner=_planner(system)))
-                read = sum(_gather(_rchar() - before + getattr(reader, "mapped_bytes", 0)))
+                read = sum(_gather(_rchar() - before + getattr(reader, "mapped_bytes", 0)
+                                   + getattr(reader, "ring_bytes", 0)))
                 peak = max(_gather(mem.peak - mem.base))
                 _check_resharded(sd, target, rank, system)
                 if rep:

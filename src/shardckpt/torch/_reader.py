@@ -118,7 +118,7 @@ class TFBundleReader(StorageReader):
         self._verify = verify
         self._workers = max(1, int(max_workers)) if max_workers is not None else min(4, threads_per_rank())
         self._map_reads = map_reads
-        self._mapped_fs: Optional[LocalFileSystem] = None
+        self._local_fs: Optional[LocalFileSystem] = None
         self._bundle: Optional[BundleReader] = None
         self._tensors: Dict[str, _Stored] = {}
         self._objects: Dict[str, Any] = {}
@@ -201,7 +201,13 @@ class TFBundleReader(StorageReader):
     @property
     def mapped_bytes(self) -> int:
         """Bytes (whole pages) this reader copied out of memory maps (``map_reads``); read calls not included."""
-        return self._mapped_fs.mapped_bytes if self._mapped_fs is not None else 0
+        return self._local_fs.mapped_bytes if self._local_fs is not None else 0
+
+    @property
+    def ring_bytes(self) -> int:
+        """Bytes this reader read through io_uring (parts of chunks made of many rows), which
+        ``/proc``'s ``rchar`` does not count; other read calls not included."""
+        return self._local_fs.ring_bytes if self._local_fs is not None else 0
 
     # -- metadata -----------------------------------------------------------------------------------------
     def _name(self, key: str) -> Optional[str]:
@@ -216,8 +222,8 @@ class TFBundleReader(StorageReader):
             raise InvalidArgumentError("TFBundleReader has no path: give one to the constructor or as "
                                        "dcp.load(checkpoint_id=...)")
         fs = get_fs(normalize(self._path))
-        if self._map_reads and fs is local_fs:
-            fs = self._mapped_fs = self._mapped_fs or LocalFileSystem(map_runs=True)
+        if fs is local_fs:  # a store of its own: its counters are this reader's
+            fs = self._local_fs = self._local_fs or LocalFileSystem(map_runs=self._map_reads)
         # one thread: no checksum helpers either (the calling thread reads and checksums each entry)
         bundle = self._bundle = BundleReader(self._path, fs=fs, context=_SOLO if self._workers == 1 else None)
         entries: Dict[str, Any] = {}
