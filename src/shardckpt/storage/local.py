@@ -44,7 +44,7 @@ _COALESCE_GAP = 4096  # pread_batch reads runs below a page, and gaps up to a pa
 _COALESCE_SPAN = 16 << 20  # ... as long as one covering read stays below this
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
 _RING_MIN = 8  # run batches of at least this many strided runs go through io_uring (where available)
-_RUN_BLOCK = 256  # otherwise: one preadv a run, the views made a block of runs at a time
+_RUN_BLOCK = 128  # otherwise: one preadv a run, the views made a block of runs at a time
 _FICLONE = 0x40049409  # ioctl: clone a whole file (btrfs, XFS with reflink, bcachefs, ...)
 _NO_LINK = (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EACCES)
 _log = logging.getLogger("shardckpt")
@@ -230,6 +230,7 @@ class LocalFileSystem(FileSystem):
                 for (view,), offset, got_n in zip(views, offs, counts):
                     if got_n != rb:
                         self.pread_into(fd, view[got_n:], offset + got_n, path)
+            del views, counts  # freed before the next block's are made
 
     def _pread_scatter(self, fd: int, start: int, dest: memoryview, at: Any, rb: int, path: str) -> None:
         """Bytes ``[start, start + len(at) * rb)`` of the file into ``dest[at[i]:at[i] + rb]`` for each ``i``,

@@ -72,9 +72,10 @@ def _libc_syscall() -> Any:
 class _Ring:
     """One io_uring instance: its file descriptor and NumPy views of its rings (see the module)."""
 
-    def __init__(self, entries: int) -> None:
+    def __init__(self, entries: int, flags: int = 0) -> None:
         call = _libc_syscall()
         params = (ctypes.c_uint32 * 30)()  # struct io_uring_params, 120 bytes
+        params[2] = flags
         fd = call(ctypes.c_long(_SETUP), ctypes.c_uint32(entries), params)
         if fd < 0:
             code = ctypes.get_errno()
