@@ -6,9 +6,11 @@ data block that may hold its key (see :class:`~shardckpt.format.sstable.TableRea
 
 :class:`BundleReader` reads whole tensors (assembling sliced ones) and arbitrary
 regions of them. A region read issues positional reads of just the byte ranges
-that hold the region, straight into the destination array; reads smaller than a
-page are served by the filesystem's ``pread_batch`` (which coalesces nearby
-ranges). Whole-entry reads go through a :class:`~shardckpt.format.whole_reads.ReadPump`:
+that hold the region, straight into the destination array, as one batch of runs for
+the filesystem's ``pread_batch`` (which coalesces ranges smaller than a page, and may
+hand many runs to the kernel at once); a strided destination (columns of a tensor)
+gets the runs cut where either the file or the destination has a gap, each read
+straight into its place (no temporary). Whole-entry reads go through a :class:`~shardckpt.format.whole_reads.ReadPump`:
 large entries are split into units, small neighbours gathered into one request, and the
 spans read and checksummed on several threads at once (the calling thread and the
 helpers of a :class:`~shardckpt.format.crc.ChecksumContext`), each piece checksummed

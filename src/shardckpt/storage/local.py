@@ -4,10 +4,14 @@ Everything the format and saving rooms do with files goes through
 :class:`LocalFileSystem`, so that other stores can offer the same small surface.
 
 Batches of runs (:class:`~shardckpt.storage.base.RunBatch`, a region read of many rows):
-runs below a page are served by covering reads; runs of a page or more by one
-positional read each, issued from a single loop with no per-run Python work beyond a
-view, unless a subclass overrides :meth:`LocalFileSystem.pread_into` (then every run
-goes through it, so that what it counts or injects sees every read).
+runs below a page are served by covering reads; runs that follow each other in the file
+(one range going to the rows of a strided destination) by ``preadv`` calls of up to
+``IOV_MAX`` buffers; other runs of a page or more through io_uring (:mod:`.uring`, up to
+1024 reads a system call; their bytes counted in :attr:`LocalFileSystem.ring_bytes`,
+since ``/proc``'s ``rchar`` does not see them) or, where io_uring is refused, by one
+positional read each. Every way reads exactly the runs' bytes. A subclass that overrides
+:meth:`LocalFileSystem.pread_into` gets every run through it instead (so that what it
+counts or injects sees every read).
 
 ``LocalFileSystem(map_runs=True)`` serves run batches from a read-only memory map of
 the file instead, a window of at most 64 MiB at a time: one copy in user space, no call

@@ -24,9 +24,14 @@ DCP's call sequence, and what each step does here::
                            (BundleReader.read_piece_region), straight into the
                            destination tensor's memory when it is a CPU tensor of the
                            stored dtype (else into a temporary of that one item, then
-                           copy_, which casts as DCP's own reader does); whole chunks
-                           are checksummed (a part of a chunk cannot be: its file's
-                           identity is checked after the read instead). Items are read
+                           copy_, which casts as DCP's own reader does). Whole chunks
+                           (a load onto the saved layout) go through the reader's read
+                           pump: 2 MiB pieces, each checksummed right after it lands
+                           (no second pass over the chunk). A part of a chunk cannot be
+                           checksummed: its file's identity is checked after the read
+                           instead; its rows go to the kernel in batches (see
+                           storage/local.py: io_uring, or preadv with a buffer per
+                           destination row for one range of the file). Items are read
                            on ``max_workers`` threads; with one (the default where the
                            host's ranks have a core each or fewer), reads and checksums
                            run on the calling thread. Non-tensors are handed to the planner the way
@@ -103,9 +108,9 @@ class TFBundleReader(StorageReader):
     runs on the calling thread (no thread hand-offs where the ranks already keep
     every core busy). ``map_reads`` (local files): parts of chunks made of many rows
     (a resharded load) are copied out of a memory map of the data file instead of
-    one read call per row, about half the cost; a disk error or a data file
-    truncated during the load then ends the process with ``SIGBUS`` instead of
-    raising (see :mod:`shardckpt.storage.local`). Off by default.
+    read calls (batched through io_uring where allowed), cheaper still; a disk
+    error or a data file truncated during the load then ends the process with
+    ``SIGBUS`` instead of raising (see :mod:`shardckpt.storage.local`). Off by default.
     """
 
     def __init__(self, path: Any = None, *, key_map: KeyMap = None, verify: bool = True,
