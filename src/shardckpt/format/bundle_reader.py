@@ -318,6 +318,7 @@ class BundleReader:
         self.big_endian = self.header.endianness == pb.BundleHeaderProto.BIG
         self._entries: Dict[bytes, pb.BundleEntryProto] = {}
         self._pieces: Dict[bytes, List[StoredPiece]] = {}  # sliced tensors' pieces, once checked
+        self._starts: Dict[bytes, Dict[Tuple[int, ...], Any]] = {}  # piece_at: box start -> slice (or its piece)
         if self._identity_of is None:
             return True
         self._identities = {}
@@ -498,6 +499,31 @@ class BundleReader:
         out = [self._slice_piece(kb, entry, tslice, box) for tslice, box in self._slice_boxes(kb, entry, shape)]
         self._pieces[kb] = out
         return list(out)
+
+    def piece_at(self, key: KeyLike, start: Sequence[int]) -> Optional[StoredPiece]:
+        """The stored piece of ``key`` whose box starts at ``start`` (``None``: no such piece).
+
+        Only that piece's slice entry is looked up and checked (a rank that reads one
+        chunk of a tensor sliced many ways looks up one entry, not all of them).
+        """
+        kb = _key_bytes(key)
+        start = tuple(int(a) for a in start)
+        starts = self._starts.get(kb)
+        if starts is None:
+            entry = self.entry(kb)
+            shape = self.shape(kb)
+            if not entry.slices:
+                starts = {tuple(0 for _ in shape): StoredPiece(full_box(shape), kb, entry, kb)}
+            else:
+                starts = {tuple(a for a, _ in box): (tslice, box)
+                          for tslice, box in self._slice_boxes(kb, entry, shape)}
+            self._starts[kb] = starts  # two threads may both build it: the same dict either way
+        found = starts.get(start)
+        if found is None or isinstance(found, StoredPiece):
+            return found
+        piece = self._slice_piece(kb, self.entry(kb), found[0], found[1])
+        starts[start] = piece
+        return piece
 
     def piece_boxes(self, key: KeyLike) -> List[Box]:
         """Where the tensor's stored pieces lie (as :meth:`pieces` gives them), from its own entry

@@ -81,21 +81,17 @@ KeyMap = Union[Callable[[str], Optional[str]], Mapping[str, str], None]
 
 
 class _Stored:
-    """One tensor of the checkpoint as DCP sees it: its key, dtype and (once read) pieces by chunk offset."""
+    """One tensor of the checkpoint as DCP sees it: its key and dtype (pieces are looked up by chunk offset)."""
 
-    __slots__ = ("key", "dtype", "_pieces")
+    __slots__ = ("key", "dtype")
 
     def __init__(self, key: bytes, dtype: DType) -> None:
         self.key = key
         self.dtype = dtype
-        self._pieces: Optional[Dict[Tuple[int, ...], StoredPiece]] = None
 
     def piece(self, bundle: BundleReader, offset: Tuple[int, ...]) -> Optional[StoredPiece]:
-        """The stored piece whose box starts at ``offset`` (slice entries looked up on the first read)."""
-        pieces = self._pieces
-        if pieces is None:  # two threads may both build it: the same dict either way
-            pieces = self._pieces = {tuple(a for a, _ in p.box): p for p in bundle.pieces(self.key)}
-        return pieces.get(offset)
+        """The stored piece whose box starts at ``offset`` (only its slice entry is looked up, on first use)."""
+        return bundle.piece_at(self.key, offset)
 
 
 class TFBundleReader(StorageReader):
