@@ -198,3 +198,20 @@ def test_scatter_reads_of_boxes_of_three_dimensions(data: Tuple[str, np.ndarray]
     # pieces too small to be worth a call each: the caller reads through a temporary instead
     narrow = np.zeros((64, 2048), dtype=np.float32)[:, :16]
     assert _scatter_runs(0, (64, 1024), ((0, 64), (0, 16)), 4, narrow) is None
+
+
+def test_a_batch_whose_runs_do_not_fit_its_destination_is_refused(data: Tuple[str, np.ndarray]) -> None:
+    """Runs are read by address (io_uring): a batch naming bytes outside its destination reads nothing."""
+    path, _ = data
+    fs = LocalFileSystem()
+    fd = fs.open_read(path)
+    dest = np.zeros(16 * 4096 + 100, dtype=np.uint8)
+    try:
+        with pytest.raises(ValueError, match="do not fit"):
+            fs.pread_batch(fd, RunBatch(np.arange(16, dtype=np.int64) * 8192, 8192, memoryview(dest)), path)
+        with pytest.raises(ValueError, match="do not fit"):
+            fs.pread_batch(fd, RunBatch(np.arange(16, dtype=np.int64) * 8192, 4096, memoryview(dest), None,
+                                        np.arange(16, dtype=np.int64) * 4096 + 200), path)
+    finally:
+        fs.close(fd)
+    assert (dest == 0).all()

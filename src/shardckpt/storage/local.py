@@ -207,6 +207,9 @@ class LocalFileSystem(FileSystem):
         offsets = np.asarray(batch.offsets, dtype=np.int64)
         at = np.arange(0, n * rb, rb, dtype=np.int64) if batch.dest_offsets is None else \
             np.asarray(batch.dest_offsets, dtype=np.int64)
+        if n and (int(at.min()) < 0 or int(at.max()) + rb > len(dest)):  # reads by address must stay inside
+            raise ValueError(f"run batch: runs of {rb} bytes at {int(at.min())}..{int(at.max())} do not fit "
+                             f"a destination of {len(dest)} bytes")
         if n > 1 and (np.diff(offsets) == rb).all():  # one range of the file: scatter reads
             self._pread_scatter(fd, int(offsets[0]), dest, at, rb, path)
             return
