@@ -162,10 +162,11 @@ class _Ring:
         self.sqes[(tail + np.arange(k, dtype=np.int64)) & self.sq_mask] = block
         end = (tail + k) & 0xFFFFFFFF
         self.sq[self.sq_tail] = end  # x86-64: the kernel sees the requests before the new tail
-        done = 0
+        first = int(self.cq[self.cq_head])  # completions reaped so far: the ring's own count, never lost
         pending: Optional[BaseException] = None
-        while done < k:
+        while (int(self.cq[self.cq_head]) - first) & 0xFFFFFFFF < k:
             try:
+                done = (int(self.cq[self.cq_head]) - first) & 0xFFFFFFFF
                 left = (end - int(self.sq[self.sq_head])) & 0xFFFFFFFF  # requests the kernel has not taken
                 try:
                     self._enter(left, k - done)  # waits only once every request is taken
@@ -175,7 +176,7 @@ class _Ring:
                     else:  # reads in flight that cannot be waited for: never use this ring again
                         self.close()
                     raise
-                done += self._reap(results)
+                self._reap(results)
             except OSError:
                 raise
             except BaseException as exc:  # noqa: BLE001 - e.g. KeyboardInterrupt: the reads finish first
@@ -183,7 +184,8 @@ class _Ring:
         if pending is not None:
             raise pending
 
-    def _reap(self, results: np.ndarray) -> int:
+    def _reap(self, results: np.ndarray) -> None:
+        """Copy the posted completions' results out, then release their slots (the head moves last)."""
         head = int(self.cq[self.cq_head])
         tail = int(self.cq[self.cq_tail])
         count = (tail - head) & 0xFFFFFFFF
@@ -191,7 +193,6 @@ class _Ring:
             entries = self.cqes[(head + np.arange(count, dtype=np.int64)) & self.cq_mask]
             results[entries["user_data"].astype(np.int64)] = entries["res"]
             self.cq[self.cq_head] = tail
-        return count
 
 
 def _ring() -> Optional[_Ring]:
