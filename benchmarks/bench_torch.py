@@ -9,9 +9,10 @@ One run, the same processes, the same bytes, medians over ``--repeats``::
   host memory), ``dcp.async_save`` (time until the call returns);
 * launch 2 (2 ranks, every tensor ``Shard(1)``): the resharded load 4 -> 2 of both
   checkpoints (throughput, bytes read by the processes' read calls (``/proc/self/io``
-  ``rchar``) against the bytes the ranks need, peak extra host memory), and of
-  shardckpt's with ``TFBundleReader(map_reads=True)`` (its bytes read: ``rchar`` plus
-  the pages it copied out of memory maps, which ``rchar`` does not see);
+  ``rchar``, plus what shardckpt's reader read through io_uring, ``ring_bytes``, which
+  ``rchar`` does not see) against the bytes the ranks need, peak extra host memory), and
+  of shardckpt's with ``TFBundleReader(map_reads=True)`` (its bytes read also count the
+  pages it copied out of memory maps);
 * this process: planning a rank's read items for an 80x80-chunk tensor (its chunk an
   eighth of the rows; and 80x80 local chunks) with ``read_items_for_chunks`` against
   DCP's ``create_read_items_for_chunk_list``.
@@ -235,7 +236,8 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
                 with _PeakRSS() as mem:
                     seconds = _timed(lambda system=system, target=target, reader=reader: dcp.load(
                         target, storage_reader=reader, planner=_planner(system)))
-                read = sum(_gather(_rchar() - before + getattr(reader, "mapped_bytes", 0)))
+                read = sum(_gather(_rchar() - before + getattr(reader, "mapped_bytes", 0)
+                                   + getattr(reader, "ring_bytes", 0)))
                 peak = max(_gather(mem.peak - mem.base))
                 _check_resharded(sd, target, rank, system)
                 if rep:

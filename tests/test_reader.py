@@ -488,3 +488,36 @@ def test_s3_reader_opened_on_an_old_index_raises_after_the_prefix_is_overwritten
 
 def test_unit_sizes_are_what_the_reader_documents() -> None:
     assert br._SUB <= br._UNIT and br._UNIT % br._SUB == 0
+
+
+def test_piece_at_looks_up_only_the_slice_asked_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``piece_at``: the stored piece whose box starts at a point, found by looking up that one slice
+    entry (a rank reading one chunk of a tensor in 4 slices looks up 1 slice entry, not 4); a point where
+    no piece starts is ``None``; an unsliced tensor is its own piece at the origin."""
+    from shardckpt.format.bundle_writer import BundleWriter
+
+    full = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+    prefix = str(tmp_path / "ck")
+    writer = BundleWriter(prefix)
+    for r in range(4):
+        writer.add_slice("w", (64, 8), f"{r * 16},16:-", full[r * 16:(r + 1) * 16])
+    writer.add("plain", full)
+    writer.finish()
+    looked: List[bytes] = []
+    real = BundleReader.entry
+
+    def entry(self: BundleReader, key: Any) -> Any:
+        looked.append(key if isinstance(key, bytes) else key.encode())
+        return real(self, key)
+
+    with BundleReader(prefix) as reader:
+        monkeypatch.setattr(BundleReader, "entry", entry)
+        piece = reader.piece_at("w", (32, 0))
+        assert piece is not None and piece.box == ((32, 48), (0, 8))
+        assert len({k for k in looked if k != b"w"}) == 1  # only the slice entry of rows 32..47
+        assert np.array_equal(reader.read_piece_region(piece, ((0, 16), (0, 8))), full[32:48])
+        assert reader.piece_at("w", (32, 0)) is piece  # kept
+        assert reader.piece_at("w", (8, 0)) is None
+        whole = reader.piece_at("plain", (0, 0))
+        assert whole is not None and whole.box == ((0, 64), (0, 8))
+        assert reader.piece_at("plain", (1, 0)) is None

@@ -31,7 +31,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import pytest
@@ -581,3 +581,140 @@ def test_map_reads_copy_the_columns_out_of_a_map(tmp_path: Path) -> None:
         assert torch.equal(dest, w[:, 1024:])
         assert reader.mapped_bytes == (1024 * 1024 * 4 if map_reads else 0)
         reader.close()
+
+
+def _sliced(prefix: Path, full: np.ndarray, boxes: Any) -> None:
+    """A bundle holding ``full`` as the slices ``boxes`` (TF's slice spelling), like a sharded save."""
+    from shardckpt.format.bundle_writer import BundleWriter
+
+    writer = BundleWriter(str(prefix))
+    for box in boxes:
+        spec = ":".join("-" if (a, b) == (0, n) else f"{a},{b - a}" for (a, b), n in zip(box, full.shape))
+        writer.add_slice("w", full.shape, spec, np.ascontiguousarray(full[tuple(slice(a, b) for a, b in box)]))
+    writer.finish()
+
+
+def test_whole_chunk_reads_checksum_each_piece_as_it_lands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load onto the saved layout (every read item one whole stored chunk): each chunk is read through
+    the read pump in 2 MiB pieces, each piece checksummed right after it is read (no second pass over
+    the chunk); a flipped byte in a chunk is a DataLossError naming the key, the slice and the data file."""
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    from shardckpt.format import crc, whole_reads
+
+    full = np.random.default_rng(3).standard_normal((2048, 1024)).astype(np.float32)
+    prefix = tmp_path / "ck"
+    _sliced(prefix, full, [((0, 1024), (0, 1024)), ((1024, 2048), (0, 1024))])  # two chunks of 4 MiB
+    pieces: List[int] = []
+    real_read_range, real_extend = whole_reads.read_range, crc.extend
+
+    def read_range(*args: Any, **kwargs: Any) -> int:
+        pieces.append(-len(args[4]))  # an entry's range handed to the piece loop
+        return real_read_range(*args, **kwargs)
+
+    def extend(value: int, data: Any) -> int:
+        pieces.append(memoryview(data).nbytes)
+        return real_extend(value, data)
+
+    monkeypatch.setattr(whole_reads, "read_range", read_range)
+    monkeypatch.setattr(crc, "extend", extend)
+
+    def load(rows: int) -> torch.Tensor:
+        reader = TFBundleReader(prefix, max_workers=1)
+        md = reader.read_metadata()
+        items = read_items_for_chunks("w", md.state_dict_metadata["w"], [
+            ChunkStorageMetadata(offsets=torch.Size([rows, 0]), sizes=torch.Size([1024, 1024]))])
+        dest = torch.zeros(1024, 1024)
+        pieces.clear()
+        try:
+            reader.read_data(LoadPlan(items), _RegionPlanner(dest)).wait()  # type: ignore[arg-type]
+        finally:
+            reader.close()
+        return dest
+
+    assert np.array_equal(load(1024).numpy(), full[1024:])
+    assert pieces == [-(4 << 20), 2 << 20, 2 << 20]  # one 4 MiB chunk: two 2 MiB pieces, each checksummed
+    with BundleReader(str(prefix)) as bundle:
+        piece = [p for p in bundle.pieces("w") if p.box[0][0] == 1024][0]
+        data_file = bundle.data_path(piece.entry.shard_id)
+        at = int(piece.entry.offset) + (3 << 20) + 5
+    with open(data_file, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
+    assert np.array_equal(load(0).numpy(), full[:1024])  # the other chunk is intact
+    with pytest.raises(DataLossError, match="checksum does not match") as caught:
+        load(1024)
+    message = str(caught.value)
+    assert "key 'w'" in message and "slice 1024,1024:-" in message and data_file in message
+    assert caught.value.path == data_file
+
+
+def test_columns_load_straight_into_a_strided_destination(tmp_path: Path) -> None:
+    """Rows of column-sharded chunks into the columns of a row-sharded destination (4 -> 2,
+    ``Shard(1)`` -> ``Shard(0)``): each item is one range of its file, read by ``preadv`` calls
+    with a buffer per destination row (up to 1024 rows a call), no temporary of the item, and
+    exactly the bytes needed."""
+    import tracemalloc
+
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    full = np.random.default_rng(4).standard_normal((1024, 1024)).astype(np.float32)
+    prefix = tmp_path / "ck"
+    _sliced(prefix, full, [((0, 1024), (k * 256, (k + 1) * 256)) for k in range(4)])
+    reader = TFBundleReader(prefix, max_workers=1)
+    md = reader.read_metadata()
+    items = read_items_for_chunks("w", md.state_dict_metadata["w"], [
+        ChunkStorageMetadata(offsets=torch.Size([512, 0]), sizes=torch.Size([512, 1024]))])
+    assert len(items) == 4
+    dest = torch.zeros(512, 1024)
+    calls: List[int] = []
+    real = os.preadv
+
+    def counted(fd: int, buffers: Any, at: int, *rest: Any) -> int:
+        got = real(fd, buffers, at, *rest)
+        calls.append(got)
+        return got
+
+    os.preadv = counted  # type: ignore[assignment]
+    tracemalloc.start()
+    try:
+        reader.read_data(LoadPlan(items), _RegionPlanner(dest)).wait()  # type: ignore[arg-type]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        os.preadv = real  # type: ignore[assignment]
+        reader.close()
+    assert np.array_equal(dest.numpy(), full[512:])
+    assert calls == [512 * 256 * 4] * 4  # one call per item
+    assert peak < 256 << 10  # a temporary of one item would be 512 KiB
+
+
+def test_rows_halves_load_through_few_calls_and_count_their_bytes(tmp_path: Path) -> None:
+    """Half of every row of a stored chunk (4 -> 2, ``Shard(0)`` -> ``Shard(1)``): exactly those bytes
+    are read (through io_uring where available, counted in ``ring_bytes``), the values exact."""
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    from shardckpt.storage import uring
+
+    w = torch.randn(1024, 2048)
+    prefix = tmp_path / "ck"
+    dcp.save({"w": w}, storage_writer=TFBundleWriter(prefix))
+    reader = TFBundleReader(prefix, max_workers=1)
+    md = reader.read_metadata()
+    items = read_items_for_chunks("w", md.state_dict_metadata["w"], [
+        ChunkStorageMetadata(offsets=torch.Size([0, 1024]), sizes=torch.Size([1024, 1024]))])
+    dest = torch.zeros(1024, 1024)
+    with open("/proc/self/io") as f:
+        before = next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+    reader.read_data(LoadPlan(items), _RegionPlanner(dest)).wait()  # type: ignore[arg-type]
+    with open("/proc/self/io") as f:
+        counted = next(int(line.split()[1]) for line in f if line.startswith("rchar:")) - before
+    reader.close()
+    assert torch.equal(dest, w[:, 1024:])
+    if uring.available():
+        assert reader.ring_bytes == 1024 * 1024 * 4
+    else:
+        assert reader.ring_bytes == 0 and counted >= 1024 * 1024 * 4
+    assert counted + reader.ring_bytes < 1024 * 1024 * 4 * 1.1

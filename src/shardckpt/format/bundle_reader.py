@@ -6,9 +6,11 @@ data block that may hold its key (see :class:`~shardckpt.format.sstable.TableRea
 
 :class:`BundleReader` reads whole tensors (assembling sliced ones) and arbitrary
 regions of them. A region read issues positional reads of just the byte ranges
-that hold the region, straight into the destination array; reads smaller than a
-page are served by the filesystem's ``pread_batch`` (which coalesces nearby
-ranges). Whole-entry reads go through a :class:`~shardckpt.format.whole_reads.ReadPump`:
+that hold the region, straight into the destination array, as one batch of runs for
+the filesystem's ``pread_batch`` (which coalesces ranges smaller than a page, and may
+hand many runs to the kernel at once); a strided destination (columns of a tensor)
+gets the runs cut where either the file or the destination has a gap, each read
+straight into its place (no temporary). Whole-entry reads go through a :class:`~shardckpt.format.whole_reads.ReadPump`:
 large entries are split into units, small neighbours gathered into one request, and the
 spans read and checksummed on several threads at once (the calling thread and the
 helpers of a :class:`~shardckpt.format.crc.ChecksumContext`), each piece checksummed
@@ -73,6 +75,7 @@ _MIN_UNIT = 512 << 10  # entries are split across threads only into units at lea
 _SUB = 2 << 20  # within a unit, read this much and checksum it while it is still in the CPU cache (L3)
 _MAX_SHARDS = 1 << 24
 _PAGE = 4096
+_MIN_SCATTER = 512  # pieces of a file range scattered into a strided destination: at least this many bytes
 _MAX_RANK = 64  # NumPy's limit (TensorFlow allows 254; such tensors cannot be arrays here)
 _MAX_ELEMENTS = (1 << 63) - 1
 _EAGER_IDENTITY = 1024  # data files whose identity is recorded when the index is opened
@@ -117,6 +120,52 @@ def _box_runs(offset: int, shape: Tuple[int, ...], local: Box, itemsize: int) ->
     for d in range(runs_dim):
         elem = np.add.outer(elem, np.arange(local[d][0], local[d][1], dtype=np.int64) * strides[d])
     return offset + elem.reshape(-1) * itemsize, run_bytes, False
+
+
+def _scatter_runs(offset: int, shape: Tuple[int, ...], local: Box, itemsize: int,
+                  dest: np.ndarray) -> Optional[RunBatch]:
+    """The reads that move the sub-box ``local`` of a row-major block stored at ``offset`` straight into
+    the strided array ``dest``, or ``None`` where a temporary serves better.
+
+    The box's bytes, in row-major order, are cut where the file is not contiguous
+    (the runs of :func:`_box_runs`) and where ``dest`` is not (its rows, say): every
+    piece is then contiguous in both, and pieces next to each other in both were never
+    cut (the cuts fall at the coarser of the two levels). Run ``i`` of the batch goes to
+    byte ``dest_offsets[i]`` of a view spanning ``dest``'s memory. ``None``: negative
+    strides, or pieces smaller than ``_MIN_SCATTER`` bytes (``_PAGE`` when the pieces are
+    not next to each other in the file either).
+    """
+    rank = len(shape)
+    box = box_shape(local)
+    strides = dest.strides
+    if rank == 0 or tuple(dest.shape) != box or any(st < 0 for st in strides) or box_volume(local) == 0:
+        return None
+    k, expect = rank, itemsize  # dims k.. of dest are laid out contiguously
+    while k > 0 and (box[k - 1] == 1 or strides[k - 1] == expect):
+        expect *= box[k - 1]
+        k -= 1
+    j = rank  # dims j.. are stored whole
+    while j > 0 and local[j - 1] == (0, shape[j - 1]):
+        j -= 1
+    m = max(k, j - 1, 0)  # pieces span dims m..
+    piece = itemsize * int(np.prod(box[m:], dtype=np.int64))
+    file_contiguous = j <= 1  # the box is one range of the file
+    if piece < (_MIN_SCATTER if file_contiguous else _PAGE):
+        return None
+    file_strides = [itemsize * int(np.prod(shape[d + 1:], dtype=np.int64)) for d in range(rank)]
+    start = offset + sum(a * fs for (a, _), fs in zip(local, file_strides))
+    at = np.zeros((), dtype=np.int64)
+    where = np.zeros((), dtype=np.int64)
+    for d in range(m):
+        at = np.add.outer(at, np.arange(box[d], dtype=np.int64) * file_strides[d])
+        where = np.add.outer(where, np.arange(box[d], dtype=np.int64) * strides[d])
+    span = sum((n - 1) * st for n, st in zip(box, strides)) + itemsize
+    try:
+        raw = np.lib.stride_tricks.as_strided(dest.view(np.uint8), shape=(span,), strides=(1,))
+    except ValueError:  # a last axis NumPy will not view as bytes
+        return None
+    return RunBatch(start + at.reshape(-1), piece, memoryview(raw), None,  # type: ignore[arg-type]
+                    where.reshape(-1))
 
 
 def _key_bytes(key: KeyLike) -> bytes:
@@ -269,6 +318,7 @@ class BundleReader:
         self.big_endian = self.header.endianness == pb.BundleHeaderProto.BIG
         self._entries: Dict[bytes, pb.BundleEntryProto] = {}
         self._pieces: Dict[bytes, List[StoredPiece]] = {}  # sliced tensors' pieces, once checked
+        self._starts: Dict[bytes, Dict[Tuple[int, ...], Any]] = {}  # piece_at: box start -> slice (or its piece)
         if self._identity_of is None:
             return True
         self._identities = {}
@@ -449,6 +499,31 @@ class BundleReader:
         out = [self._slice_piece(kb, entry, tslice, box) for tslice, box in self._slice_boxes(kb, entry, shape)]
         self._pieces[kb] = out
         return list(out)
+
+    def piece_at(self, key: KeyLike, start: Sequence[int]) -> Optional[StoredPiece]:
+        """The stored piece of ``key`` whose box starts at ``start`` (``None``: no such piece).
+
+        Only that piece's slice entry is looked up and checked (a rank that reads one
+        chunk of a tensor sliced many ways looks up one entry, not all of them).
+        """
+        kb = _key_bytes(key)
+        start = tuple(int(a) for a in start)
+        starts = self._starts.get(kb)
+        if starts is None:
+            entry = self.entry(kb)
+            shape = self.shape(kb)
+            if not entry.slices:
+                starts = {tuple(0 for _ in shape): StoredPiece(full_box(shape), kb, entry, kb)}
+            else:
+                starts = {tuple(a for a, _ in box): (tslice, box)
+                          for tslice, box in self._slice_boxes(kb, entry, shape)}
+            self._starts[kb] = starts  # two threads may both build it: the same dict either way
+        found = starts.get(start)
+        if found is None or isinstance(found, StoredPiece):
+            return found
+        piece = self._slice_piece(kb, self.entry(kb), found[0], found[1])
+        starts[start] = piece
+        return piece
 
     def piece_boxes(self, key: KeyLike) -> List[Box]:
         """Where the tensor's stored pieces lie (as :meth:`pieces` gives them), from its own entry
@@ -866,6 +941,11 @@ class BundleReader:
         """Read the sub-box ``local`` of a row-major block stored at ``offset``."""
         itemsize = dt.itemsize
         assert itemsize is not None
+        if not dest.flags.c_contiguous:  # e.g. columns of a tensor: scattered straight into its rows
+            scattered = _scatter_runs(offset, shape, local, itemsize, dest)
+            if scattered is not None:
+                self._fs.pread_batch(fd, scattered, path)
+                return
         offsets, run_bytes, contiguous = _box_runs(offset, shape, local, itemsize)
         if contiguous:  # one contiguous run (e.g. leading rows, or the whole block)
             self._pread_to(fd, path, int(offsets[0]), dest)

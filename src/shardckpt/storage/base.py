@@ -245,18 +245,22 @@ class RunBatch(Sequence[Tuple[int, memoryview]]):
     """Requests of :meth:`FileSystem.pread_batch` in bulk: ``len(offsets)`` runs of ``run_bytes`` each.
 
     Run ``i`` is read from file offset ``offsets[i]`` (an int64 array, ascending) into
-    ``dest[i * run_bytes:(i + 1) * run_bytes]``. As a sequence it yields the usual
-    ``(offset, buffer)`` pairs, so any store can serve it one by one. ``cover``, when
-    given, is a ``(start, length)`` range holding every run (e.g. whole rows) that a
-    store for which requests cost more than bytes may read whole instead.
+    ``dest[i * run_bytes:(i + 1) * run_bytes]``, or, with ``dest_offsets`` (an int64
+    array: runs scattered over ``dest``, e.g. the rows of a strided destination), into
+    ``dest[dest_offsets[i]:dest_offsets[i] + run_bytes]``. As a sequence it yields the
+    usual ``(offset, buffer)`` pairs, so any store can serve it one by one. ``cover``,
+    when given, is a ``(start, length)`` range holding every run (e.g. whole rows) that
+    a store for which requests cost more than bytes may read whole instead (only
+    without ``dest_offsets``).
     """
 
     def __init__(self, offsets: Any, run_bytes: int, dest: memoryview,
-                 cover: Optional[Tuple[int, int]] = None) -> None:
+                 cover: Optional[Tuple[int, int]] = None, dest_offsets: Any = None) -> None:
         self.offsets = offsets
         self.run_bytes = int(run_bytes)
         self.dest = dest
-        self.cover = cover
+        self.cover = cover if dest_offsets is None else None
+        self.dest_offsets = dest_offsets
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -267,7 +271,8 @@ class RunBatch(Sequence[Tuple[int, memoryview]]):
         if i < 0:
             i += len(self)
         rb = self.run_bytes
-        return int(self.offsets[i]), self.dest[i * rb:(i + 1) * rb]
+        at = i * rb if self.dest_offsets is None else int(self.dest_offsets[i])
+        return int(self.offsets[i]), self.dest[at:at + rb]
 
 
 def split_scheme(path: str) -> Tuple[str, str]:

@@ -925,7 +925,8 @@ class FsspecFileSystem(FileSystem):
         served from it, and one still in flight is waited for rather than sent twice.
         """
         path = path or handle.path
-        if isinstance(requests, RunBatch) and isinstance(handle, _ReadHandle) and handle.blocks:
+        if isinstance(requests, RunBatch) and requests.dest_offsets is None and isinstance(handle, _ReadHandle) \
+                and handle.blocks:
             rest = self._cache.read_runs(handle.blocks, requests.offsets, requests.run_bytes, requests.dest, path)
             self._count("cache_hits", len(requests) - len(rest))
             if len(rest) == 0:

@@ -4,10 +4,14 @@ Everything the format and saving rooms do with files goes through
 :class:`LocalFileSystem`, so that other stores can offer the same small surface.
 
 Batches of runs (:class:`~shardckpt.storage.base.RunBatch`, a region read of many rows):
-runs below a page are served by covering reads; runs of a page or more by one
-positional read each, issued from a single loop with no per-run Python work beyond a
-view, unless a subclass overrides :meth:`LocalFileSystem.pread_into` (then every run
-goes through it, so that what it counts or injects sees every read).
+runs below a page are served by covering reads; runs that follow each other in the file
+(one range going to the rows of a strided destination) by ``preadv`` calls of up to
+``IOV_MAX`` buffers; other runs of a page or more through io_uring (:mod:`.uring`, up to
+1024 reads a system call; their bytes counted in :attr:`LocalFileSystem.ring_bytes`,
+since ``/proc``'s ``rchar`` does not see them) or, where io_uring is refused, by one
+positional read each. Every way reads exactly the runs' bytes. A subclass that overrides
+:meth:`LocalFileSystem.pread_into` gets every run through it instead (so that what it
+counts or injects sees every read).
 
 ``LocalFileSystem(map_runs=True)`` serves run batches from a read-only memory map of
 the file instead, a window of at most 64 MiB at a time: one copy in user space, no call
@@ -33,7 +37,7 @@ import threading
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import NotFoundError, ShardckptError, StorageError
-from . import writeback
+from . import uring, writeback
 from .base import FileSystem, RunBatch
 
 __all__ = ["LocalFileSystem", "local_fs", "StorageError"]
@@ -42,6 +46,9 @@ _MAX_IO = 1 << 30  # one syscall moves at most 1 GiB (Linux caps near 2 GiB)
 _MAP_WINDOW = 64 << 20  # map_runs: at most this much of a file is mapped at once
 _COALESCE_GAP = 4096  # pread_batch reads runs below a page, and gaps up to a page, in one covering call
 _COALESCE_SPAN = 16 << 20  # ... as long as one covering read stays below this
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
+_RING_MIN = 8  # run batches of at least this many strided runs go through io_uring (where available)
+_RUN_BLOCK = 128  # otherwise: one preadv a run, the views made a block of runs at a time
 _FICLONE = 0x40049409  # ioctl: clone a whole file (btrfs, XFS with reflink, bcachefs, ...)
 _NO_LINK = (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EACCES)
 _log = logging.getLogger("shardckpt")
@@ -70,10 +77,13 @@ class LocalFileSystem(FileSystem):
     read_step = None
     map_runs = False
     mapped_bytes = 0  # bytes of the pages that run batches read through a map
+    ring_bytes = 0  # bytes that run batches read through io_uring
+    ring_runs = True  # strided run batches through io_uring where available (see _pread_runs)
     _count_lock = threading.Lock()
 
-    def __init__(self, *, map_runs: bool = False) -> None:
+    def __init__(self, *, map_runs: bool = False, ring_runs: bool = True) -> None:
         self.map_runs = map_runs
+        self.ring_runs = ring_runs
 
     # -- reading ---------------------------------------------------------
     def open_read(self, path: str) -> int:
@@ -132,9 +142,10 @@ class LocalFileSystem(FileSystem):
     def pread_batch(self, fd: int, requests: Sequence[Tuple[int, memoryview]], path: str = "") -> None:
         """Fill every ``(offset, buffer)``; runs shorter than a page less than a page apart share one read."""
         if isinstance(requests, RunBatch) and len(requests):
-            if self.map_runs and len(requests) > 1 and self._map_runs(fd, requests, path):
+            packed = requests.dest_offsets is None
+            if packed and self.map_runs and len(requests) > 1 and self._map_runs(fd, requests, path):
                 return
-            if requests.run_bytes < _COALESCE_GAP:
+            if packed and requests.run_bytes < _COALESCE_GAP:
                 self._pread_small_runs(fd, requests, path)
             else:
                 self._pread_runs(fd, requests, path)
@@ -167,30 +178,89 @@ class LocalFileSystem(FileSystem):
             i = j
 
     def _pread_runs(self, fd: int, batch: RunBatch, path: str) -> None:
-        """Runs of a page or more: one positional read each, straight into its part of ``batch.dest``.
+        """Runs of a page or more (or runs scattered over the destination): exactly their bytes, few calls.
 
-        The reads are issued from one ``map`` over precomputed offsets and views (a
-        resharded load may read tens of thousands of rows; per-run Python work would
-        cost as much as the reads). Runs a read left short (end of file, a signal)
-        are finished by :meth:`pread_into`, which raises for a file too short.
+        * Runs that follow each other in the file (a contiguous range going to the rows
+          of a strided destination) are read by ``preadv`` calls of up to ``IOV_MAX``
+          buffers each: one call per 1024 runs.
+        * Other runs (strided in the file: half of every row of a chunk) go through
+          io_uring where it is available (:mod:`.uring`: up to 1024 reads per system
+          call, the requests written in bulk, no Python object per run; their bytes are
+          counted in :attr:`ring_bytes`), else one ``preadv`` each, issued from one ``map``
+          over precomputed views, a block of runs at a time (so that a batch of tens of
+          thousands of runs allocates no more than a block's views at once and wakes no
+          garbage collection).
+
+        Runs left short (end of file, a signal) or failed are finished by :meth:`pread_into`,
+        which raises for a file too short or a read error. A subclass's (or a test's)
+        ``pread_into`` sees every run instead.
         """
-        if type(self).pread_into is not _PREAD_INTO:  # a subclass's (or a test's) pread_into sees every run
+        if type(self).pread_into is not _PREAD_INTO:
             for offset, buf in batch:
                 self.pread_into(fd, buf, offset, path)
             return
+        import numpy as np
+
         rb = batch.run_bytes
         n = len(batch)
         dest = batch.dest if batch.dest.format == "B" and batch.dest.ndim == 1 else batch.dest.cast("B")
-        offsets = batch.offsets.tolist() if hasattr(batch.offsets, "tolist") else [int(o) for o in batch.offsets]
-        views = [[dest[i:i + rb]] for i in range(0, n * rb, rb)]
-        try:
-            done = list(map(os.preadv, itertools.repeat(fd, n), views, offsets))
-        except OSError as exc:
-            raise _wrap(exc, path, "read") from None
-        if done.count(rb) != n:
-            for (view,), offset, got in zip(views, offsets, done):
-                if got != rb:
+        offsets = np.asarray(batch.offsets, dtype=np.int64)
+        at = np.arange(0, n * rb, rb, dtype=np.int64) if batch.dest_offsets is None else \
+            np.asarray(batch.dest_offsets, dtype=np.int64)
+        if n and (int(at.min()) < 0 or int(at.max()) + rb > len(dest)):  # reads by address must stay inside
+            raise ValueError(f"run batch: runs of {rb} bytes at {int(at.min())}..{int(at.max())} do not fit "
+                             f"a destination of {len(dest)} bytes")
+        if n > 1 and (np.diff(offsets) == rb).all():  # one range of the file: scatter reads
+            self._pread_scatter(fd, int(offsets[0]), dest, at, rb, path)
+            return
+        if n >= _RING_MIN and self.ring_runs:
+            base = np.frombuffer(dest, dtype=np.uint8).ctypes.data if len(dest) else 0
+            got = uring.read_runs(fd, offsets, base + at.astype(np.uint64), rb)
+            if got is not None:
+                whole = got == rb
+                with self._count_lock:
+                    self.ring_bytes += int(got[got > 0].sum())
+                for i in np.flatnonzero(~whole).tolist():  # short or failed: the usual read (and error)
+                    done = max(0, int(got[i]))
+                    o = int(at[i])
+                    self.pread_into(fd, dest[o + done:o + rb], int(offsets[i]) + done, path)
+                return
+        for i in range(0, n, _RUN_BLOCK):
+            j = min(n, i + _RUN_BLOCK)
+            offs = offsets[i:j].tolist()
+            views = [[dest[o:o + rb]] for o in at[i:j].tolist()]
+            try:
+                counts = list(map(os.preadv, itertools.repeat(fd, j - i), views, offs))
+            except OSError as exc:
+                raise _wrap(exc, path, "read") from None
+            if counts.count(rb) != j - i:
+                for (view,), offset, got_n in zip(views, offs, counts):
+                    if got_n != rb:
+                        self.pread_into(fd, view[got_n:], offset + got_n, path)
+            del views, counts  # freed before the next block's are made
+
+    def _pread_scatter(self, fd: int, start: int, dest: memoryview, at: Any, rb: int, path: str) -> None:
+        """Bytes ``[start, start + len(at) * rb)`` of the file into ``dest[at[i]:at[i] + rb]`` for each ``i``,
+        with ``preadv`` calls of up to ``IOV_MAX`` buffers (a short read is finished by :meth:`pread_into`)."""
+        n = len(at)
+        per_call = max(1, min(_IOV_MAX, _MAX_IO // max(rb, 1)))
+        for i in range(0, n, per_call):
+            j = min(n, i + per_call)
+            views = [dest[o:o + rb] for o in at[i:j].tolist()]
+            offset = start + i * rb
+            try:
+                got = os.preadv(fd, views, offset)
+            except OSError as exc:
+                raise _wrap(exc, path, "read") from None
+            if got == (j - i) * rb:
+                continue
+            for view in views:  # finish the rest buffer by buffer
+                if got >= rb:
+                    got -= rb
+                else:
                     self.pread_into(fd, view[got:], offset + got, path)
+                    got = 0
+                offset += rb
 
     def _map_runs(self, fd: int, batch: RunBatch, path: str) -> bool:
         """Copy the runs out of read-only maps of the file, a window of up to ``_MAP_WINDOW`` at a time.

@@ -24,9 +24,14 @@ DCP's call sequence, and what each step does here::
                            (BundleReader.read_piece_region), straight into the
                            destination tensor's memory when it is a CPU tensor of the
                            stored dtype (else into a temporary of that one item, then
-                           copy_, which casts as DCP's own reader does); whole chunks
-                           are checksummed (a part of a chunk cannot be: its file's
-                           identity is checked after the read instead). Items are read
+                           copy_, which casts as DCP's own reader does). Whole chunks
+                           (a load onto the saved layout) go through the reader's read
+                           pump: 2 MiB pieces, each checksummed right after it lands
+                           (no second pass over the chunk). A part of a chunk cannot be
+                           checksummed: its file's identity is checked after the read
+                           instead; its rows go to the kernel in batches (see
+                           storage/local.py: io_uring, or preadv with a buffer per
+                           destination row for one range of the file). Items are read
                            on ``max_workers`` threads; with one (the default where the
                            host's ranks have a core each or fewer), reads and checksums
                            run on the calling thread. Non-tensors are handed to the planner the way
@@ -76,21 +81,17 @@ KeyMap = Union[Callable[[str], Optional[str]], Mapping[str, str], None]
 
 
 class _Stored:
-    """One tensor of the checkpoint as DCP sees it: its key, dtype and (once read) pieces by chunk offset."""
+    """One tensor of the checkpoint as DCP sees it: its key and dtype (pieces are looked up by chunk offset)."""
 
-    __slots__ = ("key", "dtype", "_pieces")
+    __slots__ = ("key", "dtype")
 
     def __init__(self, key: bytes, dtype: DType) -> None:
         self.key = key
         self.dtype = dtype
-        self._pieces: Optional[Dict[Tuple[int, ...], StoredPiece]] = None
 
     def piece(self, bundle: BundleReader, offset: Tuple[int, ...]) -> Optional[StoredPiece]:
-        """The stored piece whose box starts at ``offset`` (slice entries looked up on the first read)."""
-        pieces = self._pieces
-        if pieces is None:  # two threads may both build it: the same dict either way
-            pieces = self._pieces = {tuple(a for a, _ in p.box): p for p in bundle.pieces(self.key)}
-        return pieces.get(offset)
+        """The stored piece whose box starts at ``offset`` (only its slice entry is looked up, on first use)."""
+        return bundle.piece_at(self.key, offset)
 
 
 class TFBundleReader(StorageReader):
@@ -103,9 +104,9 @@ class TFBundleReader(StorageReader):
     runs on the calling thread (no thread hand-offs where the ranks already keep
     every core busy). ``map_reads`` (local files): parts of chunks made of many rows
     (a resharded load) are copied out of a memory map of the data file instead of
-    one read call per row, about half the cost; a disk error or a data file
-    truncated during the load then ends the process with ``SIGBUS`` instead of
-    raising (see :mod:`shardckpt.storage.local`). Off by default.
+    read calls (batched through io_uring where allowed), cheaper still; a disk
+    error or a data file truncated during the load then ends the process with
+    ``SIGBUS`` instead of raising (see :mod:`shardckpt.storage.local`). Off by default.
     """
 
     def __init__(self, path: Any = None, *, key_map: KeyMap = None, verify: bool = True,
@@ -118,7 +119,7 @@ class TFBundleReader(StorageReader):
         self._verify = verify
         self._workers = max(1, int(max_workers)) if max_workers is not None else min(4, threads_per_rank())
         self._map_reads = map_reads
-        self._mapped_fs: Optional[LocalFileSystem] = None
+        self._local_fs: Optional[LocalFileSystem] = None
         self._bundle: Optional[BundleReader] = None
         self._tensors: Dict[str, _Stored] = {}
         self._objects: Dict[str, Any] = {}
@@ -201,7 +202,13 @@ class TFBundleReader(StorageReader):
     @property
     def mapped_bytes(self) -> int:
         """Bytes (whole pages) this reader copied out of memory maps (``map_reads``); read calls not included."""
-        return self._mapped_fs.mapped_bytes if self._mapped_fs is not None else 0
+        return self._local_fs.mapped_bytes if self._local_fs is not None else 0
+
+    @property
+    def ring_bytes(self) -> int:
+        """Bytes this reader read through io_uring (parts of chunks made of many rows), which
+        ``/proc``'s ``rchar`` does not count; other read calls not included."""
+        return self._local_fs.ring_bytes if self._local_fs is not None else 0
 
     # -- metadata -----------------------------------------------------------------------------------------
     def _name(self, key: str) -> Optional[str]:
@@ -216,8 +223,8 @@ class TFBundleReader(StorageReader):
             raise InvalidArgumentError("TFBundleReader has no path: give one to the constructor or as "
                                        "dcp.load(checkpoint_id=...)")
         fs = get_fs(normalize(self._path))
-        if self._map_reads and fs is local_fs:
-            fs = self._mapped_fs = self._mapped_fs or LocalFileSystem(map_runs=True)
+        if fs is local_fs:  # a store of its own: its counters are this reader's
+            fs = self._local_fs = self._local_fs or LocalFileSystem(map_runs=self._map_reads)
         # one thread: no checksum helpers either (the calling thread reads and checksums each entry)
         bundle = self._bundle = BundleReader(self._path, fs=fs, context=_SOLO if self._workers == 1 else None)
         entries: Dict[str, Any] = {}
