@@ -149,6 +149,100 @@ def test_deleting_the_previous_checkpoint_keeps_the_newer_one(tmp_path: Path, tf
         assert np.array_equal(np.asarray(got[key]), value), key
 
 
+def _data_files(prefix: str) -> List[Path]:
+    folder, base = os.path.split(prefix)
+    return sorted(Path(folder) / n for n in os.listdir(folder) if n.startswith(base + ".data-"))
+
+
+def _named_bytes(prefix: str) -> int:
+    """Bytes the index of ``prefix`` names (every entry's size)."""
+    from shardckpt.format.bundle_reader import BundleReader
+
+    with BundleReader(prefix) as reader:
+        return sum(int(reader.entry(k).size) for k in reader.keys(include_slices=True))
+
+
+def test_chain_of_partial_changes_keeps_few_data_files(tmp_path: Path, tf_oracle: Any) -> None:
+    """Fifteen saves, each changing another few tensors: a checkpoint never has more than one data file
+    per callback shard plus EXTRA_LINKED_FILES linked plus two written, its files hold at most
+    1/LIVE_FRACTION of the bytes it names, most saves write much less than the state, and every
+    checkpoint the manager keeps restores exactly (and in TensorFlow) after retention deleted the
+    older ones that its linked files came from."""
+    from shardckpt.saving.incremental import EXTRA_LINKED_FILES, LIVE_FRACTION
+
+    rng = np.random.default_rng(21)
+    count, size = 24, 64 << 10  # float32 elements: 24 tensors of 256 KiB
+    model = shardckpt.Module()
+    model.w = [shardckpt.Variable(rng.standard_normal(size).astype(np.float32)) for _ in range(count)]
+    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(model=model), str(tmp_path), max_to_keep=2,
+                                          incremental=True)
+    recording = RecordingFileSystem(local_fs)
+    expected: Dict[str, List[np.ndarray]] = {}
+    written: List[int] = []
+    state_bytes = count * size * 4
+    with mounted(recording):
+        for step in range(15):
+            if step:
+                for i in rng.choice(count, size=int(rng.integers(1, 4)), replace=False):
+                    model.w[int(i)].assign_add(np.full(size, step, np.float32))
+            before = len(recording.ops)
+            path = manager.save()
+            assert path is not None
+            written.append(_data_bytes(recording.ops[before:]))
+            expected[path] = [v.numpy() for v in model.w]
+            files = _data_files(path)
+            if step == 0:
+                assert len(files) == 1  # the callback makes one shard here: the first save writes one file
+            assert len(files) <= 1 + EXTRA_LINKED_FILES + 2, (step, files)
+            on_disk = sum(f.stat().st_size for f in files)
+            assert on_disk <= _named_bytes(path) / LIVE_FRACTION + 4096, (step, on_disk)
+    assert written[0] >= state_bytes
+    # later saves write the changed tensors and, now and then, the unchanged ones of a file no longer
+    # linked: far less than the state on average
+    assert sum(written[1:]) / 14 < 0.5 * state_bytes, written
+    kept = manager.checkpoints
+    assert len(kept) == 2
+    names = {os.path.basename(p) for p in kept}
+    assert all(n.split(".")[0] in names or not n.startswith("ckpt-") for n in os.listdir(tmp_path)), \
+        sorted(os.listdir(tmp_path))
+    for path in kept:
+        fresh = shardckpt.Module()
+        fresh.w = [shardckpt.Variable(np.zeros(size, np.float32)) for _ in range(count)]
+        shardckpt.Checkpoint(model=fresh).read(path).assert_existing_objects_matched()
+        assert _same([v.numpy() for v in fresh.w], expected[path]), path
+    got, errors, _ = tf_oracle.load_checkpoint(kept[-1])
+    assert errors == {}
+    ours = _read_all(kept[-1])
+    assert set(got) == set(ours)
+    for key, value in ours.items():
+        assert np.array_equal(np.asarray(got[key]), value), key
+
+
+def test_partial_change_links_the_old_file_and_names_only_its_unchanged_pieces(tmp_path: Path) -> None:
+    """One changed tensor of twenty: two data files (the old one linked, with the changed tensor's old
+    bytes named by no entry; the changed tensor in a new one); the checkpoint restores exactly after the
+    older one is deleted, and ``shardckpt verify`` passes."""
+    rng = np.random.default_rng(22)
+    values = {f"t{i:02d}": rng.standard_normal(50_000).astype(np.float32) for i in range(20)}
+    shardckpt.save_tensors(str(tmp_path / "a"), values, INCREMENTAL)
+    values["t07"] = values["t07"] + 1
+    shardckpt.save_tensors(str(tmp_path / "b"), values, INCREMENTAL, previous=str(tmp_path / "a"))
+    files = _data_files(str(tmp_path / "b"))
+    assert len(files) == 2
+    old = _data_files(str(tmp_path / "a"))[0]
+    linked = [f for f in files if os.path.samefile(f, old)]
+    assert len(linked) == 1 and linked[0].stat().st_size == 20 * 200_000
+    assert _named_bytes(str(tmp_path / "b")) == 20 * 200_000
+    for f in _data_files(str(tmp_path / "a")):
+        os.remove(f)
+    os.remove(str(tmp_path / "a") + ".index")
+    got = _read_all(str(tmp_path / "b"))
+    assert set(got) == set(values) and all(np.array_equal(got[k], v) for k, v in values.items())
+    out = subprocess.run([sys.executable, "-m", "shardckpt.cli.main", "verify", str(tmp_path / "b")],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
+
+
 # -- change detection is never wrong --------------------------------------------------------------
 
 def _policy() -> CheckpointOptions:
@@ -234,7 +328,7 @@ def test_trust_versions_skips_hashing_and_honours_assign_and_mark_changed(tmp_pa
 def test_torch_in_place_op_is_saved(tmp_path: Path) -> None:
     import torch
 
-    tensors = {f"w{i}": torch.randn(256 << 10) for i in range(3)}  # 1 MiB each, one data file
+    tensors = {f"w{i}": torch.randn(256 << 10) for i in range(4)}  # 1 MiB each, one data file
     prefix = str(tmp_path / "ck")
     shardckpt.save_tensors(prefix, {k: t.numpy() for k, t in tensors.items()}, _policy())
     tensors["w1"].mul_(2.0)  # in place: the numpy view shares the memory
@@ -243,7 +337,7 @@ def test_torch_in_place_op_is_saved(tmp_path: Path) -> None:
     for k, t in tensors.items():
         assert np.array_equal(got[k], t.numpy()), k
     origins = data_file_origins(prefix, local_fs)
-    # the first file is linked (w0 and w2 are read from it), w1 is written into a new one
+    # the first file is linked (w0, w2 and w3 are read from it), w1 is written into a new one
     assert origins is not None and sorted(o["how"] for o in origins.values()) == ["link", "written"]
 
 
@@ -307,7 +401,7 @@ def test_head_pre_check_and_sidecars_without_heads(tmp_path: Path) -> None:
 
     prefix = str(tmp_path / "ck")
     rng = np.random.default_rng(7)
-    values = {k: rng.standard_normal(300_000).astype(np.float32) for k in ("a", "b", "c", "d", "e", "f")}
+    values = {k: rng.standard_normal(300_000).astype(np.float32) for k in "abcdefgh"}
     shardckpt.save_tensors(prefix, values, INCREMENTAL, fsync=False)
 
     def records() -> Dict[str, List[Any]]:
@@ -333,8 +427,9 @@ def test_head_pre_check_and_sidecars_without_heads(tmp_path: Path) -> None:
     shardckpt.save_tensors(prefix, values, INCREMENTAL, fsync=False)
     got = _read_all(prefix)
     assert all(np.array_equal(got[k], v) for k, v in values.items())
-    origins = data_file_origins(prefix, local_fs)  # d, e, f still fill half of the first file: linked
-    assert origins is not None and sorted(o["how"] for o in origins.values()) == ["link", "link", "written"]
+    # the file of a and b is linked; d..h fill less than LIVE_FRACTION of the first file now: written again
+    origins = data_file_origins(prefix, local_fs)
+    assert origins is not None and sorted(o["how"] for o in origins.values()) == ["link", "written", "written"]
 
 
 # -- where links are impossible --------------------------------------------------------------------
@@ -346,7 +441,7 @@ def test_no_hard_links_across_filesystems_falls_back_to_a_copy_and_says_so(
     shm.mkdir()
     try:
         rng = np.random.default_rng(6)
-        values = {f"t{i}": rng.standard_normal(300_000).astype(np.float32) for i in range(3)}
+        values = {f"t{i}": rng.standard_normal(300_000).astype(np.float32) for i in range(4)}
         shardckpt.save_tensors(str(shm / "old"), values, _policy())
         values["t0"] += 1
         with caplog.at_level(logging.WARNING, logger="shardckpt"):

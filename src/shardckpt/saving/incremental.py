@@ -2,9 +2,10 @@
 whole data files be reused.
 
 ``CheckpointOptions(incremental=True)``. Every checkpoint stays a complete, standalone
-tensor bundle (TensorFlow reads it; deleting an older checkpoint never breaks it): an
-unchanged data file is *hard-linked* (local disks; reflinked or copied where links fail)
-or *copied server-side* (object stores) under the new checkpoint's names by the
+tensor bundle (TensorFlow reads it; deleting an older checkpoint never breaks it): a data
+file of the previous checkpoint that still holds unchanged pieces is *hard-linked* (local
+disks; reflinked or copied where links fail) or *copied server-side* (object stores)
+under the new checkpoint's names by the
 incremental committers (:mod:`shardckpt.saving.commit.link`). Nothing of the new
 checkpoint points into an older one.
 
@@ -17,7 +18,8 @@ ignored), and per piece (key, slice spec): the xxh3-128 hash of its bytes, its c
 token (a :class:`~shardckpt.Variable`'s version, meaningful only in the process that
 wrote it), which shard record it was written in, and the xxh3-128 hash of its first
 :data:`HEAD_BYTES` bytes (the *head*; absent in older sidecars); per shard record: bytes
-written, and the data file it was linked or copied from (``shardckpt inspect`` shows
+written (a linked file: none, and the bytes of its pieces in use), and the data file it was
+linked or copied from (``shardckpt inspect`` shows
 them).
 
 **Change detection** (:func:`arrange`, on every client, for its own pieces, before any
@@ -37,24 +39,31 @@ byte is staged or written), cheapest first:
    bytes stream to storage (no extra pass). Strings are always written. CRC32C is never
    used as an identity.
 
-**Layout** (:func:`arrange`). A data file is never written into once committed, so a
-file of the previous checkpoint can be *linked* into the new one whole, whenever every
-piece it holds is one of this client's pieces, and the index of the new checkpoint names
-only its pieces that did not change (offsets, sizes, checksums as before); the bytes of
-its pieces that changed since stay in the file, named by no entry (TensorFlow's reader,
-like this one, reads entries by offset and ignores them). Such a file is linked only while
-the pieces still in use fill at least :data:`LIVE_FRACTION` of it, so a checkpoint's data
-files are at most about twice the bytes it names; and only the files with the most bytes
-in use, at most one per shard of the sharding callback plus :data:`EXTRA_LINKED_FILES`.
-Of every callback shard, what is not linked is written in at most two files, never merged
-across shards (a size limit or a device grouping of the callback holds): the unchanged
-pieces whose file was not linked (the bytes cost of bounding the file count: they are
-rewritten once, into a file that later saves link), and the pieces that changed or are new
-(rewritten anyway; next time, if they changed again, their file names nothing and is
-dropped). The first incremental save (no previous checkpoint) writes the callback's shards
-as they are. A restore thus reads about as many data files as from a full save: a cold
-read of many small files is slow (each file starts its kernel readahead anew, with no I/O
-in flight at the switch: 256 files of 4 MiB read ~2.4x slower than one file of 1 GiB).
+**Layout** (:func:`arrange`). A committed data file is never written into, so a data file
+of the previous checkpoint whose pieces all belong to this client is *linked* into the new
+checkpoint whole (its bytes are never copied), and the new index names only its pieces
+that did not change (offsets, sizes, checksums as the previous index has them). The old
+bytes of its pieces that changed stay in the file, named by no entry of the new index
+(TensorFlow's reader, like this one, reads entries by offset; nothing else in the file is
+looked at); they are freed with the last checkpoint that links the file. Two rules bound
+what that costs:
+
+* a file is linked only while the pieces still in use fill at least :data:`LIVE_FRACTION`
+  (3/4) of it, so a checkpoint's data files hold at most 4/3 of the bytes it names (a cold
+  restore reads unused bytes that lie between used ones too: the kernel's readahead does
+  not skip them);
+* at most one file per shard of the sharding callback plus :data:`EXTRA_LINKED_FILES` is
+  linked, those with the most bytes in use.
+
+Of every callback shard, what is not linked is written in at most two new files, never
+merged across shards (a size limit or a device grouping of the callback holds): the
+unchanged pieces whose file was not linked (the bytes cost of the two rules: they are
+written once more, into a file that later saves link), and the pieces that changed or are
+new (written anyway; when they change again, that file is named by nothing and not
+linked). The first incremental save (no previous checkpoint) writes the callback's shards
+as they are. So a checkpoint has about as many data files as a full save's, which matters
+for a cold restore: each new file starts the kernel's readahead anew, with no read in
+flight at the switch (256 files of 4 MiB read ~2.4x slower than one file of 1 GiB here).
 """
 
 from __future__ import annotations
@@ -91,7 +100,7 @@ PieceId = Tuple[str, str]
 
 #: a data file of the previous checkpoint is linked only while the pieces still in use fill at least
 #: this fraction of it (the rest: bytes of pieces that changed since, which no index entry names)
-LIVE_FRACTION = 0.5
+LIVE_FRACTION = 0.75
 #: at most this many data files are linked beyond one per shard of the sharding callback
 EXTRA_LINKED_FILES = 3
 #: a piece's first bytes hashed for the cheap pre-check of change detection
