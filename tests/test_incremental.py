@@ -246,7 +246,7 @@ def test_partial_change_links_the_old_file_and_names_only_its_unchanged_pieces(t
 # -- change detection is never wrong --------------------------------------------------------------
 
 def _policy() -> CheckpointOptions:
-    """Incremental, the default sharding callback: pieces of 1 MiB and more get data files of their own."""
+    """Incremental, the default sharding callback."""
     return CheckpointOptions(incremental=True)
 
 
