@@ -173,8 +173,26 @@ class Previous:
     pieces: Dict[PieceId, _Record]
     #: data file (shard id) -> index keys of the entries holding bytes in it
     files: Dict[int, Set[bytes]]
-    #: data file (shard id) -> its size in bytes (with bytes no entry names any more)
-    sizes: Dict[int, int]
+    #: data file (shard id) -> where its last entry ends
+    ends: Dict[int, int]
+    fs: Optional[FileSystem] = None
+    _sizes: Optional[Dict[int, Optional[int]]] = None
+
+    def file_size(self, shard_id: int) -> Optional[int]:
+        """The size of data file ``shard_id`` (with bytes no entry names any more), asked of the store
+        once (an object store: a request); ``None`` when it cannot be read (then it is not linked)."""
+        if self._sizes is None:
+            self._sizes = {}
+        if shard_id not in self._sizes:
+            try:
+                assert self.fs is not None
+                size: Optional[int] = max(self.ends.get(shard_id, 0), self.fs.size(
+                    data_filename(self.prefix, shard_id, self.num_shards)))
+            except Exception as exc:  # missing or unreadable: its pieces are compared and written again
+                _log.info("incremental save: data file %d of %s not linked (%s)", shard_id, self.prefix, exc)
+                size = None
+            self._sizes[shard_id] = size
+        return self._sizes[shard_id]
 
 
 def _index_digest(data: bytes) -> str:
@@ -223,13 +241,7 @@ def load_previous(prefix: str, fs: FileSystem) -> Optional[Previous]:
             shard = int(entry.shard_id)
             files.setdefault(shard, set()).add(key)
             ends[shard] = max(ends.get(shard, 0), int(entry.offset) + int(entry.size))
-    sizes: Dict[int, int] = {}
-    for shard, end in ends.items():  # a file's bytes past its last entry count as not in use
-        try:
-            sizes[shard] = max(end, fs.size(data_filename(prefix, shard, int(header.num_shards))))
-        except Exception:  # missing or unreadable: not linked (its pieces are compared and rewritten)
-            files.pop(shard, None)
-    return Previous(prefix, int(header.num_shards), entries, pieces, files, sizes)
+    return Previous(prefix, int(header.num_shards), entries, pieces, files, ends, fs)
 
 
 def _same_form(item: PlanItem, entry: pb.BundleEntryProto) -> bool:
@@ -320,14 +332,16 @@ def _linked_files(candidates: Dict[int, List[PlanItem]], previous: Previous, lim
     """The previous data files to link, from ``candidates`` (file -> its unchanged pieces, every piece
     it holds being this client's): those whose pieces still in use fill at least :data:`LIVE_FRACTION`
     of the file, at most ``limit`` of them (the ones with the most bytes in use)."""
-    kept = []
-    for shard_id, members in candidates.items():
-        live = sum(m.nbytes for m in members)
-        size = previous.sizes.get(shard_id, 0)
-        if live > 0 and live >= LIVE_FRACTION * size:
-            kept.append((live, shard_id))
-    kept.sort(key=lambda t: (-t[0], t[1]))
-    return {shard_id: candidates[shard_id] for _, shard_id in sorted(kept[:limit], key=lambda t: t[1])}
+    live = {shard_id: sum(int(previous.entries[entry_key(m.key, m.slice_spec)].size) for m in members)
+            for shard_id, members in candidates.items()}
+    kept: List[int] = []
+    for shard_id in sorted(live, key=lambda n: (-live[n], n)):  # most bytes in use first; sizes asked lazily
+        if len(kept) >= limit:
+            break
+        size = previous.file_size(shard_id)
+        if size is not None and live[shard_id] > 0 and live[shard_id] >= LIVE_FRACTION * size:
+            kept.append(shard_id)
+    return {shard_id: candidates[shard_id] for shard_id in sorted(kept)}
 
 
 def arrange(plan: SavePlan, previous: Optional[Previous], *, trust_versions: bool = False) -> SavePlan:
