@@ -1,7 +1,7 @@
 """Benchmark incremental saves: time and bytes written when 1%, 10% or 100% of a state changed.
 
-A uniform float32 state (default 256 MiB in 256 tensors: each tensor a data file of its own)
-is saved once in full; then a fraction of its tensors changes (every element of them) and
+A uniform float32 state (default 256 MiB in 256 tensors) is saved once in full (incrementally:
+hashes recorded); then a fraction of its tensors changes (every element of them) and
 the state is saved again, each way into a place of its own:
 
 * ``full``         -- ``save_tensors(p, arrays)``: a plain full save (the baseline of every ratio);
@@ -22,12 +22,14 @@ Unchanged tensors' data files are hard-linked from the previous checkpoint in ev
 incremental variant. Times are wall seconds (median and best of the repeats) and CPU
 seconds (all threads; less sensitive to a shared disk). Every save is durable (fsync,
 commit; the managers also write their state file and apply ``max_to_keep=2``); before each
-one ``os.sync()`` settles earlier writes, the systems take turns going first, and the
-plain saves' files are deleted once measured (their page cache slowed later writes down
-here). Reported per fraction over ``--repeats``: seconds, bytes written (``/proc/self/io``
+one ``os.sync()`` settles earlier writes, the systems take turns going first, and the page
+cache of the plain saves' files is dropped once measured (it slowed later writes down here;
+DCP's files are deleted). Reported per fraction over ``--repeats``: seconds, bytes written (``/proc/self/io``
 ``wchar``: every byte through ``write``; links write none), both as ratios to the full
-save, and the time to restore every tensor of the incremental checkpoint vs the full one
-(page cache dropped first where allowed).
+save. Then the full and the incremental checkpoint are restored in turns (``--restore-rounds``
+each; every tensor, through ``restore_tensors`` as ``Checkpoint.restore`` does), from a cold
+page cache (dropped first where allowed) and then warm: medians of the times and of the
+per-round ratios, and each checkpoint's number of data files.
 
     .venv/bin/python benchmarks/bench_incremental.py                       # 256 MiB, 3 repeats
     .venv/bin/python benchmarks/bench_incremental.py --size 1GiB --repeats 3 --no-dcp
@@ -75,14 +77,37 @@ def _loadavg() -> str:
         return "n/a"
 
 
-def _restore_seconds(prefix: str, names: List[str], out: List[np.ndarray]) -> float:
-    C.drop_page_cache()
-    t0 = time.perf_counter()
-    with shardckpt.load_checkpoint(prefix) as reader:
-        for name, dest in zip(names, out):
-            reader.read_region(name, None, out=dest) if hasattr(reader, "read_region") else \
-                np.copyto(dest, reader.get_tensor(name))
-    return time.perf_counter() - t0
+def _restore_seconds(prefix: str, names: List[str], out: List[np.ndarray]) -> Tuple[float, float]:
+    """Seconds to restore every tensor into ``out`` (``restore_tensors``: the path ``Checkpoint.restore``
+    takes) from a cold page cache (dropped first, where allowed), then again warm."""
+    requests = [shardckpt.RestoreRequest(name, out=dest) for name, dest in zip(names, out)]
+    times = []
+    for cold in (True, False):
+        if cold:
+            C.drop_page_cache()
+        t0 = time.perf_counter()
+        shardckpt.restore_tensors(prefix, requests)
+        times.append(time.perf_counter() - t0)
+    return times[0], times[1]
+
+
+def _restores(folder: str, names: List[str], state: List[np.ndarray], rounds: int) -> Dict[str, Any]:
+    """The full and the incremental checkpoint restored in turns (which goes first alternates), ``rounds``
+    times each, cold then warm; every restore checked. Per-round ratios and each one's data files."""
+    out = [np.empty_like(a) for a in state]
+    res: Dict[str, Any] = {k: [] for k in ("restore_full_s", "restore_full_warm_s", "restore_incremental_s",
+                                           "restore_incremental_warm_s")}
+    for n in range(rounds):
+        for name, base in (("full", "full"), ("incremental", "inc"))[::1 if n % 2 == 0 else -1]:
+            for a in out:
+                a.fill(0)
+            cold, warm = _restore_seconds(os.path.join(folder, base), names, out)
+            assert all(np.array_equal(a, b) for a, b in zip(out, state)), f"the {name} checkpoint restored wrong"
+            res[f"restore_{name}_s"].append(cold)
+            res[f"restore_{name}_warm_s"].append(warm)
+    for name, base in (("full", "full"), ("incremental", "inc")):
+        res[f"{name}_files"] = sum(1 for e in os.listdir(folder) if e.startswith(base + ".data-"))
+    return res
 
 
 def _manager(folder: str, name: str, state: List[np.ndarray], incremental: bool,
@@ -99,7 +124,7 @@ def _manager(folder: str, name: str, state: List[np.ndarray], incremental: bool,
 
 
 def run_fraction(work: str, fraction: float, state: List[np.ndarray], names: List[str],
-                 with_dcp: bool, rotate: int = 0) -> Dict[str, Any]:
+                 with_dcp: bool, rotate: int = 0, restore_rounds: int = 3) -> Dict[str, Any]:
     folder = tempfile.mkdtemp(prefix="inc-", dir=work)
     try:
         values = dict(zip(names, state))
@@ -133,18 +158,13 @@ def run_fraction(work: str, fraction: float, state: List[np.ndarray], names: Lis
             saves["dcp"] = lambda: dcp.save(tstate, checkpoint_id=os.path.join(folder, "dcp"))
         order = list(saves)
         order = order[rotate % len(order):] + order[:rotate % len(order)]  # no system always goes first
-        outputs = {"full": "full", "incremental": "inc", "dcp": "dcp"}
-        out = [np.empty_like(a) for a in state]
         for name in order:
             res[name] = _measure(saves[name])
-            if name in ("full", "incremental"):
-                res[f"restore_{name}_s"] = _restore_seconds(os.path.join(folder, outputs[name]), names, out)
-                assert all(np.array_equal(a, b) for a, b in zip(out, state)), f"the {name} checkpoint restored wrong"
-            if name in outputs:  # deleted at once: its page cache does not slow the next save down
-                for entry in os.listdir(folder):
-                    if entry == outputs[name] or entry.startswith(outputs[name] + "."):
-                        path = os.path.join(folder, entry)
-                        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            if name == "dcp":  # deleted at once: its page cache does not slow the next save down
+                shutil.rmtree(os.path.join(folder, "dcp"))
+            elif name in ("full", "incremental"):  # kept for the restores; their page cache dropped
+                C.drop_page_cache()
+        res.update(_restores(folder, names, state, restore_rounds))
         for name in ("variables", "hashed"):  # the managers' latest checkpoints hold the new state
             latest = managed[name][0].latest_checkpoint
             with shardckpt.load_checkpoint(latest) as reader:
@@ -165,6 +185,8 @@ def main() -> None:
     ap.add_argument("--fractions", default="0.01,0.1,1.0")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-dcp", action="store_true")
+    ap.add_argument("--restore-rounds", type=int, default=3,
+                    help="per repeat, the full and the incremental checkpoint are each restored this often")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary folder)")
     args = ap.parse_args()
     nbytes = C.parse_size(args.size)
@@ -178,7 +200,8 @@ def main() -> None:
         for repeat in range(args.repeats):
             for f in fractions:
                 state = C.make_state(spec)
-                runs[f].append(run_fraction(work, f, state, names, not args.no_dcp, rotate=repeat))
+                runs[f].append(run_fraction(work, f, state, names, not args.no_dcp, rotate=repeat,
+                                            restore_rounds=args.restore_rounds))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = []
@@ -201,9 +224,14 @@ def main() -> None:
             print(f"{f:>8.0%} {s:>12} {row['seconds']:>9.3f} {row['time_ratio']:>7.3f} {best[s]:>7.3f} "
                   f"{row['best_ratio']:>7.3f} {row['cpu_s']:>6.2f} {row['cpu_ratio']:>7.3f} "
                   f"{C.fmt_size(row['wchar']):>11} {row['bytes_ratio'] or 0:>7.4f}")
-        rf = C.median([r["restore_full_s"] for r in runs[f]])
-        ri = C.median([r["restore_incremental_s"] for r in runs[f]])
-        print(f"{f:>8.0%} {'restore':>12} full {rf:.3f} s, incremental {ri:.3f} s ({ri / rf:.2f}x)")
+        for kind, suffix in (("cold", ""), ("warm", "_warm")):
+            full_s = [t for r in runs[f] for t in r[f"restore_full{suffix}_s"]]
+            inc_s = [t for r in runs[f] for t in r[f"restore_incremental{suffix}_s"]]
+            rf, ri = C.median(full_s), C.median(inc_s)
+            ratio = C.median([b / a for a, b in zip(full_s, inc_s)])
+            print(f"{f:>8.0%} {'restore ' + kind:>12} full {rf:.3f} s, incremental {ri:.3f} s ({ri / rf:.2f}x; "
+                  f"median of per-round ratios {ratio:.2f}x); data files: full {runs[f][0]['full_files']}, "
+                  f"incremental {runs[f][0]['incremental_files']}")
         vfull = med["vfull"]["seconds"]
         print(f"{f:>8.0%} {'managers':>12} variables / vfull {med['variables']['seconds'] / vfull:.3f}x, "
               f"hashed / vfull {med['hashed']['seconds'] / vfull:.3f}x (median seconds)")

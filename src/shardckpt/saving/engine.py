@@ -8,9 +8,9 @@ is trivial. Steps (``io``: the request's io client; ``all``: every client)::
     plan      all  the values become a SavePlan (sharding callback, validation)
     arrange   all  incremental saves: each client compares its pieces with the
                    previous checkpoint (versions, else xxh3-128 hashes) and turns
-                   its wholly unchanged data files into shards to reuse
-                   (saving/incremental.py); before staging, so unchanged values
-                   are never copied
+                   the data files mostly still in use (their unchanged pieces)
+                   into shards to reuse (saving/incremental.py); before staging,
+                   so unchanged values are never copied
     stage     all  with enable_async: values are copied to host buffers; the rest
                    runs on a background thread over a clone of the coordinator
     prepare   io   committer.prepare(): leftovers removed, scratch area made,
@@ -303,7 +303,7 @@ def _write_shards(committer: Committer, shards: Sequence[ShardPlan], first_id: i
         return [committer.write_shard(shards[i], first_id + i) for i in batch]
 
     # Shards to write go one per task, first; reused ones (a link or a server-side copy each: quick,
-    # and an incremental save has hundreds) are spread over ``workers`` tasks, not one task each.
+    # and a previous checkpoint may have had hundreds) are spread over ``workers`` tasks, not one each.
     fresh = [[i] for i, s in enumerate(shards) if s.reuse is None]
     reused = [i for i, s in enumerate(shards) if s.reuse is not None]
     step = max(1, -(-len(reused) // workers))

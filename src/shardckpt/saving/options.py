@@ -40,9 +40,9 @@ class CheckpointOptions:
       sharding_callback: a :class:`~shardckpt.sharding.ShardingCallback`
         (default :class:`~shardckpt.sharding.ShardByTaskPolicy`).
       incremental: values unchanged since the previous checkpoint are not written again:
-        their data files are hard-linked (local disks; reflinked or copied where links
-        fail) or copied server-side (object stores) into the new checkpoint, which stays
-        complete on its own (see :mod:`shardckpt.saving.incremental`).
+        the data files holding them are hard-linked (local disks; reflinked or copied where
+        links fail) or copied server-side (object stores) into the new checkpoint, which
+        stays complete on its own (see :mod:`shardckpt.saving.incremental`).
       trust_versions: with ``incremental``, a :class:`~shardckpt.Variable` whose version
         did not move since the previous save (in this process) is taken as unchanged
         without hashing its bytes even when it handed out its live buffer (``.array``,

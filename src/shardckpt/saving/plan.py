@@ -111,12 +111,13 @@ class PlanItem:
 
 @dataclass(frozen=True)
 class Reuse:
-    """A data file of an earlier checkpoint that holds exactly a shard's values, unchanged.
+    """A data file of an earlier checkpoint that holds a shard's values, unchanged (and maybe
+    bytes of pieces no longer saved from it, which no entry names).
 
     ``source`` is the data file's path; ``entries`` the index entries (serialized
-    ``BundleEntryProto``) of its pieces, by the key stored in the index (a slice's
+    ``BundleEntryProto``) of the shard's pieces, by the key stored in the index (a slice's
     entry under its encoded key; a sliced tensor's full entry lists only this file's
-    slices), with offsets into ``source``; ``size`` its length in bytes.
+    slices), with offsets into ``source``; ``size`` the bytes of those pieces.
     """
 
     source: str
@@ -130,7 +131,7 @@ class ShardPlan:
 
     Incremental saves (:mod:`shardckpt.saving.incremental`) set ``hashes`` (one
     content hash per item, ``None`` where it is computed while the bytes stream) and,
-    for a shard whose values are all unchanged in one earlier data file, ``reuse``:
+    for a shard whose values all lie unchanged in one earlier data file, ``reuse``:
     the committer then links or copies that file instead of writing the values.
     """
 

@@ -2,8 +2,9 @@
 
 The third commit protocol (``CheckpointOptions(incremental=True)``), built on the other two:
 the engine's arrange step (:func:`shardckpt.saving.incremental.arrange`) turns each data
-file of the previous checkpoint whose pieces are all unchanged into a shard carrying a
-:class:`~shardckpt.saving.plan.Reuse`; every other shard is written as usual.
+file of the previous checkpoint worth linking (most of its bytes still in use: pieces that
+did not change) into a shard carrying a :class:`~shardckpt.saving.plan.Reuse` that names
+only those pieces; every other shard is written as usual.
 
 :class:`LinkRenameCommitter` (stores with atomic rename), on top of rename-commit
 (:mod:`.rename`). What is on disk at each moment, besides rename-commit's steps:
@@ -12,7 +13,8 @@ file of the previous checkpoint whose pieces are all unchanged into a shard carr
    to ``<temp>/part-I-of-N.data-00000-of-00001`` (where links are impossible: a reflink,
    else a copy, made durable; said once in the log). No part index is written: the
    reused entries (offsets, sizes, checksums as the previous index has them) travel to
-   the io client with the shard's report and go to the merge in memory. The previous
+   the io client with the shard's report and go to the merge in memory (the bytes of pieces
+   that changed since stay in the linked file, named by no entry). The previous
    checkpoint is never touched: a link is a new name for the same bytes, and nothing
    ever writes into a committed data file.
 2. ``commit``: the merge renames the parts' data files to ``<prefix>.data-I-of-M`` as for
