@@ -4,7 +4,8 @@ On the test S3 server (moto, behind the request-recording proxy of tests/helpers
 
 * a restore opens the checkpoint with one listing and one GET of the index (no HEADs: the
   listing gives every object's identity and later reads are pinned to it with If-Match),
-  then reads every requested tensor with few large GETs planned across tensors;
+  then reads every requested tensor with few large GETs planned across tensors; so do
+  ``Checkpoint.restore`` (object-graph and name-based) and a DCP load through the torch reader;
 * a column-resharded restore fetches the bytes it needs in few GETs (the gaps follow the
   cost model: free requests fetch exactly the needed bytes);
 * reads of an object replaced since the checkpoint was opened fail, prefetched or not;
@@ -66,6 +67,74 @@ def test_full_restore_is_one_listing_one_index_get_and_one_get_per_data_object(s
     for got, key in zip(out, tensors):
         np.testing.assert_array_equal(got, tensors[key])
     assert sorted(kinds) == ["GET data"] * 4 + ["GET index", "LIST"], proxy.requests
+
+
+def _module(values: dict) -> Any:
+    model = shardckpt.Module()
+    model.tensors = [shardckpt.Variable(v) for v in values.values()]
+    return model
+
+
+def test_checkpoint_restore_reads_every_variable_in_one_get_per_data_object(s3_server: Any, s3dir: str) -> None:
+    """Checkpoint.restore announces every variable's bytes before reading: a full restore of 64 variables is
+    one listing, one GET of the index (no HEAD to resolve the path) and one GET per data object (four hold
+    the variables, the fifth the object graph, read first)."""
+    tensors = _tensors(64, 4096)  # 64 variables of 16 KiB in data objects of at most 256 KiB
+    prefix = f"{s3dir}/ck"
+    with FaultProxy(s3_server.endpoint) as proxy, configured(proxy.endpoint):
+        shardckpt.Checkpoint(model=_module(tensors)).write(prefix, shardckpt.CheckpointOptions(
+            sharding_callback=shardckpt.MaxShardSizePolicy(256 << 10)))
+        objects = len([n for n in s3_fs().listdir(s3dir) if ".data-" in n])
+        target = _module({k: np.zeros_like(v) for k, v in tensors.items()})
+        proxy.requests.clear()
+        shardckpt.Checkpoint(model=target).restore(prefix).assert_consumed()
+        kinds = _kinds(proxy.requests)
+    for variable, value in zip(target.tensors, tensors.values()):
+        np.testing.assert_array_equal(variable.numpy(), value)
+    assert objects == 5
+    assert sorted(kinds) == ["GET data"] * objects + ["GET index", "LIST"], " ".join(kinds)
+
+
+def test_name_based_restore_reads_every_variable_in_one_get_per_data_object(s3_server: Any, s3dir: str) -> None:
+    """A checkpoint without an object graph (TF1 Saver names): the variables' bytes are announced too."""
+    tensors = _tensors(32, 4096)
+    prefix = f"{s3dir}/ck"
+    with FaultProxy(s3_server.endpoint) as proxy, configured(proxy.endpoint):
+        shardckpt.save_tensors(prefix, tensors, shardckpt.CheckpointOptions(
+            sharding_callback=shardckpt.MaxShardSizePolicy(128 << 10)))
+        objects = len([n for n in s3_fs().listdir(s3dir) if ".data-" in n])
+        model = shardckpt.Module()
+        model.tensors = [shardckpt.Variable(np.zeros_like(v), name=k) for k, v in tensors.items()]
+        proxy.requests.clear()
+        shardckpt.Checkpoint(model=model).restore(prefix).assert_existing_objects_matched()
+        kinds = _kinds(proxy.requests)
+    for variable, value in zip(model.tensors, tensors.values()):
+        np.testing.assert_array_equal(variable.numpy(), value)
+    assert objects == 4
+    assert sorted(kinds) == ["GET data"] * objects + ["GET index", "LIST"], " ".join(kinds)
+
+
+def test_dcp_load_reads_every_chunk_in_one_get_per_data_object(s3_server: Any, s3dir: str) -> None:
+    """The torch reader announces every read item's bytes: a DCP load is one GET per data object."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from shardckpt.torch import TFBundleReader
+
+    tensors = _tensors(32, 4096)
+    prefix = f"{s3dir}/ck"
+    with FaultProxy(s3_server.endpoint) as proxy, configured(proxy.endpoint):
+        shardckpt.save_tensors(prefix, tensors, shardckpt.CheckpointOptions(
+            sharding_callback=shardckpt.MaxShardSizePolicy(128 << 10)))
+        objects = len([n for n in s3_fs().listdir(s3dir) if ".data-" in n])
+        state = {k: torch.zeros(4096) for k in tensors}
+        proxy.requests.clear()
+        dcp.load(state, storage_reader=TFBundleReader(prefix), no_dist=True)
+        kinds = _kinds(proxy.requests)
+    for key, value in tensors.items():
+        np.testing.assert_array_equal(state[key].numpy(), value)
+    assert objects == 4
+    assert sorted(kinds) == ["GET data"] * objects + ["GET index", "LIST"], " ".join(kinds)
 
 
 def test_large_objects_are_read_in_parallel_parts_of_the_read_cap(s3_server: Any, s3dir: str) -> None:

@@ -15,7 +15,7 @@ from ..storage.base import normalize
 from ..storage.registry import get_fs
 from .state import latest_checkpoint
 
-__all__ = ["CheckpointReader", "load_checkpoint", "list_variables", "load_variable", "resolve_prefix"]
+__all__ = ["CheckpointReader", "load_checkpoint", "list_variables", "load_variable", "resolve_prefix", "open_bundle"]
 
 
 def resolve_prefix(path: str) -> str:
@@ -36,6 +36,23 @@ def resolve_prefix(path: str) -> str:
     if not fs.exists(index_filename(path)):
         raise NotFoundError("no checkpoint at this prefix (its .index file is missing)", path=path)
     return path
+
+
+def open_bundle(path: str) -> BundleReader:
+    """A reader of the checkpoint that ``path`` names, resolved as :func:`resolve_prefix` does.
+
+    On object stores the path is first opened as a prefix: the reader's listing and
+    index GET answer what the index lookup would have asked, one request fewer; only
+    when no index is there is ``path`` resolved as a directory.
+    """
+    path = normalize(os.fspath(path))
+    fs = get_fs(path)
+    if fs.read_step is not None:
+        try:
+            return BundleReader(path, fs=fs)
+        except NotFoundError:  # no index at this prefix: a directory, or nothing (said below)
+            pass
+    return BundleReader(resolve_prefix(path))
 
 
 def _name(key: bytes) -> str:

@@ -762,6 +762,11 @@ class BundleReader:
             self._read_piece(piece, dt, local, out, verify, session)
         return out
 
+    @property
+    def prefetches(self) -> bool:
+        """Whether :meth:`prefetch` does anything on this reader's store (callers may skip building the list)."""
+        return getattr(self._fs, "prefetch", None) is not None and bool(getattr(self._fs, "prefetches", False))
+
     def prefetch(self, regions: Sequence[Tuple[KeyLike, Optional[Union[Box, TensorSlice, str]]]]) -> int:
         """Announce the reads of ``regions`` (``(key, region)``; ``None``: the whole tensor) to the store.
 
@@ -772,9 +777,9 @@ class BundleReader:
         announcements. Only entries that pass the reader's checks are announced; any
         problem is left for the read to report. Returns the number of requests planned.
         """
-        hint = getattr(self._fs, "prefetch", None)
-        if hint is None or not getattr(self._fs, "prefetches", False):
+        if not self.prefetches:
             return 0
+        hint = self._fs.prefetch  # type: ignore[attr-defined]
         spans: Dict[int, Tuple[Any, str, List[np.ndarray], List[np.ndarray]]] = {}
         for key, region in regions:
             try:
