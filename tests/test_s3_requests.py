@@ -114,6 +114,33 @@ def test_name_based_restore_reads_every_variable_in_one_get_per_data_object(s3_s
     assert sorted(kinds) == ["GET data"] * objects + ["GET index", "LIST"], " ".join(kinds)
 
 
+def test_resharded_dtensor_restore_announces_its_regions(s3_server: Any, s3dir: str) -> None:
+    """DVariables say which regions their restore reads (``regions_to_read``): a restore onto another layout
+    fetches them with the variables' data object in a few GETs, not one per region."""
+    from shardckpt import dtensor as dt
+
+    rng = np.random.default_rng(5)
+    values = {f"v{i:02d}": rng.standard_normal((64, 256)).astype(np.float32) for i in range(16)}
+    saved_on = dt.create_mesh([("x", 2), ("y", 4)])
+    prefix = f"{s3dir}/ck"
+    with FaultProxy(s3_server.endpoint) as proxy, configured(proxy.endpoint):
+        dt.DTensorCheckpoint(saved_on, **{k: dt.DVariable.from_global(v, dt.Layout(["x", dt.UNSHARDED], saved_on))
+                                          for k, v in values.items()}).write(prefix)
+        objects = len([n for n in s3_fs().listdir(s3dir) if ".data-" in n])
+        mesh = dt.create_mesh([("y", 4)])
+        targets = {k: dt.DVariable.from_global(np.zeros((64, 256), np.float32), dt.Layout([dt.UNSHARDED, "y"], mesh))
+                   for k in values}
+        proxy.requests.clear()
+        dt.DTensorCheckpoint(mesh, **targets).restore(prefix).assert_consumed()
+        kinds = _kinds(proxy.requests)
+    for key, value in values.items():
+        np.testing.assert_array_equal(dt.to_global(targets[key]), value)
+    assert objects == 2  # one per row block of the saved layout (the object graph at the end of the first)
+    # the graph, then every region (16 variables x 4 column blocks, each over both row blocks) in one
+    # GET per data object
+    assert sorted(kinds) == ["GET data"] * (1 + objects) + ["GET index", "LIST"], " ".join(kinds)
+
+
 def test_dcp_load_reads_every_chunk_in_one_get_per_data_object(s3_server: Any, s3dir: str) -> None:
     """The torch reader announces every read item's bytes: a DCP load is one GET per data object."""
     import torch
