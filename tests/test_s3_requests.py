@@ -5,7 +5,8 @@ On the test S3 server (moto, behind the request-recording proxy of tests/helpers
 * a restore opens the checkpoint with one listing and one GET of the index (no HEADs: the
   listing gives every object's identity and later reads are pinned to it with If-Match),
   then reads every requested tensor with few large GETs planned across tensors; so do
-  ``Checkpoint.restore`` (object-graph and name-based) and a DCP load through the torch reader;
+  ``Checkpoint.restore`` (object-graph and name-based), ``restore_v2``, a resharded DTensor
+  restore and a DCP load through the torch reader; opening a checkpoint by path sends no HEAD;
 * a column-resharded restore fetches the bytes it needs in few GETs (the gaps follow the
   cost model: free requests fetch exactly the needed bytes);
 * reads of an object replaced since the checkpoint was opened fail, prefetched or not;
@@ -139,6 +140,34 @@ def test_resharded_dtensor_restore_announces_its_regions(s3_server: Any, s3dir: 
     # the graph, then every region (16 variables x 4 column blocks, each over both row blocks) in one
     # GET per data object
     assert sorted(kinds) == ["GET data"] * (1 + objects) + ["GET index", "LIST"], " ".join(kinds)
+
+
+def test_restore_v2_reads_in_one_get_per_data_object_and_load_checkpoint_sends_no_head(
+        s3_server: Any, s3dir: str) -> None:
+    """restore_v2 announces every requested range (whole tensors and a region) before reading; opening a
+    checkpoint by path on an object store is the reader's listing and index GET, no HEAD."""
+    from shardckpt.io import restore_v2
+
+    tensors = _tensors(32, 4096)
+    prefix = f"{s3dir}/ck"
+    with FaultProxy(s3_server.endpoint) as proxy, configured(proxy.endpoint):
+        shardckpt.save_tensors(prefix, tensors, shardckpt.CheckpointOptions(
+            sharding_callback=shardckpt.MaxShardSizePolicy(128 << 10)))
+        objects = len([n for n in s3_fs().listdir(s3dir) if ".data-" in n])
+        names = list(tensors)
+        specs = [""] * (len(names) - 1) + ["4096 100,200"]
+        proxy.requests.clear()
+        got = restore_v2(prefix, names, specs, [np.float32] * len(names))
+        restored = _kinds(proxy.requests)
+        proxy.requests.clear()
+        with shardckpt.load_checkpoint(prefix) as reader:
+            opened = _kinds(proxy.requests)
+            np.testing.assert_array_equal(reader.get_tensor("t03"), tensors["t03"])
+    for key, value, spec in zip(names, got, specs):
+        np.testing.assert_array_equal(value, tensors[key] if not spec else tensors[key][100:300])
+    assert objects == 4
+    assert sorted(restored) == ["GET data"] * objects + ["GET index", "LIST"], " ".join(restored)
+    assert sorted(opened) == ["GET index", "LIST"], " ".join(opened)
 
 
 def test_dcp_load_reads_every_chunk_in_one_get_per_data_object(s3_server: Any, s3dir: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -66,9 +66,9 @@ class CheckpointReader:
     their plain key and assembled by :meth:`get_tensor`.
     """
 
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self.bundle = BundleReader(prefix)
+    def __init__(self, prefix: str, bundle: Optional[BundleReader] = None) -> None:
+        self.bundle = bundle if bundle is not None else BundleReader(prefix)
+        self.prefix = self.bundle.prefix if bundle is not None else prefix
 
     def get_variable_to_shape_map(self) -> Dict[str, List[int]]:
         """Every key (partitioned tensors by their plain key) -> its full shape."""
@@ -109,7 +109,8 @@ class CheckpointReader:
 
 def load_checkpoint(ckpt_dir_or_file: str) -> CheckpointReader:
     """Open a checkpoint given its prefix or a directory holding a ``checkpoint`` file."""
-    return CheckpointReader(resolve_prefix(ckpt_dir_or_file))
+    bundle = open_bundle(ckpt_dir_or_file)  # (object stores: no HEAD to tell a prefix from a directory)
+    return CheckpointReader(bundle.prefix, bundle)
 
 
 def list_variables(ckpt_dir_or_file: str) -> List[Tuple[str, List[int]]]:
