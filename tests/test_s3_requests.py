@@ -6,7 +6,8 @@ On the test S3 server (moto, behind the request-recording proxy of tests/helpers
   listing gives every object's identity and later reads are pinned to it with If-Match),
   then reads every requested tensor with few large GETs planned across tensors; so do
   ``Checkpoint.restore`` (object-graph and name-based), ``restore_v2``, a resharded DTensor
-  restore and a DCP load through the torch reader; opening a checkpoint by path sends no HEAD;
+  restore, ``shardckpt.jax.restore`` and a DCP load through the torch reader; opening a
+  checkpoint by path sends no HEAD;
 * a column-resharded restore fetches the bytes it needs in few GETs (the gaps follow the
   cost model: free requests fetch exactly the needed bytes);
 * reads of an object replaced since the checkpoint was opened fail, prefetched or not;
@@ -168,6 +169,33 @@ def test_restore_v2_reads_in_one_get_per_data_object_and_load_checkpoint_sends_n
     assert objects == 4
     assert sorted(restored) == ["GET data"] * objects + ["GET index", "LIST"], " ".join(restored)
     assert sorted(opened) == ["GET index", "LIST"], " ".join(opened)
+
+
+def test_jax_restore_reads_in_one_get_per_data_object(s3_server: Any, s3dir: str) -> None:
+    """shardckpt.jax.restore announces every leaf's reads (NumPy leaves whole, each array's regions):
+    one GET per data object, and the path opened without a HEAD."""
+    import jax.numpy as jnp
+
+    import shardckpt.jax as sj
+
+    tensors = _tensors(32, 4096)
+    tree = {"arrays": {k: jnp.asarray(v) for k, v in list(tensors.items())[:24]},
+            "host": {k: v for k, v in list(tensors.items())[24:]}}
+    prefix = f"{s3dir}/ck"
+    with FaultProxy(s3_server.endpoint) as proxy, configured(proxy.endpoint):
+        sj.save(prefix, tree, options=shardckpt.CheckpointOptions(
+            sharding_callback=shardckpt.MaxShardSizePolicy(128 << 10)))
+        objects = len([n for n in s3_fs().listdir(s3dir) if ".data-" in n])
+        target = {"arrays": {k: jnp.zeros(4096, jnp.float32) for k in tree["arrays"]},
+                  "host": {k: np.zeros(4096, np.float32) for k in tree["host"]}}
+        proxy.requests.clear()
+        got = sj.restore(prefix, target)
+        kinds = _kinds(proxy.requests)
+    for group in ("arrays", "host"):
+        for key, value in got[group].items():
+            np.testing.assert_array_equal(np.asarray(value), tensors[key])
+    assert objects == 5  # four hold the leaves, one the saved structure (not read onto a target)
+    assert sorted(kinds) == ["GET data"] * 4 + ["GET index", "LIST"], " ".join(kinds)
 
 
 def test_dcp_load_reads_every_chunk_in_one_get_per_data_object(s3_server: Any, s3dir: str) -> None:

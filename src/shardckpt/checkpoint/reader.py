@@ -11,7 +11,7 @@ from ..errors import NotFoundError
 from ..format.bundle_reader import BundleReader
 from ..format.dtypes import DType
 from ..format.naming import index_filename
-from ..storage.base import normalize
+from ..storage.base import FileSystem, normalize
 from ..storage.registry import get_fs
 from .state import latest_checkpoint
 
@@ -38,21 +38,22 @@ def resolve_prefix(path: str) -> str:
     return path
 
 
-def open_bundle(path: str) -> BundleReader:
-    """A reader of the checkpoint that ``path`` names, resolved as :func:`resolve_prefix` does.
+def open_bundle(path: str, fs: Optional[FileSystem] = None) -> BundleReader:
+    """A reader of the checkpoint that ``path`` names, resolved as :func:`resolve_prefix` does
+    (``fs``: the store to read, default chosen from the path).
 
     On object stores the path is first opened as a prefix: the reader's listing and
     index GET answer what the index lookup would have asked, one request fewer; only
     when no index is there is ``path`` resolved as a directory.
     """
     path = normalize(os.fspath(path))
-    fs = get_fs(path)
-    if fs.read_step is not None:
+    store = fs if fs is not None else get_fs(path)
+    if store.read_step is not None:
         try:
-            return BundleReader(path, fs=fs)
+            return BundleReader(path, fs=store)
         except NotFoundError:  # no index at this prefix: a directory, or nothing (said below)
             pass
-    return BundleReader(resolve_prefix(path))
+    return BundleReader(resolve_prefix(path), fs=fs)
 
 
 def _name(key: bytes) -> str:
