@@ -10,7 +10,10 @@ Three numbers, as ratios (the server is the same for both sides, so its own spee
   trip, then the ranges of all tensors planned together into few large ranged GETs sent
   at once, read into the arrays, CRC checks) vs plain ``s3fs`` ``cat`` of the same
   objects (target >= 0.9);
-* the S3 requests of one save and one full restore, by operation (botocore's
+* ``Checkpoint.restore`` of the same tensors as variables of a ``Module`` (written by
+  ``Checkpoint.write``, restored into existing variables: the object graph, then every
+  variable's bytes announced and fetched in few large GETs) vs the same plain ``cat``;
+* the S3 requests of one save, one full restore and one ``Checkpoint.restore``, by operation (botocore's
   ``before-call`` event on the client: what was sent, retries aside);
 * resharded restore: a tensor saved in row blocks by 4 clients read back in column
   blocks by 2, in one process (both halves: every byte is needed) and by one client
@@ -118,9 +121,16 @@ def main() -> None:
         def count_call(model: Any, **_: Any) -> None:
             calls[model.name] += 1
 
-        up_ours, up_plain, down_ours, down_plain = [], [], [], []
+        # Checkpoint.restore of the same tensors as variables of a Module, into existing variables
+        source = shardckpt.Module()
+        source.tensors = [shardckpt.Variable(t) for t in tensors.values()]
+        target = shardckpt.Module()
+        target.tensors = [shardckpt.Variable(np.zeros_like(t)) for t in tensors.values()]
+
+        up_ours, up_plain, down_ours, down_plain, down_ckpt = [], [], [], [], []
         save_calls: Dict[str, int] = {}
         restore_calls: Dict[str, int] = {}
+        ckpt_calls: Dict[str, int] = {}
         for rep in range(args.repeat + 1):  # the first round warms both clients up and is not counted
             if rep == 1:
                 s3.s3.meta.events.register("before-call.s3", count_call)
@@ -151,10 +161,23 @@ def main() -> None:
             got = s3.cat(remote)
             down_plain.append(time.perf_counter() - t0)
             assert sum(len(v) for v in got.values()) == total
+
+            ckpt_prefix = f"s3://{bucket}/{uuid.uuid4().hex[:8]}/ckpt"
+            shardckpt.Checkpoint(model=source).write(ckpt_prefix, policy)
+            for v in target.tensors:
+                v.assign(np.zeros(v.shape, np.float32))
+            store.reset_stats()
+            calls.clear()
+            t0 = time.perf_counter()
+            shardckpt.Checkpoint(model=target).restore(ckpt_prefix).assert_consumed()
+            down_ckpt.append(time.perf_counter() - t0)
+            ckpt_calls = dict(calls)
+            ckpt_gets = store.stats["read_requests"]
+            assert all(np.array_equal(v.numpy(), t) for v, t in zip(target.tensors, tensors.values()))
             del got, out
-            s3.rm([prefix.rsplit("/", 1)[0], plain_dir], recursive=True)  # keep the server's memory flat
-            if rep == 0:
-                up_ours, up_plain, down_ours, down_plain = [], [], [], []
+            s3.rm([prefix.rsplit("/", 1)[0], plain_dir, ckpt_prefix.rsplit("/", 1)[0]], recursive=True)
+            if rep == 0:  # keep the server's memory flat (above); the warm-up round is not counted
+                up_ours, up_plain, down_ours, down_plain, down_ckpt = [], [], [], [], []
         s3.s3.meta.events.unregister("before-call.s3", count_call)
 
         # resharded restore: saved in 4 row blocks (4 "clients"), read in 2 column blocks
@@ -225,8 +248,11 @@ def main() -> None:
             "download_s": {"shardckpt": statistics.median(down_ours), "s3fs_cat": statistics.median(down_plain)},
             "upload_ratio": statistics.median(up_plain) / statistics.median(up_ours),
             "download_ratio": statistics.median(down_plain) / statistics.median(down_ours),
+            "checkpoint_restore_s": statistics.median(down_ckpt),
+            "checkpoint_restore_ratio": statistics.median(down_plain) / statistics.median(down_ckpt),
             "full_restore_gets": full_restore_gets,
-            "requests": {"save": save_calls, "full_restore": restore_calls},
+            "checkpoint_restore_gets": ckpt_gets,
+            "requests": {"save": save_calls, "full_restore": restore_calls, "checkpoint_restore": ckpt_calls},
             "resharded": {"shape": [side, side], "full_download_s": full_s, **reshard},
             "cost_model": {"latency_s": latency, "bandwidth_Bps": bandwidth, "gap_limit": store.gap_limit(),
                            "defaults": {"read_latency": store.read_latency, "read_bandwidth": store.read_bandwidth}},
@@ -241,8 +267,12 @@ def main() -> None:
         print(f"{'download (MB/s)':28}{mb_s(result['download_s']['shardckpt']):12.1f}"
               f"{mb_s(result['download_s']['s3fs_cat']):12.1f}{result['download_ratio']:8.2f}{'>= 0.9':>9}"
               f"  ({full_restore_gets} GETs incl. the index)")
+        print(f"{'Checkpoint.restore (MB/s)':28}{mb_s(result['checkpoint_restore_s']):12.1f}"
+              f"{mb_s(result['download_s']['s3fs_cat']):12.1f}{result['checkpoint_restore_ratio']:8.2f}{'>= 0.9':>9}"
+              f"  ({ckpt_gets} GETs incl. the index and the object graph)")
         print(f"requests of one save: {sum(save_calls.values())} ({_ops(save_calls)}); of one full restore: "
-              f"{sum(restore_calls.values())} ({_ops(restore_calls)})")
+              f"{sum(restore_calls.values())} ({_ops(restore_calls)}); of one Checkpoint.restore: "
+              f"{sum(ckpt_calls.values())} ({_ops(ckpt_calls)})")
         print(f"resharded restore of a {side}x{side} float32 tensor (4 row blocks -> 2 column blocks), medians of "
               f"{args.repeat}; full sequential download of its data objects: {full_s:.3f} s")
         for case, r in reshard.items():

@@ -40,6 +40,21 @@ def test_crc32c_combine_of_many_pieces_in_order() -> None:
     assert crc.combine(crc.value(b"ab"), crc.value(b"c"), 1) != crc.combine(crc.value(b"ac"), crc.value(b"b"), 1)
 
 
+def test_crc32c_combine_through_byte_tables_equals_the_bit_loop() -> None:
+    """A length combined often gets byte tables (a restore's pieces share a few lengths): same values."""
+    rng = np.random.default_rng(2)
+    for length in (1, 4096, 3 << 20, 12345):
+        for _ in range(crc._TABLE_AFTER + 4):  # past the point where the tables are built
+            crc1, crc2 = (int(v) for v in rng.integers(0, 1 << 32, 2))
+            assert crc.combine(crc1, crc2, length) == crc._multmodp(crc._shift_operator(length), crc1) ^ crc2
+        assert length in crc._TABLES
+    data = os.urandom(64 << 10)
+    total = 0
+    for a in range(0, len(data), 4096):  # every piece 4096 bytes: tables from the 8th on
+        total = crc.combine(total, crc.value(data[a:a + 4096]), 4096)
+    assert total == crc.value(data)
+
+
 def test_default_checksum_context_is_created_once_under_concurrency() -> None:
     seen: List[Any] = []
     barrier = threading.Barrier(8)
@@ -158,6 +173,45 @@ def test_restore_tensors_checks_every_entry_before_returning(tmp_path: Path) -> 
     _flip(prefix + DATA, entry.offset + entry.size - 1)
     with pytest.raises(DataLossError, match="'t5'"):
         shardckpt.restore_tensors(prefix, [shardckpt.RestoreRequest(k, out=o) for k, o in outs.items()])
+
+
+def test_read_many_plans_mixed_keys_in_order_and_checks_each(tmp_path: Path) -> None:
+    """A session's read_many: whole entries in batches on the pump, the rest (sliced, strings, zero-sized,
+    strided or wrong destinations) through the general path, in order; every entry checked."""
+    prefix = str(tmp_path / "ck")
+    rng = np.random.default_rng(3)
+    plain = {f"p{i:02d}": rng.standard_normal(n).astype(np.float32)
+             for i, n in enumerate([5, 3 << 20, 7, 100_000, 1, 40] * 6)}  # > one batch, small and large
+    sliced = np.arange(64 * 8, dtype=np.float64).reshape(64, 8)
+    strings = np.array([b"a", b"bc"], dtype=object)
+    tensors: List[Any] = [shardckpt.ShardableTensor.from_value(k, v) for k, v in plain.items()]
+    tensors += [shardckpt.ShardableTensor.from_value("s", sliced[r * 32:(r + 1) * 32], slice_spec=f"64 8 {r * 32},32:-")
+                for r in range(2)]
+    tensors += [shardckpt.ShardableTensor.from_value("str", strings),
+                shardckpt.ShardableTensor.from_value("empty", np.zeros((0, 3), np.int32)),
+                shardckpt.ShardableTensor.from_value("scalar", np.array(2.5, np.float16))]
+    shardckpt.save_tensors(prefix, tensors)
+    keys = list(plain)[:20] + ["s", "str"] + list(plain)[20:] + ["empty", "scalar"]
+    expect: Dict[str, Any] = dict(plain, s=sliced, str=strings, empty=np.zeros((0, 3), np.int32),
+                                  scalar=np.array(2.5, np.float16))
+    strided = np.zeros((100_000, 2), np.float32)[:, 0]
+    outs: List[Any] = [None] * len(keys)
+    outs[keys.index("p03")] = strided  # not contiguous: the general path copies in
+    with BundleReader(prefix) as reader:
+        with reader.session() as session:
+            got = session.read_many(keys, outs)
+        assert got[keys.index("p03")] is strided
+        for key, value in zip(keys, got):
+            np.testing.assert_array_equal(value, expect[key])
+        with pytest.raises(shardckpt.errors.InvalidArgumentError, match="destination has shape"):
+            with reader.session() as session:
+                session.read_many(["p00", "p01"], [None, np.zeros(3, np.float32)])
+        big = reader.entry("p19")
+    _flip(prefix + DATA, big.offset + big.size // 2)
+    with BundleReader(prefix) as reader:
+        with pytest.raises(DataLossError, match="'p19': checksum does not match"):
+            with reader.session() as session:
+                session.read_many(keys)
 
 
 # -- the read pump: slow-copy skews, gathered neighbours, lanes ---------------------------------------

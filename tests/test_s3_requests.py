@@ -4,7 +4,10 @@ On the test S3 server (moto, behind the request-recording proxy of tests/helpers
 
 * a restore opens the checkpoint with one listing and one GET of the index (no HEADs: the
   listing gives every object's identity and later reads are pinned to it with If-Match),
-  then reads every requested tensor with few large GETs planned across tensors;
+  then reads every requested tensor with few large GETs planned across tensors; so do
+  ``Checkpoint.restore`` (object-graph and name-based), ``restore_v2``, a resharded DTensor
+  restore, ``shardckpt.jax.restore`` and a DCP load through the torch reader; opening a
+  checkpoint by path sends no HEAD;
 * a column-resharded restore fetches the bytes it needs in few GETs (the gaps follow the
   cost model: free requests fetch exactly the needed bytes);
 * reads of an object replaced since the checkpoint was opened fail, prefetched or not;
@@ -66,6 +69,156 @@ def test_full_restore_is_one_listing_one_index_get_and_one_get_per_data_object(s
     for got, key in zip(out, tensors):
         np.testing.assert_array_equal(got, tensors[key])
     assert sorted(kinds) == ["GET data"] * 4 + ["GET index", "LIST"], proxy.requests
+
+
+def _module(values: dict) -> Any:
+    model = shardckpt.Module()
+    model.tensors = [shardckpt.Variable(v) for v in values.values()]
+    return model
+
+
+def test_checkpoint_restore_reads_every_variable_in_one_get_per_data_object(s3_server: Any, s3dir: str) -> None:
+    """Checkpoint.restore announces every variable's bytes before reading: a full restore of 64 variables is
+    one listing, one GET of the index (no HEAD to resolve the path) and one GET per data object (four hold
+    the variables, the fifth the object graph, read first)."""
+    tensors = _tensors(64, 4096)  # 64 variables of 16 KiB in data objects of at most 256 KiB
+    prefix = f"{s3dir}/ck"
+    with FaultProxy(s3_server.endpoint) as proxy, configured(proxy.endpoint):
+        shardckpt.Checkpoint(model=_module(tensors)).write(prefix, shardckpt.CheckpointOptions(
+            sharding_callback=shardckpt.MaxShardSizePolicy(256 << 10)))
+        objects = len([n for n in s3_fs().listdir(s3dir) if ".data-" in n])
+        target = _module({k: np.zeros_like(v) for k, v in tensors.items()})
+        proxy.requests.clear()
+        shardckpt.Checkpoint(model=target).restore(prefix).assert_consumed()
+        kinds = _kinds(proxy.requests)
+    for variable, value in zip(target.tensors, tensors.values()):
+        np.testing.assert_array_equal(variable.numpy(), value)
+    assert objects == 5
+    assert sorted(kinds) == ["GET data"] * objects + ["GET index", "LIST"], " ".join(kinds)
+
+
+def test_name_based_restore_reads_every_variable_in_one_get_per_data_object(s3_server: Any, s3dir: str) -> None:
+    """A checkpoint without an object graph (TF1 Saver names): the variables' bytes are announced too."""
+    tensors = _tensors(32, 4096)
+    prefix = f"{s3dir}/ck"
+    with FaultProxy(s3_server.endpoint) as proxy, configured(proxy.endpoint):
+        shardckpt.save_tensors(prefix, tensors, shardckpt.CheckpointOptions(
+            sharding_callback=shardckpt.MaxShardSizePolicy(128 << 10)))
+        objects = len([n for n in s3_fs().listdir(s3dir) if ".data-" in n])
+        model = shardckpt.Module()
+        model.tensors = [shardckpt.Variable(np.zeros_like(v), name=k) for k, v in tensors.items()]
+        proxy.requests.clear()
+        shardckpt.Checkpoint(model=model).restore(prefix).assert_existing_objects_matched()
+        kinds = _kinds(proxy.requests)
+    for variable, value in zip(model.tensors, tensors.values()):
+        np.testing.assert_array_equal(variable.numpy(), value)
+    assert objects == 4
+    assert sorted(kinds) == ["GET data"] * objects + ["GET index", "LIST"], " ".join(kinds)
+
+
+def test_resharded_dtensor_restore_announces_its_regions(s3_server: Any, s3dir: str) -> None:
+    """DVariables say which regions their restore reads (``regions_to_read``): a restore onto another layout
+    fetches them with the variables' data object in a few GETs, not one per region."""
+    from shardckpt import dtensor as dt
+
+    rng = np.random.default_rng(5)
+    values = {f"v{i:02d}": rng.standard_normal((64, 256)).astype(np.float32) for i in range(16)}
+    saved_on = dt.create_mesh([("x", 2), ("y", 4)])
+    prefix = f"{s3dir}/ck"
+    with FaultProxy(s3_server.endpoint) as proxy, configured(proxy.endpoint):
+        dt.DTensorCheckpoint(saved_on, **{k: dt.DVariable.from_global(v, dt.Layout(["x", dt.UNSHARDED], saved_on))
+                                          for k, v in values.items()}).write(prefix)
+        objects = len([n for n in s3_fs().listdir(s3dir) if ".data-" in n])
+        mesh = dt.create_mesh([("y", 4)])
+        targets = {k: dt.DVariable.from_global(np.zeros((64, 256), np.float32), dt.Layout([dt.UNSHARDED, "y"], mesh))
+                   for k in values}
+        proxy.requests.clear()
+        dt.DTensorCheckpoint(mesh, **targets).restore(prefix).assert_consumed()
+        kinds = _kinds(proxy.requests)
+    for key, value in values.items():
+        np.testing.assert_array_equal(dt.to_global(targets[key]), value)
+    assert objects == 2  # one per row block of the saved layout (the object graph at the end of the first)
+    # the graph, then every region (16 variables x 4 column blocks, each over both row blocks) in one
+    # GET per data object
+    assert sorted(kinds) == ["GET data"] * (1 + objects) + ["GET index", "LIST"], " ".join(kinds)
+
+
+def test_restore_v2_reads_in_one_get_per_data_object_and_load_checkpoint_sends_no_head(
+        s3_server: Any, s3dir: str) -> None:
+    """restore_v2 announces every requested range (whole tensors and a region) before reading; opening a
+    checkpoint by path on an object store is the reader's listing and index GET, no HEAD."""
+    from shardckpt.io import restore_v2
+
+    tensors = _tensors(32, 4096)
+    prefix = f"{s3dir}/ck"
+    with FaultProxy(s3_server.endpoint) as proxy, configured(proxy.endpoint):
+        shardckpt.save_tensors(prefix, tensors, shardckpt.CheckpointOptions(
+            sharding_callback=shardckpt.MaxShardSizePolicy(128 << 10)))
+        objects = len([n for n in s3_fs().listdir(s3dir) if ".data-" in n])
+        names = list(tensors)
+        specs = [""] * (len(names) - 1) + ["4096 100,200"]
+        proxy.requests.clear()
+        got = restore_v2(prefix, names, specs, [np.float32] * len(names))
+        restored = _kinds(proxy.requests)
+        proxy.requests.clear()
+        with shardckpt.load_checkpoint(prefix) as reader:
+            opened = _kinds(proxy.requests)
+            np.testing.assert_array_equal(reader.get_tensor("t03"), tensors["t03"])
+    for key, value, spec in zip(names, got, specs):
+        np.testing.assert_array_equal(value, tensors[key] if not spec else tensors[key][100:300])
+    assert objects == 4
+    assert sorted(restored) == ["GET data"] * objects + ["GET index", "LIST"], " ".join(restored)
+    assert sorted(opened) == ["GET index", "LIST"], " ".join(opened)
+
+
+def test_jax_restore_reads_in_one_get_per_data_object(s3_server: Any, s3dir: str) -> None:
+    """shardckpt.jax.restore announces every leaf's reads (NumPy leaves whole, each array's regions):
+    one GET per data object, and the path opened without a HEAD."""
+    import jax.numpy as jnp
+
+    import shardckpt.jax as sj
+
+    tensors = _tensors(32, 4096)
+    tree = {"arrays": {k: jnp.asarray(v) for k, v in list(tensors.items())[:24]},
+            "host": {k: v for k, v in list(tensors.items())[24:]}}
+    prefix = f"{s3dir}/ck"
+    with FaultProxy(s3_server.endpoint) as proxy, configured(proxy.endpoint):
+        sj.save(prefix, tree, options=shardckpt.CheckpointOptions(
+            sharding_callback=shardckpt.MaxShardSizePolicy(128 << 10)))
+        objects = len([n for n in s3_fs().listdir(s3dir) if ".data-" in n])
+        target = {"arrays": {k: jnp.zeros(4096, jnp.float32) for k in tree["arrays"]},
+                  "host": {k: np.zeros(4096, np.float32) for k in tree["host"]}}
+        proxy.requests.clear()
+        got = sj.restore(prefix, target)
+        kinds = _kinds(proxy.requests)
+    for group in ("arrays", "host"):
+        for key, value in got[group].items():
+            np.testing.assert_array_equal(np.asarray(value), tensors[key])
+    assert objects == 5  # four hold the leaves, one the saved structure (not read onto a target)
+    assert sorted(kinds) == ["GET data"] * 4 + ["GET index", "LIST"], " ".join(kinds)
+
+
+def test_dcp_load_reads_every_chunk_in_one_get_per_data_object(s3_server: Any, s3dir: str) -> None:
+    """The torch reader announces every read item's bytes: a DCP load is one GET per data object."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from shardckpt.torch import TFBundleReader
+
+    tensors = _tensors(32, 4096)
+    prefix = f"{s3dir}/ck"
+    with FaultProxy(s3_server.endpoint) as proxy, configured(proxy.endpoint):
+        shardckpt.save_tensors(prefix, tensors, shardckpt.CheckpointOptions(
+            sharding_callback=shardckpt.MaxShardSizePolicy(128 << 10)))
+        objects = len([n for n in s3_fs().listdir(s3dir) if ".data-" in n])
+        state = {k: torch.zeros(4096) for k in tensors}
+        proxy.requests.clear()
+        dcp.load(state, storage_reader=TFBundleReader(prefix), no_dist=True)
+        kinds = _kinds(proxy.requests)
+    for key, value in tensors.items():
+        np.testing.assert_array_equal(state[key].numpy(), value)
+    assert objects == 4
+    assert sorted(kinds) == ["GET data"] * objects + ["GET index", "LIST"], " ".join(kinds)
 
 
 def test_large_objects_are_read_in_parallel_parts_of_the_read_cap(s3_server: Any, s3dir: str) -> None:

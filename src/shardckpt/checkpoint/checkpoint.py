@@ -16,7 +16,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import InvalidArgumentError, NotFoundError
-from ..format.bundle_reader import BundleReader
 from ..saving.async_save import AsyncSaver
 from ..saving.options import CheckpointOptions
 from ..saving.pieces import pieces_of
@@ -24,7 +23,7 @@ from ..saving.save import save_tensors
 from ..sharding.shardable import ShardableTensor
 from ..storage.registry import get_fs
 from .graph import OBJECT_GRAPH_KEY, SaveableGraph, build_graph
-from .reader import resolve_prefix
+from .reader import open_bundle
 from .registration import get_saver
 from .restore import (
     CheckpointLoadStatus,
@@ -207,7 +206,7 @@ class Checkpoint(Module):
 
     def _open_for_restore(self, save_path: str, options: CheckpointOptions) -> Any:
         """What a restore reads through (a :class:`BundleReader`; a funnelled reader in collective restores)."""
-        return BundleReader(resolve_prefix(save_path))
+        return open_bundle(save_path)
 
     def _restore_from(self, reader: Any, options: CheckpointOptions) -> Any:
         root, extra = self._graph_root()

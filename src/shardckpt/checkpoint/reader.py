@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -11,11 +11,11 @@ from ..errors import NotFoundError
 from ..format.bundle_reader import BundleReader
 from ..format.dtypes import DType
 from ..format.naming import index_filename
-from ..storage.base import normalize
+from ..storage.base import FileSystem, normalize
 from ..storage.registry import get_fs
 from .state import latest_checkpoint
 
-__all__ = ["CheckpointReader", "load_checkpoint", "list_variables", "load_variable", "resolve_prefix"]
+__all__ = ["CheckpointReader", "load_checkpoint", "list_variables", "load_variable", "resolve_prefix", "open_bundle"]
 
 
 def resolve_prefix(path: str) -> str:
@@ -38,6 +38,24 @@ def resolve_prefix(path: str) -> str:
     return path
 
 
+def open_bundle(path: str, fs: Optional[FileSystem] = None) -> BundleReader:
+    """A reader of the checkpoint that ``path`` names, resolved as :func:`resolve_prefix` does
+    (``fs``: the store to read, default chosen from the path).
+
+    On object stores the path is first opened as a prefix: the reader's listing and
+    index GET answer what the index lookup would have asked, one request fewer; only
+    when no index is there is ``path`` resolved as a directory.
+    """
+    path = normalize(os.fspath(path))
+    store = fs if fs is not None else get_fs(path)
+    if store.read_step is not None:
+        try:
+            return BundleReader(path, fs=store)
+        except NotFoundError:  # no index at this prefix: a directory, or nothing (said below)
+            pass
+    return BundleReader(resolve_prefix(path), fs=fs)
+
+
 def _name(key: bytes) -> str:
     return key.decode("utf-8", "backslashreplace")
 
@@ -49,9 +67,9 @@ class CheckpointReader:
     their plain key and assembled by :meth:`get_tensor`.
     """
 
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self.bundle = BundleReader(prefix)
+    def __init__(self, prefix: str, bundle: Optional[BundleReader] = None) -> None:
+        self.bundle = bundle if bundle is not None else BundleReader(prefix)
+        self.prefix = self.bundle.prefix if bundle is not None else prefix
 
     def get_variable_to_shape_map(self) -> Dict[str, List[int]]:
         """Every key (partitioned tensors by their plain key) -> its full shape."""
@@ -92,7 +110,8 @@ class CheckpointReader:
 
 def load_checkpoint(ckpt_dir_or_file: str) -> CheckpointReader:
     """Open a checkpoint given its prefix or a directory holding a ``checkpoint`` file."""
-    return CheckpointReader(resolve_prefix(ckpt_dir_or_file))
+    bundle = open_bundle(ckpt_dir_or_file)  # (object stores: no HEAD to tell a prefix from a directory)
+    return CheckpointReader(bundle.prefix, bundle)
 
 
 def list_variables(ckpt_dir_or_file: str) -> List[Tuple[str, List[int]]]:

@@ -7,6 +7,11 @@ present, dtype and shape equal) before the first value is written, so a restore
 that fails on such a problem changes nothing. Children that do not exist yet are
 restored when they are attached later (deferred restoration), as are optimizer
 slots created later.
+
+The values of one restore are read together (:func:`read_values`): on object stores
+their byte ranges are announced first, so a full restore is a few large GETs fetched in
+parallel, not one request per variable; the arrays are read and checksummed by the
+reader's helpers in one deferring session, all checked before the restore returns.
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ from .graph import OBJECT_GRAPH_KEY, build_graph, slot_variables_of, walk
 from .registration import get_saver
 from .trackable import Trackable, Variable
 
-__all__ = ["RestoreSession", "LoadStatus", "CheckpointLoadStatus", "NameBasedSaverStatus", "InitializationOnlyStatus",
-           "load_object_graph"]
+__all__ = ["RestoreSession", "read_values", "LoadStatus", "CheckpointLoadStatus", "NameBasedSaverStatus",
+           "InitializationOnlyStatus", "load_object_graph"]
 
 _log = logging.getLogger("shardckpt")
 
@@ -53,6 +58,40 @@ def load_object_graph(reader: BundleReader) -> TrackableObjectGraph:
             raise CorruptIndexError(f"object graph node {i} refers to a node that does not exist",
                                     path=reader.prefix, key=OBJECT_GRAPH_KEY)
     return proto
+
+
+def read_values(reader: Any, targets: List[Tuple[str, Any]]) -> None:
+    """Read checkpoint key -> target (an array filled in place, or a ``DistributedValue`` that reads its own
+    pieces) for every pair; all values are read and checked when this returns.
+
+    On a :class:`BundleReader` every byte range the reads need is announced first
+    (:meth:`BundleReader.prefetch`: on object stores, few large GETs in parallel, ahead of
+    the reads; nothing elsewhere), then the arrays are read in one deferring session
+    (:meth:`ReadSession.read_many`: planned in one pass, read and checksummed by the
+    reader's helpers). A distributed value announces the regions it will read when it
+    says which (``regions_to_read()``). Other readers (a funnelled restore's, which
+    records reads) get one ``read_region`` per array.
+    """
+    arrays = [(key, target) for key, target in targets if isinstance(target, np.ndarray)]
+    others = [(key, target) for key, target in targets if not isinstance(target, np.ndarray)]
+    session = getattr(reader, "session", None)
+    if session is None:
+        with reader.deferred_verification():
+            for key, target in targets:
+                if isinstance(target, np.ndarray):
+                    reader.read_region(key, None, out=target)
+                else:
+                    target.restore_from(reader, key)
+        return
+    announced: List[Tuple[str, Any]] = [(key, None) for key, _ in arrays]
+    for key, target in others:
+        regions = getattr(target, "regions_to_read", None)
+        announced += [(key, region) for region in (regions() if regions is not None else ())]
+    reader.prefetch(announced)
+    with session(defer=True) as reads:
+        reads.read_many([key for key, _ in arrays], [target for _, target in arrays])
+        for key, target in others:  # each reads its own pieces (regions: read at once, checked as they land)
+            target.restore_from(reader, key)
 
 
 @dataclass
@@ -94,12 +133,7 @@ class RestoreSession:
             raise
         for defer in deferrals:
             defer()
-        with self.reader.deferred_verification():
-            for read in reads:
-                if isinstance(read.target, np.ndarray):
-                    self.reader.read_region(read.key, None, out=read.target)
-                else:  # a DistributedValue reads its own pieces
-                    read.target.restore_from(self.reader, read.key)
+        read_values(self.reader, [(read.key, read.target) for read in reads])
         touched: Dict[int, Tuple[Trackable, List[str]]] = {}
         for read in reads:
             self.restored_keys.add(read.key)
@@ -340,8 +374,8 @@ class NameBasedSaverStatus(LoadStatus):
                 raise InvalidArgumentError(f"variable {var.name!r} has {var.dtype.name}{list(var.shape)}, the "
                                            f"checkpoint holds {stored_dtype.name}{list(stored_shape)}",
                                            path=reader.prefix, key=name)
-        for var, name in reads:
-            reader.read_region(name, None, out=var._peek())
+        read_values(reader, [(name, var._peek()) for var, name in reads])
+        for var, _ in reads:
             var.mark_changed()
             self._matched.append(var)
 

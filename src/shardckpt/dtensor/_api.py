@@ -79,6 +79,10 @@ class DTensor:
             out.setdefault(self.box(device), []).append(device)
         return out
 
+    def regions_to_read(self) -> List[Box]:
+        """The regions :meth:`restore_from` reads (one per distinct local piece), for a restore to announce."""
+        return list(self.local_pieces())
+
     def shardable_pieces(self, key: str, *, clients: int = 1, replica_writer: str = "lowest") -> List[Any]:
         """The distinct pieces this client writes under ``key`` when ``clients`` clients save together
         (:class:`~shardckpt.saving.pieces.DistributedValue`)."""

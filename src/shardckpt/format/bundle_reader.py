@@ -39,6 +39,7 @@ allocated, so a hostile index cannot make the reader allocate unbounded memory.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -81,6 +82,8 @@ _MAX_ELEMENTS = (1 << 63) - 1
 _EAGER_IDENTITY = 1024  # data files whose identity is recorded when the index is opened
 _OPEN_ATTEMPTS = 3
 _EAGER_INDEX_BYTES = 1 << 20  # index files up to this size are read and checked whole when opened
+_BATCH_ENTRIES = 16  # a session's planner hands whole-entry reads to the pump in batches of this many ...
+_BATCH_BYTES = 16 << 20  # ... or of this many bytes, whichever comes first
 
 KeyLike = Union[str, bytes]
 
@@ -317,6 +320,7 @@ class BundleReader:
         self.num_shards = int(self.header.num_shards)
         self.big_endian = self.header.endianness == pb.BundleHeaderProto.BIG
         self._entries: Dict[bytes, pb.BundleEntryProto] = {}
+        self._shapes: Dict[bytes, Tuple[int, ...]] = {}  # of every entry in _entries
         self._pieces: Dict[bytes, List[StoredPiece]] = {}  # sliced tensors' pieces, once checked
         self._starts: Dict[bytes, Dict[Tuple[int, ...], Any]] = {}  # piece_at: box start -> slice (or its piece)
         if self._identity_of is None:
@@ -470,8 +474,11 @@ class BundleReader:
             entry.ParseFromString(value)
         except Exception:
             raise CorruptIndexError("unparsable entry", path=self.index_path, key=kb) from None
-        from_enum(entry.dtype, self.index_path, _key_str(kb))
-        _check_shape(entry, self.index_path, kb, None)
+        try:
+            from_enum(entry.dtype)
+        except UnsupportedError:
+            from_enum(entry.dtype, self.index_path, _key_str(kb))  # raises again, naming the key
+        self._shapes[kb] = _check_shape(entry, self.index_path, kb, None)
         if not entry.slices:
             if entry.offset < 0 or entry.size < 0 or not 0 <= entry.shard_id < self.num_shards:
                 raise CorruptIndexError(
@@ -484,7 +491,12 @@ class BundleReader:
         return from_enum(self.entry(key).dtype)
 
     def shape(self, key: KeyLike) -> Tuple[int, ...]:
-        return tuple(int(d.size) for d in self.entry(key).shape.dim)
+        kb = _key_bytes(key)
+        shape = self._shapes.get(kb)
+        if shape is None:
+            self.entry(kb)
+            shape = self._shapes[kb]
+        return shape
 
     def pieces(self, key: KeyLike) -> List[StoredPiece]:
         """Where the tensor's values are stored: one piece, or one per slice."""
@@ -709,8 +721,13 @@ class BundleReader:
         """
         kb = _key_bytes(key)
         if region is None:
+            if session is not None and session.defer and verify:  # the common case of a restore
+                queued = self._whole_read(kb, out)
+                if queued is not None:
+                    session._queue(queued[1])
+                    return queued[0]
             entry = self.entry(kb)
-            if not entry.slices:  # the common case, kept short: one stored entry read whole
+            if not entry.slices:  # one stored entry read whole
                 return self._read_entry(kb, entry, out, verify, session)
         dt = self.dtype(kb)
         shape = self.shape(kb)
@@ -737,6 +754,45 @@ class BundleReader:
             dest = out[index] if index else out
             self._read_piece(piece, dt, local, dest, verify, session, where)
         return out
+
+    def _whole_read(self, kb: bytes, out: Optional[np.ndarray]) -> Optional[Tuple[np.ndarray, EntryRead]]:
+        """A checksummed whole-tensor read of ``kb`` into ``out`` (allocated when ``None``), ready to queue on
+        a pump; ``None`` when the key needs the general path (sliced, strings, byte-swapped, zero-sized
+        dimensions, a store with its own request size, a destination that is not a C-contiguous
+        array of the stored shape and dtype, or any check failing: the general path raises then).
+
+        The restore planner's fast path, run once per tensor: the same checks as
+        :meth:`read_region` (entry inside its file, byte count equal to shape times item
+        size, shape an array can have), each done once, with no intermediate objects.
+        """
+        entry = self._entries.get(kb)
+        if entry is None:
+            entry = self.entry(kb)
+        if entry.slices or self._fs.read_step is not None:
+            return None
+        dt = from_enum(entry.dtype)
+        itemsize = dt.itemsize
+        if itemsize is None or (dt.swap_unit and self.big_endian):
+            return None
+        shape = self._shapes[kb]
+        count = math.prod(shape)
+        size = entry.size
+        if size != count * itemsize or len(shape) > _MAX_RANK or (count == 0 and shape):
+            return None  # (a zero dimension: the general path checks the other dimensions' product)
+        shard = entry.shard_id
+        fd = self._fds.get(shard)
+        if fd is None:
+            fd = self._fd(shard)[0]
+        offset = entry.offset
+        if offset + size > self._file_sizes[shard]:
+            return None
+        if out is None:
+            out = np.empty(shape, dtype=dt.numpy)
+        elif out.shape != shape or out.dtype != dt.numpy or not out.flags.c_contiguous:
+            return None
+        path = self._paths.get(shard) or self.data_path(shard)
+        flat = out.reshape(-1).view(np.uint8)
+        return out, EntryRead(fd, path, offset, flat, True, crc.unmask(entry.crc32c), kb, shard)
 
     def _read_entry(self, kb: bytes, entry: pb.BundleEntryProto, out: Optional[np.ndarray], verify: bool,
                     session: Optional["ReadSession"]) -> np.ndarray:
@@ -781,6 +837,11 @@ class BundleReader:
             self._read_piece(piece, dt, local, out, verify, session)
         return out
 
+    @property
+    def prefetches(self) -> bool:
+        """Whether :meth:`prefetch` does anything on this reader's store (callers may skip building the list)."""
+        return getattr(self._fs, "prefetch", None) is not None and bool(getattr(self._fs, "prefetches", False))
+
     def prefetch(self, regions: Sequence[Tuple[KeyLike, Optional[Union[Box, TensorSlice, str]]]]) -> int:
         """Announce the reads of ``regions`` (``(key, region)``; ``None``: the whole tensor) to the store.
 
@@ -791,9 +852,9 @@ class BundleReader:
         announcements. Only entries that pass the reader's checks are announced; any
         problem is left for the read to report. Returns the number of requests planned.
         """
-        hint = getattr(self._fs, "prefetch", None)
-        if hint is None or not getattr(self._fs, "prefetches", False):
+        if not self.prefetches:
             return 0
+        hint = self._fs.prefetch  # type: ignore[attr-defined]
         spans: Dict[int, Tuple[Any, str, List[np.ndarray], List[np.ndarray]]] = {}
         for key, region in regions:
             try:
@@ -918,7 +979,8 @@ class BundleReader:
         problem = read.mismatch()
         if problem is not None:
             self._check_unchanged(read.shard)  # a replaced file says so
-            raise DataLossError(problem, path=read.path, **read.tag.where())
+            where = read.tag.where() if isinstance(read.tag, StoredPiece) else {"key": read.tag}
+            raise DataLossError(problem, path=read.path, **where)
 
     def _read_whole_units(self, piece: StoredPiece, fd: Any, path: str, dest: np.ndarray, verify: bool,
                           session: Optional["ReadSession"]) -> None:
@@ -1111,18 +1173,56 @@ class ReadSession:
                     out: Optional[np.ndarray] = None, *, verify: bool = True) -> np.ndarray:
         return self.reader.read_region(key, region, out, verify=verify, session=self)
 
+    def read_many(self, keys: Sequence[KeyLike], outs: Optional[Sequence[Optional[np.ndarray]]] = None, *,
+                  verify: bool = True) -> List[np.ndarray]:
+        """The whole tensors ``keys``, into ``outs`` (each allocated when ``None``), in order.
+
+        The same as :meth:`read` of each key, planned in one pass: whole entries are handed
+        to the pump in batches (helpers start on the first batch while the next is
+        planned); keys that need the general path (sliced tensors, strings, ...) are read
+        through it in between, in order.
+        """
+        reader = self.reader
+        fast = self.defer and verify
+        results: List[np.ndarray] = []
+        batch: List[EntryRead] = []
+        nbytes = 0
+        for i, key in enumerate(keys):
+            out = outs[i] if outs is not None else None
+            kb = _key_bytes(key)
+            queued = reader._whole_read(kb, out) if fast else None
+            if queued is None:
+                if batch:
+                    self._queue_many(batch)
+                    batch, nbytes = [], 0
+                results.append(reader.read_region(kb, None, out, verify=verify, session=self))
+                continue
+            results.append(queued[0])
+            batch.append(queued[1])
+            nbytes += queued[1].size
+            if len(batch) >= _BATCH_ENTRIES or nbytes >= _BATCH_BYTES:
+                self._queue_many(batch)
+                batch, nbytes = [], 0
+        if batch:
+            self._queue_many(batch)
+        return results
+
     def _add(self, job: _EntryJob) -> None:
         with self._lock:
             self._jobs.append(job)
 
     def _queue(self, read: EntryRead) -> None:
         """Hand a whole-entry read to the session's pump (its helpers start on it at once)."""
+        self._queue_many((read,))
+
+    def _queue_many(self, reads: Sequence[EntryRead]) -> None:
+        """Hand whole-entry reads to the session's pump, in order, in one batch."""
         with self._lock:
             pump = self._pump
             if pump is None:
                 pump = self._pump = self.reader._pump()
-            self._reads.append(read)
-        pump.add(read)
+            self._reads.extend(reads)
+        pump.add_many(reads)
 
     def finish(self) -> None:
         """Wait for every pending read of the session and check it; raise the first failure."""
@@ -1162,17 +1262,17 @@ class ReadSession:
             pass
 
 
-def _check_shape(entry: pb.BundleEntryProto, path: str, key: bytes, itemsize: Optional[int]) -> None:
+def _check_shape(entry: pb.BundleEntryProto, path: str, key: bytes, itemsize: Optional[int]) -> Tuple[int, ...]:
     """A shape an array can have: known rank <= 64, no negative size, byte count within int64.
 
     With ``itemsize`` ``None`` only what any shape must satisfy is checked (no negative
-    size); the rest is checked before an array of the shape is made.
+    size); the rest is checked before an array of the shape is made. Returns the shape.
     """
-    dims = [int(d.size) for d in entry.shape.dim]
-    if entry.shape.unknown_rank or any(d < 0 for d in dims):
-        raise CorruptIndexError(f"invalid tensor shape {dims[:_MAX_RANK + 1]}", path=path, key=key)
+    dims = tuple([d.size for d in entry.shape.dim])
+    if entry.shape.unknown_rank or (dims and min(dims) < 0):
+        raise CorruptIndexError(f"invalid tensor shape {list(dims[:_MAX_RANK + 1])}", path=path, key=key)
     if itemsize is None:
-        return
+        return dims
     if len(dims) > _MAX_RANK:
         raise CorruptIndexError(f"tensor of rank {len(dims)}: more than the {_MAX_RANK} dimensions an array "
                                 "can have", path=path, key=key)
@@ -1180,8 +1280,9 @@ def _check_shape(entry: pb.BundleEntryProto, path: str, key: bytes, itemsize: Op
     for d in dims:  # every dimension counts, a zero one included (NumPy refuses such shapes too)
         count *= max(d, 1)
         if count > _MAX_ELEMENTS:
-            raise CorruptIndexError(f"tensor shape {dims} is too large (its dimensions, zero ones "
+            raise CorruptIndexError(f"tensor shape {list(dims)} is too large (its dimensions, zero ones "
                                     "ignored, multiply to more than 2**63 bytes)", path=path, key=key)
+    return dims
 
 
 def iter_tensors(reader: BundleReader) -> Iterator[Tuple[bytes, np.ndarray]]:

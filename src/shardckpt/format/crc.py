@@ -16,7 +16,7 @@ import os
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import crc32c as _crc32c
 
@@ -142,11 +142,40 @@ def _shift_operator(nbytes: int) -> int:
     return op
 
 
+_TABLE_AFTER = 8  # a shift used this many times gets byte tables (the pieces of a restore share a few lengths)
+_USES: Dict[int, int] = {}
+_TABLES: Dict[int, Tuple[List[int], List[int], List[int], List[int]]] = {}
+
+
+def _byte_tables(op: int) -> Tuple[List[int], List[int], List[int], List[int]]:
+    """``op * c mod P`` for every ``c`` with one byte set, per byte position: multiplying by a fixed
+    ``op`` is linear in ``c``, so four lookups and three XORs replace the bit loop of :func:`_multmodp`."""
+    basis = [_multmodp(op, 1 << bit) for bit in range(32)]
+    tables = []
+    for byte in range(4):
+        table = [0] * 256
+        for v in range(1, 256):
+            low = v & -v
+            table[v] = table[v ^ low] ^ basis[8 * byte + low.bit_length() - 1]
+        tables.append(table)
+    return tables[0], tables[1], tables[2], tables[3]
+
+
 def combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC-32C of ``A + B`` from ``crc1 = value(A)``, ``crc2 = value(B)`` and ``len2 = len(B)``."""
     if len2 <= 0:
         return crc1
-    return _multmodp(_shift_operator(len2), crc1) ^ crc2
+    tables = _TABLES.get(len2)
+    if tables is not None:
+        t0, t1, t2, t3 = tables
+        return t0[crc1 & 0xFF] ^ t1[(crc1 >> 8) & 0xFF] ^ t2[(crc1 >> 16) & 0xFF] ^ t3[crc1 >> 24] ^ crc2
+    op = _shift_operator(len2)
+    if len2 in _SHIFTS:  # a length seen before: count its uses (the tables pay off after a few)
+        uses = _USES.get(len2, 0) + 1
+        _USES[len2] = uses
+        if uses >= _TABLE_AFTER and len(_TABLES) < 64:
+            _TABLES[len2] = _byte_tables(op)
+    return _multmodp(op, crc1) ^ crc2
 
 
 crc32c_combine = combine

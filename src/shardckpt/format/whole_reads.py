@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -147,7 +147,15 @@ class EntryRead:
         self.parts: List[Tuple[int, int]] = []  # entry-relative ranges, in order
         self.crcs: List[int] = []
         self.error: Optional[BaseException] = None
-        self.slow = _slow_copy(dest.ctypes.data, offset) if self.size else False
+        self.slow: Optional[bool] = None if self.size else False  # found by the first reader (see is_slow)
+
+    def is_slow(self) -> bool:
+        """Whether copying the entry's file bytes straight into ``dest`` hits the slow ``rep movsb`` case
+        (found once, by whichever thread reads first: finding the address costs the planner a microsecond)."""
+        slow = self.slow
+        if slow is None:
+            slow = self.slow = _slow_copy(self.dest.ctypes.data, self.offset)
+        return slow
 
     def _part(self, a: int, b: int) -> int:
         self.parts.append((a, b))
@@ -229,35 +237,34 @@ class ReadPump:
     # -- feeding -----------------------------------------------------------------------------
     def add(self, entry: EntryRead) -> None:
         """Queue ``entry``; helpers start reading it at once (gathered small entries: once their span is full)."""
+        self.add_many((entry,))
+
+    def add_many(self, entries: Sequence[EntryRead]) -> None:
+        """Queue ``entries`` in order, as :meth:`add` does each, taking the lock once (a restore's planner
+        hands over entries in batches: one lock and one wake-up per batch, not per tensor)."""
         spans: List[_Span] = []
         with self._lock:
-            if entry.size <= _GATHER_MAX and self._gather_size() + entry.size <= _GATHER_SPAN:
+            unit, min_unit, workers = self._unit, self._min_unit, self._workers
+            for entry in entries:
+                size = entry.size
                 gather = self._gather
-                if gather is not None and (gather.fd is not entry.fd or gather.end != entry.offset):
+                if size <= _GATHER_MAX:
+                    if gather is not None and (gather.fd is not entry.fd or gather.end != entry.offset
+                                               or gather.end - gather.start + size > _GATHER_SPAN):
+                        spans.append(gather)  # not a neighbour, or the span is full
+                        gather = None
+                    if gather is None:
+                        gather = self._gather = _Span(entry.fd, entry.path, entry.offset)
+                    gather.add(entry, 0, size)
+                    continue
+                if gather is not None:
                     spans.append(gather)
-                    gather = None
-                if gather is None:
-                    gather = _Span(entry.fd, entry.path, entry.offset)
-                gather.add(entry, 0, entry.size)
-                self._gather = gather
-            else:
-                if self._gather is not None:
-                    spans.append(self._gather)
                     self._gather = None
-                if entry.size <= _GATHER_MAX:
-                    gather = _Span(entry.fd, entry.path, entry.offset)
-                    gather.add(entry, 0, entry.size)
-                    self._gather = gather
-                else:
-                    for a, b in unit_bounds(entry.size, self._unit, self._min_unit, self._workers):
-                        span = _Span(entry.fd, entry.path, entry.offset + a)
-                        span.add(entry, a, b)
-                        spans.append(span)
+                for a, b in unit_bounds(size, unit, min_unit, workers):
+                    span = _Span(entry.fd, entry.path, entry.offset + a)
+                    span.add(entry, a, b)
+                    spans.append(span)
             self._push(spans)
-
-    def _gather_size(self) -> int:
-        gather = self._gather
-        return 0 if gather is None else gather.end - gather.start
 
     def _push(self, spans: List[_Span]) -> None:
         """Queue ``spans`` and start helpers for them (holding the lock)."""
@@ -347,7 +354,7 @@ class ReadPump:
             b = a + span.end - span.start
             try:
                 entry.crcs[index] = read_range(fs, span.fd, span.path, span.start, entry.dest[a:b], sub,
-                                               entry.verify, slow=entry.slow)
+                                               entry.verify, slow=entry.is_slow())
             except BaseException as exc:  # kept for the entry's owner
                 entry.error = entry.error or exc
             return

@@ -15,6 +15,8 @@ Steps, all on one :class:`~shardckpt.format.bundle_reader.BundleReader`:
    given; a key written by ``Checkpoint``/``DTensorCheckpoint``'s object graph,
    ``<key>/.ATTRIBUTES/VARIABLE_VALUE``, is found too) and its stored dtype and
    shape are checked against the target's, for every leaf before anything is read.
+   On object stores every read below is then announced (``BundleReader.prefetch``:
+   few large GETs, fetched ahead within the store's read budget).
 2. Scalars and NumPy leaves are read whole.
 3. For each array leaf, this process's distinct regions (each region of the
    target sharding's addressable devices, once however many local devices
@@ -38,7 +40,7 @@ from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple, U
 import jax
 import numpy as np
 
-from ..checkpoint.reader import resolve_prefix
+from ..checkpoint.reader import open_bundle
 from ..errors import InvalidArgumentError, NotFoundError
 from ..format.bundle_reader import BundleReader
 from ..format.dtypes import as_dtype
@@ -118,8 +120,7 @@ def restore(path: "str | os.PathLike[str]", target: Any = None, *, key_map: KeyM
     """
     if int(memory_budget) <= 0:
         raise InvalidArgumentError(f"memory_budget must be positive, got {memory_budget!r}")
-    prefix = resolve_prefix(os.fspath(path))
-    with BundleReader(prefix, fs=fs) as reader:
+    with open_bundle(os.fspath(path), fs=fs) as reader:
         if target is None:
             return _restore_saved_structure(reader)
         return _restore_onto(reader, target, key_map, int(memory_budget), max_workers)
@@ -168,6 +169,7 @@ def _restore_onto(reader: BundleReader, target: Any, key_map: KeyMap, budget: in
             small.append((i, key, kind, leaf))
         else:
             small.append((i, key, kind, leaf))
+    _announce(reader, small, jobs)
     for i, key, kind, _ in small:  # 2. the small ones
         array = reader.read(key)
         values[i] = array if kind == "numpy" else python_value(key, kind, array)
@@ -180,6 +182,13 @@ def _restore_onto(reader: BundleReader, target: Any, key_map: KeyMap, budget: in
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
     return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def _announce(reader: BundleReader, small: List[Tuple[int, str, str, Any]], jobs: List[_ArrayJob]) -> None:
+    """Object stores: announce every read in the order of the reads (the small values whole, then each
+    array's regions), so they come in few large GETs fetched ahead within the store's read budget."""
+    if reader.prefetches:
+        reader.prefetch([(key, None) for _, key, _, _ in small] + [(job.key, box) for job in jobs for box in job.boxes])
 
 
 def _read_arrays(reader: BundleReader, jobs: List[_ArrayJob], values: List[Any], pool: ThreadPoolExecutor,

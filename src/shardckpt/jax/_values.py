@@ -88,6 +88,10 @@ class JaxValue:
                                        shape=box_shape(box), slice_spec=spec, device=device_name(shard.device)))
         return out
 
+    def regions_to_read(self) -> List[Box]:
+        """The regions :meth:`restore_from` reads (this process's distinct ones), for a restore to announce."""
+        return list(distinct_boxes(self.array.sharding, tuple(int(d) for d in self.array.shape)))
+
     def restore_from(self, reader: Any, key: str) -> None:
         """Replace ``array`` with checkpoint ``key`` read onto the same sharding (JAX arrays are immutable)."""
         self.array = read_onto(reader, key, self.array.shape, self.array.dtype, self.array.sharding)

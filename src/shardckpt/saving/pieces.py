@@ -28,7 +28,12 @@ __all__ = ["DistributedValue", "pieces_of"]
 
 @runtime_checkable
 class DistributedValue(Protocol):
-    """A value whose pieces lie on several devices or clients."""
+    """A value whose pieces lie on several devices or clients.
+
+    It may also have ``regions_to_read() -> List[Box]``: the regions its ``restore_from``
+    will read, which a restore announces ahead of the reads (object stores fetch them in
+    few large requests); without it its reads are not announced.
+    """
 
     def shardable_pieces(self, key: str, *, clients: int = 1, replica_writer: str = "lowest"
                          ) -> List[ShardableTensor]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union, cast
 
 import numpy as np
 
@@ -56,7 +56,6 @@ def _check_dtype(reader: Any, request: RestoreRequest) -> None:
 
 
 def _serve(reader: BundleReader, session: ReadSession, request: RestoreRequest, verify: bool) -> np.ndarray:
-    _check_dtype(reader, request)
     return session.read_region(request.key, request.region, request.out, verify=verify)
 
 
@@ -89,15 +88,29 @@ def restore_tensors(prefix: str, requests: Sequence[Union[RestoreRequest, str]],
         bundle.prefetch([(r.key, r.region) for r in reqs])  # object stores: few large GETs, ahead of the reads
         with bundle.session(defer=True) as session:  # reads overlap; all checked before the block ends
             # Whole tensors are only queued on the session's pump (its helpers read them), so they are
-            # planned on this thread; regions (synchronous run reads) are served by a few threads.
+            # planned on this thread, in one pass (read_many); regions (synchronous run reads) are
+            # served by a few threads.
+            for r in reqs:
+                if r.dtype is not None:
+                    _check_dtype(bundle, r)
+            wholes = [i for i, r in enumerate(reqs) if r.region is None]
             parts = [i for i, r in enumerate(reqs) if r.region is not None]
-            if max_workers <= 1 or len(parts) <= 1:
-                results = [_serve(bundle, session, r, verify) for r in reqs]
-            else:
-                with ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shardckpt-read") as pool:
-                    futures = {i: pool.submit(_serve, bundle, session, reqs[i], verify) for i in parts}
-                    results = [futures[i].result() if i in futures else _serve(bundle, session, r, verify)
-                               for i, r in enumerate(reqs)]
+            out: List[Optional[np.ndarray]] = [None] * len(reqs)
+            futures = {}
+            pool = None
+            if max_workers > 1 and len(parts) > 1:
+                pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shardckpt-read")
+                futures = {i: pool.submit(_serve, bundle, session, reqs[i], verify) for i in parts}
+            try:
+                for i, value in zip(wholes, session.read_many([reqs[i].key for i in wholes],
+                                                              [reqs[i].out for i in wholes], verify=verify)):
+                    out[i] = value
+                for i in parts:
+                    out[i] = futures[i].result() if i in futures else _serve(bundle, session, reqs[i], verify)
+            finally:
+                if pool is not None:
+                    pool.shutdown(wait=True)
+            results = cast(List[np.ndarray], out)  # every slot filled above
         return results
     finally:
         if own:

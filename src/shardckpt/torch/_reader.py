@@ -19,7 +19,10 @@ DCP's call sequence, and what each step does here::
                            are BytesStorageMetadata. Keys whose dtype torch lacks,
                            and string tensors of rank > 0, are left out.
     set_up_storage_reader  nothing (the index is already open)
-    read_data              each read item names a stored chunk, the part of it to
+    read_data              on object stores the byte ranges of every read item are
+                           announced first (BundleReader.prefetch: few large GETs,
+                           fetched in parallel ahead of the reads); then
+                           each read item names a stored chunk, the part of it to
                            read and where it goes: only that part's byte runs are read
                            (BundleReader.read_piece_region), straight into the
                            destination tensor's memory when it is a CPU tensor of the
@@ -63,12 +66,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import InvalidArgumentError, NotFoundError
+from ..errors import InvalidArgumentError, NotFoundError, ShardckptError
 from ..format import crc
 from ..format.bundle_reader import BundleReader, ReadSession, StoredPiece
 from ..format.dtypes import DType
 from ..format.naming import index_filename
-from ..format.tensor_slice import box_shape
+from ..format.tensor_slice import Box, box_shape
 from ..storage.base import normalize
 from ..storage.local import LocalFileSystem, local_fs
 from ..storage.registry import get_fs
@@ -167,6 +170,7 @@ class TFBundleReader(StorageReader):
                 planner.load_bytes(item, buf)
             else:
                 tensor_items.append(item)
+        self._announce(bundle, tensor_items)
         done_items: List[Tuple[ReadItem, torch.Tensor]] = []
         with bundle.session(defer=True) as session:  # whole-chunk checksums complete when the block ends
             if self._workers == 1 or len(tensor_items) <= 1:
@@ -262,6 +266,27 @@ class TFBundleReader(StorageReader):
         return Metadata(state_dict_metadata=entries, planner_data=None, storage_data={})
 
     # -- reads --------------------------------------------------------------------------------------------
+    def _announce(self, bundle: BundleReader, items: List[ReadItem]) -> None:
+        """Object stores: announce the bytes of every read item (few large GETs, fetched in parallel ahead
+        of the reads: :meth:`BundleReader.prefetch`); nothing on other stores. An item that does not
+        resolve is left for its read to report."""
+        if not bundle.prefetches:
+            return
+        regions: List[Tuple[bytes, Box]] = []
+        for item in items:
+            stored = self._tensors.get(item.storage_index.fqn)
+            if stored is None:
+                continue
+            try:
+                piece = stored.piece(bundle, tuple(int(d) for d in (item.storage_index.offset or ())))
+            except ShardckptError:
+                continue
+            if piece is None:
+                continue
+            regions.append((stored.key, tuple((p0 + int(o), p0 + int(o) + int(n)) for (p0, _), o, n
+                                              in zip(piece.box, item.storage_offsets, item.lengths))))
+        bundle.prefetch(regions)
+
     def _read_item(self, bundle: BundleReader, session: ReadSession, item: ReadItem, planner: LoadPlanner
                    ) -> Tuple[ReadItem, torch.Tensor]:
         fqn = item.storage_index.fqn
