@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple
 import numpy as np
 
 from ..errors import ShardingValidationError
+from ..format.bundle_writer import encode_key
 
 __all__ = ["PieceTable", "pack_table", "unpack_table"]
 
@@ -98,7 +99,7 @@ class PieceTable:
 
 def pack_table(described: Mapping[str, Sequence[Any]]) -> str:
     """``{key: [dtype enum, global shape, [box, ...]]}`` as a packed table (see the module docstring)."""
-    keys = [k.encode("utf-8") for k in described]
+    keys = [encode_key(k) for k in described]
     values = list(described.values())
     ndims = [len(shape) for _, shape, _ in values]
     if any(n > _MAX_RANK for n in ndims):
