@@ -15,18 +15,21 @@ is trivial. Steps (``io``: the request's io client; ``all``: every client)::
                    runs on a background thread over a clone of the coordinator
     prepare   io   committer.prepare(): leftovers removed, scratch area made,
                    registered savers' bundles written
-    identity  all  all-gather of every client's save identity (prefix, number)
-                   and the io client's setup: clients running different saves fail
-    number    all  gather of shard counts and piece descriptions to the io client,
-                   which checks that the pieces tile each tensor (agreement.py)
-                   and broadcasts the counts and its verdict; shard i of client r
-                   gets the id first + sum(counts[:r]) + i;
-                   committer.plan(total) (with funnelling the io client first
-                   receives everyone's values)
-    write     all  committer.write_shard() per own shard, in parallel
-    agree     all  barrier (a dead client is named), every client's success
-                   all-gathered: any failure fails the save everywhere, nothing
-                   committed, committer.abort() on the io client
+    identity  all  all-gather of every client's save identity (prefix, number),
+                   its shard count and the io client's setup: clients running
+                   different saves fail; shard i of client r gets the id
+                   first + sum(counts[:r]) + i; committer.plan(total)
+    write     all  committer.write_shard() per own shard, in parallel, on a helper
+                   thread, while on this thread:
+    number    all  gather of piece descriptions to the io client, which checks
+                   that the pieces tile each tensor (agreement.py) and broadcasts
+                   its verdict; a disagreement fails every client alike once all
+                   writes ended (a barrier), before anything is committed.
+                   With funnelling (the io client first receives everyone's
+                   values) the counts come with this step and the writes follow it
+    agree     all  barrier (a dead client is named), then one all-gather of every
+                   client's success and written parts: any failure fails the save
+                   everywhere, nothing committed, committer.abort() on the io client
     commit    io   committer.commit(): the commit point; then committer.finish()
                    and the request's on_commit (the state file)   -> broadcast
     after     all  write callbacks, on every client once the commit is known
