@@ -146,6 +146,25 @@ def run_worker(args: argparse.Namespace) -> None:
         local_bytes = sum(c.nbytes for c in arrays)
         distinct = sum(int(np.prod([b - a for a, b in box])) for v in variables.values()
                        for box in v.value().local_pieces()) * C.DTYPE().itemsize
+    elif args.worker in ("raw", "raw-hinted"):  # the floor: the same bytes, one file per client, fsynced
+        rows = shape[0] // size
+        box = ((rank * rows, (rank + 1) * rows), (0, COLS))
+        arrays = [region(i, box) if args.op == "save" else np.zeros((rows, COLS), C.DTYPE)
+                  for i in range(COUNT)]
+
+        def op(where: str = path) -> None:
+            os.makedirs(where, exist_ok=True)
+            _write_raw(os.path.join(where, f"rank{rank}"), arrays, hinted=args.worker == "raw-hinted")
+            if rank == 0:
+                os.makedirs(where, exist_ok=True)
+            dist.barrier()  # every file durable before the folder is
+            if rank == 0:
+                _fsync_dir(where)
+
+        def check() -> bool:
+            return True
+
+        local_bytes = distinct = sum(a.nbytes for a in arrays)
     else:
         import torch.distributed.checkpoint as dcp
 
@@ -212,6 +231,37 @@ def run_worker(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
+def _write_raw(path: str, arrays: List[np.ndarray], hinted: bool) -> None:
+    """Write ``arrays`` back to back into ``path`` and fsync it; ``hinted``: start the device write of
+    every 16 MiB written (``sync_file_range``, on a helper thread), as shardckpt's writer does."""
+    from shardckpt.storage import writeback
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        offset = hinted_to = 0
+        for a in arrays:
+            buf = C.byte_view(a)
+            done = 0
+            while done < len(buf):
+                done += os.write(fd, buf[done:])
+            offset += len(buf)
+            if hinted and offset - hinted_to >= writeback.STEP:
+                writeback.start(fd, hinted_to, offset - hinted_to)
+                hinted_to = offset
+        writeback.drain(fd)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 # -- driver -----------------------------------------------------------------------------------------------------
 def launch(args: argparse.Namespace, worker: str, op: str, clients: int) -> Dict[str, Any]:
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -219,25 +269,29 @@ def launch(args: argparse.Namespace, worker: str, op: str, clients: int) -> Dict
     os.makedirs(os.path.dirname(result_file), exist_ok=True)
     if os.path.exists(result_file):
         os.remove(result_file)
-    cmd = [torchrun, "--standalone", f"--nproc-per-node={clients}", os.path.abspath(__file__), "--worker", worker,
+    cmd = [torchrun, "--standalone", f"--nproc-per-node={clients}", os.path.abspath(__file__), "--worker",
+           "shardckpt" if worker == "base" else worker,
            "--op", op, "--size", args.size, "--dir", args.dir, "--result-file", result_file,
            "--rehearse" if args.rehearse else "--no-rehearse"]
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "SHARDCKPT_BACKEND")}
-    env.update(PYTHONPATH=os.pathsep.join([HERE, os.path.join(REPO, "src")]), OMP_NUM_THREADS="1")
+    src = os.path.abspath(args.base_src) if worker == "base" else os.path.join(REPO, "src")
+    env.update(PYTHONPATH=os.pathsep.join([HERE, src]), OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0 or not os.path.exists(result_file):
         raise RuntimeError(f"{worker} {op} on {clients} clients failed (exit {proc.returncode}):\n"
                            f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     with open(result_file) as f:
-        return json.load(f)
+        result: Dict[str, Any] = json.load(f)
+    result["worker"] = worker
+    return result
 
 
 def measure_pair(args: argparse.Namespace, worker: str, clients: int) -> Tuple[Dict, Optional[Dict]]:
     shutil.rmtree(args.dir, ignore_errors=True)
     os.sync()
     save = launch(args, worker, "save", clients)
-    restore = launch(args, worker, "restore", clients) if not args.save_only else None
+    restore = launch(args, worker, "restore", clients) if not (args.save_only or worker.startswith("raw")) else None
     shutil.rmtree(args.dir, ignore_errors=True)
     return save, restore
 
@@ -251,6 +305,14 @@ def measure_reshard(args: argparse.Namespace) -> Tuple[Dict, Dict]:
     return save, restore
 
 
+def _loadavg() -> Optional[str]:
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def git_rev() -> Optional[str]:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
@@ -260,7 +322,7 @@ def git_rev() -> Optional[str]:
 
 def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", choices=["shardckpt", "dcp"])
+    p.add_argument("--worker", choices=["shardckpt", "dcp", "raw", "raw-hinted"])
     p.add_argument("--op", choices=["save", "restore", "reshard-save", "reshard-restore"])
     p.add_argument("--result-file")
     p.add_argument("--size", default="1GiB", help="total bytes of the state (all clients together)")
@@ -272,15 +334,21 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help="save once, untimed, and delete it before the timed save (default: on)")
     p.add_argument("--dir", default="/tmp/shardckpt-bench-dtensor")
     p.add_argument("--name", default="dtensor")
+    p.add_argument("--raw", action="store_true",
+                   help="also time raw saves of the same bytes (one file per client, write + fsync; plain and "
+                        "with write-behind hints): the floor")
+    p.add_argument("--base-src", metavar="DIR",
+                   help="also time shardckpt from another revision's src folder (column 'base'), in the same run")
     args = p.parse_args(argv)
     if args.worker:
         run_worker(args)
         return
     clients = [int(c) for c in args.clients.split(",")]
+    load_start = _loadavg()
     runs: List[Dict] = []
     failures: List[str] = []
     reshards: List[Tuple[Dict, Dict]] = []
-    systems = ["shardckpt", "dcp"]
+    systems = ["shardckpt", "dcp"] + (["base"] if args.base_src else []) + (["raw", "raw-hinted"] if args.raw else [])
     for rep in range(args.repeats):
         for n in clients:
             for worker in (systems if rep % 2 == 0 else systems[::-1]):
@@ -312,9 +380,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     total = C.parse_size(args.size)
     rows = []
     print(f"\nstate {C.fmt_size(total)} in total (64 float32 tensors), fsync on; medians of {args.repeats} "
-          f"repeat(s); GB = 1e9 bytes; ratio = shardckpt / DCP throughput (> 1: shardckpt faster)\n")
+          f"repeat(s); GB = 1e9 bytes; ratio = shardckpt / DCP throughput (> 1: shardckpt faster); "
+          f"/x = shardckpt time / x's time; load average {load_start} -> {_loadavg()}\n")
+    extra = [w for w in systems[2:]]
     head = (f"{'clients':>7} {'op':>8} {'shardckpt s':>11} {'GB/s':>6} {'DCP s':>7} {'GB/s':>6} {'ratio':>6} "
-            f"{'peak+ sc':>9} {'peak+ dcp':>9}")
+            f"{'peak+ sc':>9} {'peak+ dcp':>9}" + "".join(f" {w + ' s':>12} {'/' + w:>11}" for w in extra))
     print(head)
     print("-" * len(head))
     for n in clients:
@@ -322,17 +392,28 @@ def main(argv: Optional[List[str]] = None) -> None:
             sel = {w: [r for r in runs if r["worker"] == w and r["op"] == op and r["clients"] == n] for w in systems}
             if not sel["shardckpt"] or not sel["dcp"]:
                 continue
-            sec = {w: C.median([r["seconds"] for r in sel[w]]) for w in systems}
-            gbps = {w: C.median([r["gbps"] for r in sel[w]]) for w in systems}
-            peak = {w: C.median([max(c["peak_extra"] for c in r["per_client"]) for r in sel[w]]) for w in systems}
-            ok = all(r["values_ok"] for w in systems for r in sel[w])
+            present = [w for w in systems if sel[w]]
+            sec = {w: C.median([r["seconds"] for r in sel[w]]) for w in present}
+            gbps = {w: C.median([r["gbps"] for r in sel[w]]) for w in present}
+            peak = {w: C.median([max(c["peak_extra"] for c in r["per_client"]) for r in sel[w]]) for w in present}
+            ok = all(r["values_ok"] for w in present for r in sel[w])
             row = {"clients": n, "op": op, "shardckpt_s": sec["shardckpt"], "shardckpt_gbps": gbps["shardckpt"],
                    "dcp_s": sec["dcp"], "dcp_gbps": gbps["dcp"], "ratio": gbps["shardckpt"] / gbps["dcp"],
-                   "shardckpt_peak_extra": peak["shardckpt"], "dcp_peak_extra": peak["dcp"], "values_ok": ok}
+                   "shardckpt_peak_extra": peak["shardckpt"], "dcp_peak_extra": peak["dcp"], "values_ok": ok,
+                   "repeats": len(sel["shardckpt"])}
+            for w in extra:  # another system's median, and shardckpt's time over it (< 1: shardckpt faster)
+                if w in sec:
+                    row[f"{w}_s"] = sec[w]
+                    row[f"shardckpt_over_{w}"] = sec["shardckpt"] / sec[w]
             rows.append(row)
             print(f"{n:>7} {op:>8} {sec['shardckpt']:>11.3f} {gbps['shardckpt']:>6.2f} {sec['dcp']:>7.3f} "
                   f"{gbps['dcp']:>6.2f} {row['ratio']:>6.2f} {C.fmt_size(peak['shardckpt']):>9} "
-                  f"{C.fmt_size(peak['dcp']):>9}" + ("" if ok else "  WRONG VALUES"))
+                  f"{C.fmt_size(peak['dcp']):>9}"
+                  + "".join(f" {sec[w]:>12.3f} {sec['shardckpt'] / sec[w]:>11.3f}" if w in sec else f" {'':>24}"
+                            for w in extra)
+                  + ("" if ok else "  WRONG VALUES"))
+            if "base" in sec:
+                print(f"{'':>16} base (--base-src) / DCP throughput: {gbps['base'] / gbps['dcp']:.2f}")
     reshard_summary = None
     if reshards:
         restores = [r for _, r in reshards]
@@ -363,6 +444,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         json.dump({"rows": rows, "reshard": reshard_summary, "runs": runs,
                    "reshard_runs": [{"save": s, "restore": r} for s, r in reshards], "failures": failures,
                    "argv": sys.argv, "size": args.size, "repeats": args.repeats, "git": git_rev(),
+                   "loadavg": [load_start, _loadavg()],
                    "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                "python": platform.python_version()}}, f, indent=1)
     shutil.rmtree(args.dir + "-results", ignore_errors=True)

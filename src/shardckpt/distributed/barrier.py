@@ -109,6 +109,10 @@ class ArrivalBarrier(abc.ABC):
     _channel = "the barrier channel"  # named in errors of the transport
     _poll_first = 0.0001  # seconds between looks for notices, doubling up to _poll_max
     _poll_max = 0.002
+    #: after this many seconds of one barrier's wait, looks are at most _poll_max_late apart (None: _poll_max)
+    _poll_patience = 1.0
+    _poll_max_late: Optional[float] = None
+    _poll_since = 0.0
 
     # -- transport primitives ---------------------------------------------------------------------------------
 
@@ -127,6 +131,7 @@ class ArrivalBarrier(abc.ABC):
 
     def _arrival_barrier(self, seq: int, name: str, deadline: float, timeout: float) -> None:
         """Run barrier number ``seq`` called ``name`` until ``deadline`` (``timeout``: the call's, for messages)."""
+        self._poll_since = time.monotonic()
         try:
             if self._rank == 0:
                 verdict = self._judge(seq, name, deadline)
@@ -145,8 +150,14 @@ class ArrivalBarrier(abc.ABC):
                 pass
 
     def _sleep(self, delay: float) -> float:
+        """Wait ``delay``; return the next delay. A rank that waits for others (the usual case: clients end
+        their writes at different times) sees the last notice at most ``_poll_max`` late; a wait that lasts
+        (a slow or dead client) looks less often, ``_poll_max_late``."""
         time.sleep(delay)
-        return min(delay * 2, self._poll_max)
+        cap = self._poll_max
+        if self._poll_max_late is not None and time.monotonic() - self._poll_since > self._poll_patience:
+            cap = self._poll_max_late
+        return min(delay * 2, cap)
 
     def _judge(self, seq: int, name: str, deadline: float) -> Notice:
         """Rank 0: announce, collect arrivals until ``deadline``, post and return the verdict."""

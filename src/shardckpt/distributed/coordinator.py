@@ -26,7 +26,7 @@ from ..errors import InvalidArgumentError, ShardckptError
 
 __all__ = ["Coordinator", "CoordinationError", "CoordinationTimeout", "DEFAULT_TIMEOUT", "TIMEOUT_ENV",
            "default_timeout", "check_timeout",
-           "encode", "decode"]
+           "encode", "decode", "raise_failures"]
 
 DEFAULT_TIMEOUT = 600.0  # seconds
 TIMEOUT_ENV = "SHARDCKPT_TIMEOUT"
@@ -81,6 +81,15 @@ class CoordinationError(ShardckptError, RuntimeError):
 
 class CoordinationTimeout(CoordinationError, TimeoutError):
     """A barrier or collective did not complete in time; ``missing`` lists the ranks that did not arrive."""
+
+
+def raise_failures(results: List[Dict[str, Any]]) -> None:
+    """What :meth:`Coordinator.agree` raises: ``results`` are every client's ``{"ok", "error"}`` (all-gathered,
+    possibly beside other fields); if any client failed, a :class:`CoordinationError` naming each."""
+    failed = [(r, res["error"]) for r, res in enumerate(results) if not res["ok"]]
+    if failed:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
+        raise CoordinationError(f"{len(failed)} of {len(results)} clients failed: {detail}")
 
 
 def encode(obj: Any) -> bytes:
@@ -146,11 +155,7 @@ class Coordinator(abc.ABC):
 
     def agree(self, ok: bool, error: str = "", timeout: Optional[float] = None) -> None:
         """All-gather success flags; if any client failed, raise on every client naming it."""
-        results = self.all_gather({"ok": bool(ok), "error": error}, timeout=timeout)
-        failed = [(r, res["error"]) for r, res in enumerate(results) if not res["ok"]]
-        if failed:
-            detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
-            raise CoordinationError(f"{len(failed)} of {self.size} clients failed: {detail}")
+        raise_failures(self.all_gather({"ok": bool(ok), "error": error}, timeout=timeout))
 
     def _probe_missing(self, timeout: float, failed: int) -> List[int]:
         """After collective number ``failed`` failed on this client: the other ranks that were not in it."""

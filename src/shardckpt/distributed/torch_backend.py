@@ -101,7 +101,8 @@ class TorchCoordinator(EngineCoordinator):
     _engine = "torch"
     _channel = "the job's key-value store"
     _poll_first = 0.0005  # each look at the store is a round trip
-    _poll_max = 0.01
+    _poll_max = 0.002  # a save's barrier after the writes waits ~0.1-0.3 s for the slowest client: see it quickly
+    _poll_max_late = 0.01
 
     def __init__(self, group: Any = None, timeout: Optional[float] = None) -> None:
         torch, dist = _import_dist()

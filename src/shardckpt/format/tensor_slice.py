@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Iterable, Optional, Sequence, Tuple
 
 import numpy as np
@@ -108,11 +109,13 @@ class TensorSlice:
         return tuple(out)
 
 
+@lru_cache(maxsize=1 << 14)  # a save parses each piece's spec several times (plan, validation, writing)
 def parse_shape_and_slice(spec: str) -> Tuple[Tuple[int, ...], Optional[TensorSlice]]:
     """Parse a ``shape_and_slices`` entry like ``"10 20 0,5:-"``.
 
-    Returns the full shape and the slice. An empty ``spec`` means "the whole
-    tensor" and returns ``((), None)``; callers then use the tensor's own shape.
+    Returns the full shape and the slice (both immutable: results are cached). An empty
+    ``spec`` means "the whole tensor" and returns ``((), None)``; callers then use the
+    tensor's own shape.
     """
     if spec == "":
         return (), None

@@ -15,18 +15,21 @@ is trivial. Steps (``io``: the request's io client; ``all``: every client)::
                    runs on a background thread over a clone of the coordinator
     prepare   io   committer.prepare(): leftovers removed, scratch area made,
                    registered savers' bundles written
-    identity  all  all-gather of every client's save identity (prefix, number)
-                   and the io client's setup: clients running different saves fail
-    number    all  gather of shard counts and piece descriptions to the io client,
-                   which checks that the pieces tile each tensor (agreement.py)
-                   and broadcasts the counts and its verdict; shard i of client r
-                   gets the id first + sum(counts[:r]) + i;
-                   committer.plan(total) (with funnelling the io client first
-                   receives everyone's values)
-    write     all  committer.write_shard() per own shard, in parallel
-    agree     all  barrier (a dead client is named), every client's success
-                   all-gathered: any failure fails the save everywhere, nothing
-                   committed, committer.abort() on the io client
+    identity  all  all-gather of every client's save identity (prefix, number),
+                   its shard count and the io client's setup: clients running
+                   different saves fail; shard i of client r gets the id
+                   first + sum(counts[:r]) + i; committer.plan(total)
+    write     all  committer.write_shard() per own shard, in parallel, on a helper
+                   thread, while on this thread:
+    number    all  gather of piece descriptions to the io client, which checks
+                   that the pieces tile each tensor (agreement.py) and broadcasts
+                   its verdict; a disagreement fails every client alike once all
+                   writes ended (a barrier), before anything is committed.
+                   With funnelling (the io client first receives everyone's
+                   values) the counts come with this step and the writes follow it
+    agree     all  barrier (a dead client is named), then one all-gather of every
+                   client's success and written parts: any failure fails the save
+                   everywhere, nothing committed, committer.abort() on the io client
     commit    io   committer.commit(): the commit point; then committer.finish()
                    and the request's on_commit (the state file)   -> broadcast
     after     all  write callbacks, on every client once the commit is known
@@ -44,11 +47,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..distributed.coordinator import CoordinationError, CoordinationTimeout, Coordinator
+from ..distributed.coordinator import CoordinationError, CoordinationTimeout, Coordinator, raise_failures
 from .agreement import check_pieces, describe_pieces, identity_problem, pack_pieces, save_identity
 from .async_save import AsyncSaver
 from .commit import Committer, committer_for
@@ -177,8 +180,12 @@ def _run_save(plan: SavePlan, request: SaveRequest, coordinator: Coordinator) ->
         except BaseException:
             committer.abort()
             raise
+    # Without funnelling every client knows its shard count now: it travels with the identity, so the
+    # shard ids are known after this round and the writes overlap the io client's check of the pieces.
+    early = not request.funnel and coordinator.size > 1
     try:
-        first_round = coordinator.all_gather({"id": identity, "setup": setup}, timeout=timeout)
+        first_round = coordinator.all_gather({"id": identity, "setup": setup,
+                                              "shards": len(plan.shards) if early else None}, timeout=timeout)
         problem = identity_problem([r["id"] for r in first_round], io)
         if problem is not None:
             raise CoordinationError(f"the save of {prefix}: {problem}")
@@ -196,22 +203,29 @@ def _run_save(plan: SavePlan, request: SaveRequest, coordinator: Coordinator) ->
     written: List[Written] = []
     failure: Optional[BaseException] = None
     try:
-        shards, total, offset, disagreement = _number_shards(plan, request, coordinator)
-        if disagreement is not None:
-            raise CoordinationError(f"the save of {prefix} was not committed: {disagreement}")
-        first = committer.first_shard_id
-        committer.plan(first + total)
-        if total == 0:
-            own_error = CoordinationError(f"nothing to save on any client for {prefix}")
+        if early:
+            written, own_error = _write_checking_pieces(plan, request, coordinator, committer,
+                                                        [int(r["shards"]) for r in first_round])
         else:
-            try:
-                written = _write_shards(committer, shards, first + offset, request.max_workers)
-            except Exception as exc:
-                own_error = exc
+            shards, total, offset, disagreement = _number_shards(plan, request, coordinator)
+            if disagreement is not None:
+                raise CoordinationError(f"the save of {prefix} was not committed: {disagreement}")
+            first = committer.first_shard_id
+            committer.plan(first + total)
+            if total == 0:
+                own_error = CoordinationError(f"nothing to save on any client for {prefix}")
+            else:
+                try:
+                    written = _write_shards(committer, shards, first + offset, request.max_workers)
+                except Exception as exc:
+                    own_error = exc
         coordinator.barrier(f"shards of {prefix} written", timeout=timeout)
-        coordinator.agree(own_error is None, _describe(own_error) if own_error is not None else "",
-                          timeout=timeout)
-        gathered = coordinator.all_gather(written, timeout=timeout)
+        # one round: every client's success (Coordinator.agree's check) and what it wrote
+        results = coordinator.all_gather({"ok": own_error is None, "written": written,
+                                          "error": _describe(own_error) if own_error is not None else ""},
+                                         timeout=timeout)
+        raise_failures(results)
+        gathered = [r["written"] for r in results]
     except BaseException as exc:
         failure = exc
         if is_io:
@@ -288,6 +302,52 @@ def _number_shards(plan: SavePlan, request: SaveRequest, coordinator: Coordinato
     verdict = coordinator.broadcast(verdict, root=io, timeout=timeout)
     counts = verdict["counts"]
     return shards, sum(counts), sum(counts[:rank]), verdict["problem"]
+
+
+def _write_checking_pieces(plan: SavePlan, request: SaveRequest, coordinator: Coordinator, committer: Committer,
+                           counts: List[int]) -> Tuple[List[Written], Optional[Exception]]:
+    """Write this client's shards (numbered from ``counts``, every client's shard count) while the io
+    client checks every client's pieces; return what was written and this client's own error.
+
+    The writes start before the verdict: a disagreement is rare, and the save then fails on every
+    client alike (with the verdict's error) once every client's writes ended (a barrier), so nothing
+    is committed and the io client's ``abort`` removes what was written. Collectives stay on this thread.
+    """
+    rank, io, timeout, prefix = coordinator.rank, request.io_rank, request.timeout, request.prefix
+    total, first = sum(counts), committer.first_shard_id
+    committer.plan(first + total)
+    if total == 0:
+        return [], CoordinationError(f"nothing to save on any client for {prefix}")
+    pool: Optional[ThreadPoolExecutor] = None
+    writes: "Optional[Future[List[Written]]]" = None
+    if plan.shards:
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardckpt-save")
+        writes = pool.submit(_write_shards, committer, plan.shards, first + sum(counts[:rank]), request.max_workers)
+    try:
+        gathered = coordinator.gather({"shards": len(plan.shards), "pieces": pack_pieces(describe_pieces(plan))},
+                                      root=io, timeout=timeout)
+        verdict: Dict[str, Any] = {}
+        if gathered is not None:
+            try:
+                verdict["problem"] = check_pieces([g["pieces"] for g in gathered])
+            except Exception as exc:  # a table that does not decode: every client fails alike
+                verdict["problem"] = f"client {io} could not check the clients' pieces: {_describe(exc)}"
+            del gathered
+        verdict = coordinator.broadcast(verdict, root=io, timeout=timeout)
+    finally:  # never leave a write running behind a failed collective (the io client's abort removes its files)
+        written: List[Written] = []
+        own_error: Optional[Exception] = None
+        if writes is not None and pool is not None:
+            try:
+                written = writes.result()
+            except Exception as exc:
+                own_error = exc
+            pool.shutdown()
+    if verdict["problem"] is not None:
+        # every client stopped writing before the io client's abort removes the scratch area
+        coordinator.barrier(f"shards of {prefix} written", timeout=timeout)
+        raise CoordinationError(f"the save of {prefix} was not committed: {verdict['problem']}")
+    return written, own_error
 
 
 def _write_shards(committer: Committer, shards: Sequence[ShardPlan], first_id: int,

@@ -44,6 +44,11 @@ class DistributedValue(Protocol):
         """Fill this client's pieces from checkpoint ``key`` of ``reader`` (reading only their bytes)."""
 
 
+def _distributed(value: Any) -> bool:
+    """``isinstance(value, DistributedValue)`` without the protocol check's cost (~25 us a call)."""
+    return callable(getattr(value, "shardable_pieces", None)) and callable(getattr(value, "restore_from", None))
+
+
 def pieces_of(key: str, value: Any, *, clients: int = 1, writes_whole: bool = True, device: Optional[str] = None,
               trackable: Any = None, replica_writer: str = "lowest") -> List[ShardableTensor]:
     """The pieces of ``value`` this client saves under ``key``.
@@ -51,7 +56,7 @@ def pieces_of(key: str, value: Any, *, clients: int = 1, writes_whole: bool = Tr
     A :class:`DistributedValue` lists its own; any other value is one whole piece, saved
     only where ``writes_whole`` (the io client of a collective save; always in one process).
     """
-    if not isinstance(value, np.ndarray) and isinstance(value, DistributedValue):  # a protocol check is slow
+    if not isinstance(value, np.ndarray) and _distributed(value):
         return value.shardable_pieces(key, clients=clients, replica_writer=replica_writer)
     if not writes_whole:
         return []
