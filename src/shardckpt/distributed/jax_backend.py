@@ -142,26 +142,7 @@ class JaxCoordinator(EngineCoordinator):
             return [decode(payload.encode("ascii"))]
         base = self._next() + "g/"
         self._client.key_value_set(base + str(self._rank), payload)
-        raw: List[Optional[str]] = []
-        for r in range(self._size):
-            raw.append(payload if r == self._rank else self._get(base + str(r), deadline))
-            if raw[-1] is None:
-                break
-        if len(raw) < self._size or raw[-1] is None:
-            present = self._dir(base)
-            missing = [r for r in range(self._size) if str(r) not in present]
-            shown = self._timeout if timeout is None else float(timeout)
-            self._fail("all_gather timed out")
-            raise CoordinationTimeout(f"rank {self._rank}: all_gather did not complete within {shown:g} s: "
-                                      f"rank(s) {missing} did not arrive", missing=missing)
-        out = []
-        for r, text in enumerate(raw):
-            try:
-                out.append(decode(str(text).encode("utf-8")))
-            except ValueError as e:
-                self._fail("all_gather received undecodable data")
-                raise CoordinationError(f"all_gather: rank {r} sent data that is not JSON: {e}") from e
-        return out
+        return self._collect(base, payload, deadline, timeout, "all_gather")
 
     def gather(self, obj: Any, root: int = 0, timeout: Optional[float] = None) -> Optional[List[Any]]:
         self._check()
@@ -174,21 +155,26 @@ class JaxCoordinator(EngineCoordinator):
         self._client.key_value_set(base + str(self._rank), payload)
         if self._rank != root:
             return None
+        return self._collect(base, payload, deadline, timeout, "gather")
+
+    def _collect(self, base: str, payload: str, deadline: float, timeout: Optional[float], what: str) -> List[Any]:
+        """Every rank's value under ``base`` (this rank's is ``payload``), decoded, in rank order; a rank
+        missing at ``deadline`` is named in a timeout, undecodable data fails the coordinator."""
         out = []
         for r in range(self._size):
-            text = payload if r == root else self._get(base + str(r), deadline)
+            text = payload if r == self._rank else self._get(base + str(r), deadline)
             if text is None:
                 present = self._dir(base)
                 missing = [m for m in range(self._size) if str(m) not in present]
                 shown = self._timeout if timeout is None else float(timeout)
-                self._fail("gather timed out")
-                raise CoordinationTimeout(f"rank {self._rank}: gather did not complete within {shown:g} s: "
+                self._fail(f"{what} timed out")
+                raise CoordinationTimeout(f"rank {self._rank}: {what} did not complete within {shown:g} s: "
                                           f"rank(s) {missing} did not arrive", missing=missing)
             try:
                 out.append(decode(str(text).encode("utf-8")))
             except ValueError as e:
-                self._fail("gather received undecodable data")
-                raise CoordinationError(f"gather: rank {r} sent data that is not JSON: {e}") from e
+                self._fail(f"{what} received undecodable data")
+                raise CoordinationError(f"{what}: rank {r} sent data that is not JSON: {e}") from e
         return out
 
     def broadcast(self, obj: Any, root: int = 0, timeout: Optional[float] = None) -> Any:

@@ -174,21 +174,12 @@ class MPICoordinator(EngineCoordinator):
         self._collective(req, (mine, lengths), deadline, "all_gather (lengths)", timeout)
         if int(lengths.sum()) > 2**31 - 1:
             raise InvalidArgumentError(f"all_gather of {int(lengths.sum())} bytes: objects are too large")
-        counts = [int(n) for n in lengths]
-        displs = [0] * self._size
-        for r in range(1, self._size):
-            displs[r] = displs[r - 1] + counts[r - 1]
+        counts, displs = _counts_and_displacements(lengths)
         send = np.frombuffer(payload, dtype=np.uint8)
         recv = np.empty(sum(counts), dtype=np.uint8)
         req = self._comm.Iallgatherv([send, MPI.BYTE], [recv, counts, displs, MPI.BYTE])
         self._collective(req, (send, recv), deadline, "all_gather", timeout)
-        result = []
-        for r in range(self._size):
-            try:
-                result.append(decode(recv[displs[r]:displs[r] + counts[r]].tobytes()))
-            except ValueError as e:
-                raise CoordinationError(f"all_gather: rank {r} sent data that is not JSON: {e}") from e
-        return result
+        return _decode_parts(recv, counts, displs, "all_gather")
 
     def gather(self, obj: Any, root: int = 0, timeout: Optional[float] = None) -> Optional[List[Any]]:
         self._check()
@@ -212,20 +203,11 @@ class MPICoordinator(EngineCoordinator):
         if int(lengths.sum()) > 2**31 - 1:  # the others' Igatherv then waits until its timeout
             self._failed = "gather of too many bytes"
             raise InvalidArgumentError(f"gather of {int(lengths.sum())} bytes: objects are too large")
-        counts = [int(n) for n in lengths]
-        displs = [0] * self._size
-        for r in range(1, self._size):
-            displs[r] = displs[r - 1] + counts[r - 1]
+        counts, displs = _counts_and_displacements(lengths)
         recv = np.empty(sum(counts), dtype=np.uint8)
         req = self._comm.Igatherv([send, MPI.BYTE], [recv, counts, displs, MPI.BYTE], root=root)
         self._collective(req, (send, recv), deadline, f"gather to rank {root}", timeout)
-        result = []
-        for r in range(self._size):
-            try:
-                result.append(decode(recv[displs[r]:displs[r] + counts[r]].tobytes()))
-            except ValueError as e:
-                raise CoordinationError(f"gather: rank {r} sent data that is not JSON: {e}") from e
-        return result
+        return _decode_parts(recv, counts, displs, "gather")
 
     def broadcast(self, obj: Any, root: int = 0, timeout: Optional[float] = None) -> Any:
         self._check()
@@ -355,3 +337,23 @@ class MPICoordinator(EngineCoordinator):
                 except Exception:  # pragma: no cover
                     pass
         self._comm = self._ctl = None
+
+
+def _counts_and_displacements(lengths: Any) -> Tuple[List[int], List[int]]:
+    """Per-rank byte counts and their start offsets in the received buffer."""
+    counts = [int(n) for n in lengths]
+    displs = [0] * len(counts)
+    for r in range(1, len(counts)):
+        displs[r] = displs[r - 1] + counts[r - 1]
+    return counts, displs
+
+
+def _decode_parts(recv: Any, counts: List[int], displs: List[int], what: str) -> List[Any]:
+    """Each rank's part of ``recv``, decoded, in rank order."""
+    result = []
+    for r, (start, n) in enumerate(zip(displs, counts)):
+        try:
+            result.append(decode(recv[start:start + n].tobytes()))
+        except ValueError as e:
+            raise CoordinationError(f"{what}: rank {r} sent data that is not JSON: {e}") from e
+    return result

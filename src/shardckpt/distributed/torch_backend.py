@@ -47,7 +47,7 @@ import re
 import threading
 import time
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import InvalidArgumentError
 from .coordinator import CoordinationError, CoordinationTimeout, check_timeout, decode, encode
@@ -233,6 +233,32 @@ class TorchCoordinator(EngineCoordinator):
 
     # -- collectives ------------------------------------------------------------------------------------------
 
+    def _padded_payload(self, payload: bytes, deadline: float, what: str,
+                        timeout: Optional[float]) -> Tuple[List[int], Any]:
+        """Every rank's payload length (all-gathered: gloo moves only equal-sized tensors) and this
+        rank's payload padded to the longest."""
+        torch, dist = self._torch, self._dist
+        lengths = torch.zeros(self._size, dtype=torch.int64)
+        work = dist.all_gather(list(lengths.split(1)), torch.tensor([len(payload)], dtype=torch.int64),
+                               group=self._group, async_op=True)
+        self._wait(work, deadline, f"{what} (lengths)", timeout)
+        sizes = [int(n) for n in lengths.tolist()]
+        send = torch.zeros(max(sizes), dtype=torch.uint8)
+        send[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return sizes, send
+
+    def _decode_rows(self, out: Any, sizes: List[int], what: str) -> List[Any]:
+        """Row ``r`` of ``out``, cut to ``sizes[r]`` bytes, decoded; undecodable data fails the coordinator."""
+        raw = out.numpy()
+        result = []
+        for r, n in enumerate(sizes):
+            try:
+                result.append(decode(raw[r, :n].tobytes()))
+            except ValueError as e:
+                self._failed = f"{what} received undecodable data"
+                raise CoordinationError(f"{what}: rank {r} sent data that is not JSON: {e}") from e
+        return result
+
     def all_gather(self, obj: Any, timeout: Optional[float] = None) -> List[Any]:
         self._check()
         torch, dist = self._torch, self._dist
@@ -241,26 +267,11 @@ class TorchCoordinator(EngineCoordinator):
         payload = encode(obj)
         if self._size == 1:
             return [decode(payload)]
-        lengths = torch.zeros(self._size, dtype=torch.int64)
-        work = dist.all_gather(list(lengths.split(1)), torch.tensor([len(payload)], dtype=torch.int64),
-                               group=self._group, async_op=True)
-        self._wait(work, deadline, "all_gather (lengths)", timeout)
-        sizes = [int(n) for n in lengths.tolist()]
-        width = max(sizes)
-        send = torch.zeros(width, dtype=torch.uint8)
-        send[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        out = torch.empty((self._size, width), dtype=torch.uint8)
+        sizes, send = self._padded_payload(payload, deadline, "all_gather", timeout)
+        out = torch.empty((self._size, send.numel()), dtype=torch.uint8)
         work = dist.all_gather(list(out.unbind(0)), send, group=self._group, async_op=True)
         self._wait(work, deadline, "all_gather", timeout)
-        raw = out.numpy()
-        result = []
-        for r, n in enumerate(sizes):
-            try:
-                result.append(decode(raw[r, :n].tobytes()))
-            except ValueError as e:
-                self._failed = "all_gather received undecodable data"
-                raise CoordinationError(f"all_gather: rank {r} sent data that is not JSON: {e}") from e
-        return result
+        return self._decode_rows(out, sizes, "all_gather")
 
     def gather(self, obj: Any, root: int = 0, timeout: Optional[float] = None) -> Optional[List[Any]]:
         self._check()
@@ -271,29 +282,14 @@ class TorchCoordinator(EngineCoordinator):
         payload = encode(obj)
         if self._size == 1:
             return [decode(payload)]
-        lengths = torch.zeros(self._size, dtype=torch.int64)
-        work = dist.all_gather(list(lengths.split(1)), torch.tensor([len(payload)], dtype=torch.int64),
-                               group=self._group, async_op=True)
-        self._wait(work, deadline, "gather (lengths)", timeout)
-        sizes = [int(n) for n in lengths.tolist()]
-        width = max(sizes)
-        send = torch.zeros(width, dtype=torch.uint8)
-        send[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        out = torch.empty((self._size, width), dtype=torch.uint8) if self._rank == root else None
+        sizes, send = self._padded_payload(payload, deadline, "gather", timeout)
+        out = torch.empty((self._size, send.numel()), dtype=torch.uint8) if self._rank == root else None
         work = dist.gather(send, list(out.unbind(0)) if out is not None else None, group=self._group,
                            group_dst=root, async_op=True)
         self._wait(work, deadline, f"gather to rank {root}", timeout)
         if out is None:
             return None
-        raw = out.numpy()
-        result = []
-        for r, n in enumerate(sizes):
-            try:
-                result.append(decode(raw[r, :n].tobytes()))
-            except ValueError as e:
-                self._failed = "gather received undecodable data"
-                raise CoordinationError(f"gather: rank {r} sent data that is not JSON: {e}") from e
-        return result
+        return self._decode_rows(out, sizes, "gather")
 
     def broadcast(self, obj: Any, root: int = 0, timeout: Optional[float] = None) -> Any:
         self._check()

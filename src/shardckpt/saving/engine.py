@@ -290,18 +290,27 @@ def _number_shards(plan: SavePlan, request: SaveRequest, coordinator: Coordinato
             send_plan(plan, coordinator, io)
             shards = []
     # Only the io client receives and checks every client's pieces; everyone learns its verdict.
-    gathered = coordinator.gather({"shards": len(shards), "pieces": pack_pieces(pieces)}, root=io, timeout=timeout)
+    verdict = _pieces_verdict(coordinator, io, timeout, len(shards), pack_pieces(pieces), with_counts=True)
+    counts = verdict["counts"]
+    return shards, sum(counts), sum(counts[:rank]), verdict["problem"]
+
+
+def _pieces_verdict(coordinator: Coordinator, io: int, timeout: Optional[float], shards: int, packed: str, *,
+                    with_counts: bool) -> Dict[str, Any]:
+    """Gather every client's shard count and packed pieces to the io client, which checks them;
+    return its verdict, broadcast to all: ``{"problem": message or None}`` and, ``with_counts``,
+    ``"counts"`` (every client's shard count)."""
+    gathered = coordinator.gather({"shards": shards, "pieces": packed}, root=io, timeout=timeout)
     verdict: Dict[str, Any] = {}
     if gathered is not None:
-        verdict = {"counts": [int(g["shards"]) for g in gathered]}
+        if with_counts:
+            verdict["counts"] = [int(g["shards"]) for g in gathered]
         try:
             verdict["problem"] = check_pieces([g["pieces"] for g in gathered])
         except Exception as exc:  # a table that does not decode: every client fails alike
             verdict["problem"] = f"client {io} could not check the clients' pieces: {_describe(exc)}"
         del gathered
-    verdict = coordinator.broadcast(verdict, root=io, timeout=timeout)
-    counts = verdict["counts"]
-    return shards, sum(counts), sum(counts[:rank]), verdict["problem"]
+    return dict(coordinator.broadcast(verdict, root=io, timeout=timeout))
 
 
 def _write_checking_pieces(plan: SavePlan, request: SaveRequest, coordinator: Coordinator, committer: Committer,
@@ -324,16 +333,8 @@ def _write_checking_pieces(plan: SavePlan, request: SaveRequest, coordinator: Co
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardckpt-save")
         writes = pool.submit(_write_shards, committer, plan.shards, first + sum(counts[:rank]), request.max_workers)
     try:
-        gathered = coordinator.gather({"shards": len(plan.shards), "pieces": pack_pieces(describe_pieces(plan))},
-                                      root=io, timeout=timeout)
-        verdict: Dict[str, Any] = {}
-        if gathered is not None:
-            try:
-                verdict["problem"] = check_pieces([g["pieces"] for g in gathered])
-            except Exception as exc:  # a table that does not decode: every client fails alike
-                verdict["problem"] = f"client {io} could not check the clients' pieces: {_describe(exc)}"
-            del gathered
-        verdict = coordinator.broadcast(verdict, root=io, timeout=timeout)
+        verdict = _pieces_verdict(coordinator, io, timeout, len(plan.shards), pack_pieces(describe_pieces(plan)),
+                                  with_counts=False)
     finally:  # never leave a write running behind a failed collective (the io client's abort removes its files)
         written: List[Written] = []
         own_error: Optional[Exception] = None
