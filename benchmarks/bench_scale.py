@@ -52,6 +52,8 @@ import tempfile
 import time
 from typing import Any, Dict, List
 
+import common as C
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 ROWS, COLS = 2, 4  # rows of each tensor per client, columns: 32 bytes per slice
@@ -70,21 +72,7 @@ def _hwm_kib() -> int:
 
 
 def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak() -> bool:
-    """Start a new peak-RSS window (Linux: VmHWM is reset by writing 5 to clear_refs)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    return C.status_bytes(field) // 1024
 
 
 def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
@@ -131,7 +119,7 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
         {k: [d, s, [[[r * ROWS, (r + 1) * ROWS], [0, COLS]]]] for k, (d, s, _) in described.items()})})
         for r in range(n)]
     peak_before = _status_kib("VmHWM")
-    windowed = _reset_peak()
+    windowed = C.reset_peak_rss()
     start_rss = _rss_kib()
     t0 = time.perf_counter()
     received = [json.loads(g) for g in gathered_pieces]  # the coordinator's decoding of the gather
@@ -169,7 +157,7 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
     gathered = [_encode_entries(client_entries(r)) for r in range(n)]
     out["gathered_entries_mib"] = sum(map(len, gathered)) / 2**20
     peak_before = max(peak_before, _status_kib("VmHWM"))
-    windowed = _reset_peak()
+    windowed = C.reset_peak_rss()
     start_rss = _rss_kib()
     t0 = time.perf_counter()
     merged = merge_entries((f"part{r}", _decode_entries(g)) for r, g in enumerate(gathered))
@@ -194,7 +182,7 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
             f.write(index_bytes({k: e.SerializeToString() for k, e in entries.items()}, 1))
         part_prefixes.append(part)
     peak_before = max(peak_before, _status_kib("VmHWM"))
-    windowed = _reset_peak()
+    windowed = C.reset_peak_rss()
     start_rss = _rss_kib()
     t0 = time.perf_counter()
     inputs = ((part,) + read_index(part, local_fs) for part in part_prefixes)  # as merge_bundles reads them

@@ -177,7 +177,8 @@ def drop_page_cache() -> bool:
 
 
 # -- probes ---------------------------------------------------------------------------
-def _status_kib(field: str) -> int:
+def status_bytes(field: str) -> int:
+    """A memory field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``...) in bytes; 0 where absent."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -193,6 +194,16 @@ def _io_counters() -> Dict[str, int]:
         return {}
 
 
+def reset_peak_rss() -> bool:
+    """Start a new peak-RSS window (Linux: writing 5 to ``clear_refs`` resets ``VmHWM``); False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 class Probe:
     """Time, CPU time, peak extra resident memory and syscall bytes of one phase.
 
@@ -204,13 +215,8 @@ class Probe:
     """
 
     def start(self) -> "Probe":
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.hwm_reset = True
-        except OSError:
-            self.hwm_reset = False
-        self.rss0 = _status_kib("VmRSS")
+        self.hwm_reset = reset_peak_rss()
+        self.rss0 = status_bytes("VmRSS")
         self.io0 = _io_counters()
         self.ru0 = resource.getrusage(resource.RUSAGE_SELF)
         self.t0 = time.perf_counter()
@@ -223,7 +229,7 @@ class Probe:
         io = _io_counters()
         out = {"seconds": seconds, "cpu_s": ru.ru_utime - self.ru0.ru_utime + sys_s, "sys_s": sys_s,
                "rss_before": self.rss0,
-               "peak_extra": max(0, _status_kib("VmHWM") - self.rss0) if self.hwm_reset else None}
+               "peak_extra": max(0, status_bytes("VmHWM") - self.rss0) if self.hwm_reset else None}
         for k in ("rchar", "wchar"):
             out[k] = io[k] - self.io0[k] if k in io and k in self.io0 else None
         return out
