@@ -7,10 +7,11 @@ from __future__ import annotations
 from typing import Dict
 
 import pytest
+from helpers.reference_pieces import pieces_problem
 
 from shardckpt.errors import CorruptIndexError, ShardingValidationError
 from shardckpt.format.protos import tensor_bundle_pb2 as pb
-from shardckpt.saving.agreement import pack_pieces, pieces_problem, unpack_pieces
+from shardckpt.saving.agreement import pack_pieces, unpack_pieces
 from shardckpt.saving.commit.index_last import _decode_entries, _encode_entries, encode_pairs
 
 KEYS = [f"model/layer_{i // 16}/w{i % 16}/.ATTRIBUTES/VARIABLE_VALUE" for i in range(1000)]

@@ -18,11 +18,12 @@ from typing import Any, Dict, List
 
 import numpy as np
 import pytest
+from helpers.reference_pieces import pieces_problem
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardckpt.errors import ShardingValidationError
-from shardckpt.saving.agreement import check_pieces, pack_pieces, pieces_problem, unpack_pieces
+from shardckpt.saving.agreement import check_pieces, pack_pieces, unpack_pieces
 
 Described = List[Dict[str, List[Any]]]
 

@@ -29,7 +29,7 @@ from .piece_check import check_packed
 from .piece_table import pack_table, table_as_dict, unpack_table
 from .plan import SavePlan
 
-__all__ = ["save_identity", "identity_problem", "describe_pieces", "pieces_problem", "pack_pieces", "unpack_pieces",
+__all__ = ["save_identity", "identity_problem", "describe_pieces", "pack_pieces", "unpack_pieces",
            "check_pieces", "problems_message"]
 
 #: One holder of a key: ``(rank, dtype enum, global shape, boxes)``.
@@ -88,23 +88,8 @@ def unpack_pieces(packed: str) -> Dict[str, List[Any]]:
 def check_pieces(packed: Sequence[str]) -> Optional[str]:
     """The io client's check of every client's packed pieces (``packed[r]``: client ``r``'s), streaming and
     vectorized (:mod:`.piece_check`): ``None`` when they tile every tensor, else what
-    :func:`pieces_problem` says of them."""
+    what is wrong, naming ranks and keys (:func:`problems_message`)."""
     return check_packed(packed)
-
-
-def pieces_problem(described: List[Dict[str, List[Any]]]) -> Optional[str]:
-    """``None`` when the clients' pieces make whole tensors, else what is wrong, naming ranks and keys.
-
-    The reference check, on Python objects (one per piece); :func:`check_pieces` gives the same
-    verdict from the packed tables at a fraction of the time and memory.
-    """
-    by_key: Dict[str, List[Holder]] = {}
-    for rank, pieces in enumerate(described):
-        for key, (dtype, shape, boxes) in pieces.items():
-            by_key.setdefault(key, []).append(
-                (rank, int(dtype), tuple(int(d) for d in shape),
-                 [tuple((int(a), int(b)) for a, b in box) for box in boxes]))
-    return problems_message(by_key, [bool(d) for d in described])
 
 
 def problems_message(by_key: Dict[str, List[Holder]], nonempty: Sequence[bool]) -> Optional[str]:

@@ -5,8 +5,8 @@ io client gathered). Output: ``None`` when, per key, every holder names one dtyp
 one global shape and the (non-empty) boxes of all holders tile the tensor exactly (no
 gap, no overlap, none outside); else the message of
 :func:`shardckpt.saving.agreement.problems_message` for the keys that fail, naming ranks
-and keys (the same text the per-object reference check,
-:func:`~shardckpt.saving.agreement.pieces_problem`, gives).
+and keys (the same text as the tests' reference check, which holds every piece as a
+Python object).
 
 How, so that 10^6 pieces cost well under a second and a few MiB:
 
