@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from ...format.bundle_writer import BundleWriter
 from ...format.tensor_slice import parse_shape_and_slice
@@ -16,17 +16,24 @@ def _digest() -> Any:
     return new_digest()
 
 
-def fill_bundle(writer: BundleWriter, shard: ShardPlan) -> Optional[List[Any]]:
+def _sample(value: Any, dtype: Any) -> Optional[str]:
+    from ..incremental import sample_hash
+    return sample_hash(value, dtype)
+
+
+def fill_bundle(writer: BundleWriter, shard: ShardPlan) -> Optional[Tuple[List[Any], List[Any]]]:
     """Append every item of ``shard`` to ``writer``, in order; release each source once its bytes are written.
 
     For a shard of an incremental save (``shard.hashes`` set) return each item's content
-    hash: the one already known, else computed while its bytes stream out (``None`` for
-    strings); otherwise return ``None``.
+    hash and sample hash: the ones already known, else computed on this pass (the hash
+    while its bytes stream out, the sample right after; ``None`` for strings); otherwise
+    return ``None``.
 
     On failure every source of the shard is told (a streaming snapshot must not wait
     for this writer any more), and the error propagates.
     """
     hashes: Optional[List[Any]] = None if shard.hashes is None else list(shard.hashes)
+    samples: List[Any] = list(shard.samples or (None,) * len(shard.items))
     try:
         for n, item in enumerate(shard.items):
             value = item.source.get()
@@ -39,9 +46,11 @@ def fill_bundle(writer: BundleWriter, shard: ShardPlan) -> Optional[List[Any]]:
                 writer.add_slice(item.key, full_shape, tslice, value, digest=digest)
             if digest is not None and hashes is not None:
                 hashes[n] = str(digest.hexdigest())
+            if hashes is not None and samples[n] is None and not item.dtype.is_string:
+                samples[n] = _sample(value, item.dtype.enum)
             item.source.release()
     except BaseException as exc:
         for item in shard.items:
             item.source.fail(exc)
         raise
-    return hashes
+    return None if hashes is None else (hashes, samples)
