@@ -162,47 +162,40 @@ def head_hash(value: Any, dtype: Any) -> Optional[str]:
     return str(digest.hexdigest())
 
 
-_WINDOW_INDEX: Dict[int, Any] = {}  # piece bytes -> byte offsets of its sample windows (NumPy, cached)
-
-
 def sample_windows(nbytes: int) -> List[Tuple[int, int]]:
     """The ``(start, stop)`` byte ranges of a piece of ``nbytes`` bytes that its sample reads besides its last
-    :data:`HEAD_BYTES`: :data:`SAMPLE_WINDOWS` windows of :data:`SAMPLE_BYTES`, evenly spread between the
-    head and the tail, the first right after the head, the last right before the tail. None for a piece of
-    at most ``2 * HEAD_BYTES + SAMPLE_BYTES`` bytes (its sample is all its bytes after the head)."""
-    first, last = HEAD_BYTES, nbytes - HEAD_BYTES - SAMPLE_BYTES
-    if last <= first:
-        return []
-    steps = SAMPLE_WINDOWS - 1
-    return [(a, a + SAMPLE_BYTES) for a in (first + (last - first) * i // steps for i in range(SAMPLE_WINDOWS))]
+    :data:`HEAD_BYTES`: :data:`SAMPLE_WINDOWS` windows of :data:`SAMPLE_BYTES` at equal steps, the first
+    right after the head, the last at most one step before the tail. None for a piece of at most
+    ``2 * HEAD_BYTES + SAMPLE_WINDOWS * SAMPLE_BYTES`` bytes (its sample is all its bytes after the head)."""
+    step = _window_step(nbytes)
+    starts = [HEAD_BYTES + i * step for i in range(SAMPLE_WINDOWS)] if step else []
+    return [(a, a + SAMPLE_BYTES) for a in starts]
 
 
-def _window_index(nbytes: int) -> Any:
-    index = _WINDOW_INDEX.get(nbytes)
-    if index is None:
-        starts = np.array([a for a, _ in sample_windows(nbytes)], dtype=np.int64)
-        index = (starts[:, None] + np.arange(SAMPLE_BYTES, dtype=np.int64)).reshape(-1)
-        if len(_WINDOW_INDEX) < 4096:
-            _WINDOW_INDEX[nbytes] = index
-    return index
+def _window_step(nbytes: int) -> int:
+    """The step between sample windows (0: the piece is too short for windows)."""
+    step = (nbytes - 2 * HEAD_BYTES - SAMPLE_BYTES) // (SAMPLE_WINDOWS - 1)
+    return step if step >= SAMPLE_BYTES else 0
 
 
 def sample_hash(value: Any, dtype: Any) -> Optional[str]:
     """xxh3-128 of the *sample* of ``value`` as stored: its :data:`SAMPLE_WINDOWS` windows
-    (:func:`sample_windows`) in order, then its last :data:`HEAD_BYTES` bytes; a piece of at most
-    ``2 * HEAD_BYTES + SAMPLE_BYTES`` bytes: its bytes after the head. ``None`` for strings, for pieces of at most
-    :data:`HEAD_BYTES` bytes (the head holds them) and for arrays not laid out contiguously (reading
-    the windows would copy the whole piece); the pre-check then rests on the head alone."""
+    (:func:`sample_windows`) in order, then its last :data:`HEAD_BYTES` bytes; a piece too short for
+    windows: its bytes after the head. ``None`` for strings, for pieces of at most :data:`HEAD_BYTES`
+    bytes (the head holds them) and for arrays not laid out contiguously (reading the windows would
+    copy the whole piece); the pre-check then rests on the head alone. Reads about 8 KiB: microseconds."""
     array, dt = to_disk_array(value, dtype)
     if dt.is_string or array.nbytes <= HEAD_BYTES or not array.flags.c_contiguous:
         return None
     flat = byte_view(array)
     n = len(flat)
     digest = new_digest()
-    if n <= 2 * HEAD_BYTES + SAMPLE_BYTES:
+    step = _window_step(n)
+    if not step:
         digest.update(flat[HEAD_BYTES:])
-    else:
-        digest.update(np.frombuffer(flat, dtype=np.uint8).take(_window_index(n)))
+    else:  # the windows as one strided view of the bytes, copied into one buffer (4 KiB)
+        windows = np.ndarray((SAMPLE_WINDOWS, SAMPLE_BYTES), np.uint8, flat, HEAD_BYTES, (step, 1))
+        digest.update(windows.copy())
         digest.update(flat[n - HEAD_BYTES:])
     return str(digest.hexdigest())
 
