@@ -165,7 +165,7 @@ def head_hash(value: Any, dtype: Any) -> Optional[str]:
 def sample_windows(nbytes: int) -> List[Tuple[int, int]]:
     """The ``(start, stop)`` byte ranges of a piece of ``nbytes`` bytes that its sample reads besides its last
     :data:`HEAD_BYTES`: :data:`SAMPLE_WINDOWS` windows of :data:`SAMPLE_BYTES` at equal steps, the first
-    right after the head, the last at most one step before the tail. None for a piece of at most
+    right after the head, the last at most one step before the tail. None for a piece shorter than
     ``2 * HEAD_BYTES + SAMPLE_WINDOWS * SAMPLE_BYTES`` bytes (its sample is all its bytes after the head)."""
     step = _window_step(nbytes)
     starts = [HEAD_BYTES + i * step for i in range(SAMPLE_WINDOWS)] if step else []
