@@ -432,6 +432,77 @@ def test_head_pre_check_and_sidecars_without_heads(tmp_path: Path) -> None:
     assert origins is not None and sorted(o["how"] for o in origins.values()) == ["link", "written", "written"]
 
 
+def _expected_sample(data: bytes) -> str:
+    """A piece's sample hash as the sidecar documents it, computed here from the bytes themselves."""
+    import xxhash
+
+    from shardckpt.saving.incremental import HEAD_BYTES, sample_windows
+
+    windows = sample_windows(len(data))
+    sampled = b"".join(data[a:z] for a, z in windows) + data[-HEAD_BYTES:] if windows else data[HEAD_BYTES:]
+    return str(xxhash.xxh3_128(sampled).hexdigest())
+
+
+def test_sample_pre_check_catches_changes_past_the_head_without_a_hashing_pass(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A piece whose head is unchanged but whose tail, or a region its sample windows read, changed is
+    known changed from its sample: it is written and hashed on the writer's pass, never hashed whole
+    before. A change between the windows is still caught by the whole hash. Every piece's sample is
+    recorded (computed on the writer's pass for written pieces); a sidecar without samples still works."""
+    from shardckpt.saving import incremental
+    from shardckpt.saving.incremental import HEAD_BYTES, sample_windows
+
+    prefix = str(tmp_path / "ck")
+    rng = np.random.default_rng(9)
+    values = {k: rng.standard_normal(300_000).astype(np.float32) for k in "abcdefgh"}
+    shardckpt.save_tensors(prefix, values, INCREMENTAL, fsync=False)
+
+    def records() -> Dict[str, List[Any]]:
+        return {p[0]: p for p in json.loads(Path(sidecar_filename(prefix)).read_bytes())["pieces"]}
+
+    assert all(records()[k][6] == _expected_sample(v.tobytes()) for k, v in values.items())
+    hashed: List[int] = []
+    real = incremental.content_hash
+
+    def counting(value: Any, dtype: Any) -> Optional[str]:
+        hashed.append(int(np.asarray(value).nbytes))
+        return real(value, dtype)
+
+    monkeypatch.setattr(incremental, "content_hash", counting)
+    windows = sample_windows(values["b"].nbytes)
+    assert len(windows) == incremental.SAMPLE_WINDOWS and windows[0][0] == HEAD_BYTES
+    inside = (windows[20][0] + 8) // 4  # a float32 read by the 21st window
+    outside = (windows[20][1] + windows[21][0]) // 8  # one between the 21st and 22nd windows
+    assert windows[20][1] <= outside * 4 and outside * 4 + 4 <= windows[21][0]
+    values["a"][-1] += 1  # only the tail changes
+    values["b"][inside] += 1  # only a sampled window changes
+    values["c"][outside] += 1  # only bytes no window reads change
+    shardckpt.save_tensors(prefix, values, INCREMENTAL, fsync=False)
+    assert len(hashed) == len(values) - 2, "a and b were hashed whole although their samples differ"
+    got, recs = _read_all(prefix), records()
+    import xxhash
+
+    for k, v in values.items():
+        assert np.array_equal(got[k], v), k
+        assert recs[k][2] == xxhash.xxh3_128(v.tobytes()).hexdigest(), k
+        assert recs[k][6] == _expected_sample(v.tobytes()), k
+    # an older sidecar: heads but no samples; a change past the head is then found by the whole hash
+    doc = json.loads(Path(sidecar_filename(prefix)).read_bytes())
+    doc["pieces"] = [p[:6] for p in doc["pieces"]]
+    Path(sidecar_filename(prefix)).write_text(json.dumps(doc))
+    hashed.clear()
+    values["d"][-1] += 1
+    shardckpt.save_tensors(prefix, values, INCREMENTAL, fsync=False)
+    assert len(hashed) == len(values)
+    got = _read_all(prefix)
+    assert all(np.array_equal(got[k], v) for k, v in values.items())
+    # what has no contiguous layout, or fits in the head, has no sample
+    assert incremental.sample_hash(np.ones((100, 100), np.float32)[:, ::2], None) is None
+    assert incremental.sample_hash(np.ones(HEAD_BYTES // 4, np.float32), None) is None
+    small = np.arange(3000, dtype=np.float32)  # 12000 bytes: its sample is everything after the head
+    assert incremental.sample_hash(small, None) == _expected_sample(small.tobytes())
+
+
 # -- where links are impossible --------------------------------------------------------------------
 
 def test_no_hard_links_across_filesystems_falls_back_to_a_copy_and_says_so(

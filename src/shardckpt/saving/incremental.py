@@ -16,8 +16,11 @@ and only makes the next save a full one). It records the xxh3-128 hash of the ex
 index bytes it belongs to (a sidecar whose index was replaced, or never committed, is
 ignored), and per piece (key, slice spec): the xxh3-128 hash of its bytes, its change
 token (a :class:`~shardckpt.Variable`'s version, meaningful only in the process that
-wrote it), which shard record it was written in, and the xxh3-128 hash of its first
-:data:`HEAD_BYTES` bytes (the *head*; absent in older sidecars); per shard record: bytes
+wrote it), which shard record it was written in, the xxh3-128 hash of its first
+:data:`HEAD_BYTES` bytes (the *head*; absent in older sidecars) and the xxh3-128 hash of
+its *sample* (:func:`sample_hash`: its last :data:`HEAD_BYTES` bytes and
+:data:`SAMPLE_WINDOWS` windows of :data:`SAMPLE_BYTES` spread evenly between; absent in
+older sidecars and where it was not computed); per shard record: bytes
 written (a linked file: none, and the bytes of its pieces in use), and the data file it was
 linked or copied from (``shardckpt inspect`` shows
 them).
@@ -32,12 +35,20 @@ byte is staged or written), cheapest first:
    hand it out is hashed (a direct write through a kept reference is caught), unless
    ``trust_versions`` says that direct writes are followed by ``mark_changed()``;
 2. a piece whose head hash (its first :data:`HEAD_BYTES` bytes: microseconds) differs
-   from the recorded one changed: it is written, and hashed while its bytes stream to
-   storage (no extra pass; when every piece changed, detection costs next to nothing);
+   from the recorded one changed; so did one whose head matches but whose sample hash
+   (about 8 KiB more, read from its end and from evenly spread windows: a change confined
+   to the tail, or to any region wider than the windows' spacing, is seen there) differs.
+   Such a piece is written, and hashed while its bytes stream to storage (no extra pass;
+   when every piece changed, detection costs next to nothing);
 3. otherwise its bytes are hashed (xxh3-128, about 10 GB/s) and compared with the
    recorded hash. Pieces the previous checkpoint does not know are hashed while their
    bytes stream to storage (no extra pass). Strings are always written. CRC32C is never
-   used as an identity.
+   used as an identity. A matching head or sample never proves a piece unchanged; only
+   the whole hash (or a version stamp, 1.) does.
+
+The sample of a piece that is written is computed on the writer's pass, right after its
+bytes went out (:func:`shardckpt.saving.commit.writing.fill_bundle`); an unchanged piece
+keeps its recorded one.
 
 **Layout** (:func:`arrange`). A committed data file is never written into, so a data file
 of the previous checkpoint whose pieces all belong to this client is *linked* into the new
@@ -73,9 +84,10 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
+import numpy as np
 import xxhash
 
-from ..format.bundle_writer import byte_chunks, encode_key, shape_proto, to_disk_array
+from ..format.bundle_writer import byte_chunks, byte_view, encode_key, shape_proto, to_disk_array
 from ..format.crc import default_context
 from ..format.merge import _parse_header
 from ..format.naming import data_filename, index_filename
@@ -86,7 +98,8 @@ from ..format.tensor_slice import parse_shape_and_slice
 from ..storage.base import FileSystem
 from .plan import PlanItem, Reuse, SavePlan, ShardPlan
 
-__all__ = ["LIVE_FRACTION", "EXTRA_LINKED_FILES", "HEAD_BYTES", "head_hash", "SIDECAR_SUFFIX", "sidecar_filename",
+__all__ = ["LIVE_FRACTION", "EXTRA_LINKED_FILES", "HEAD_BYTES", "head_hash", "SAMPLE_WINDOWS", "SAMPLE_BYTES",
+           "sample_windows", "sample_hash", "SIDECAR_SUFFIX", "sidecar_filename",
            "content_hash", "new_digest", "Previous", "load_previous", "arrange", "sidecar_bytes", "read_sidecar",
            "entry_key", "piece_records", "data_file_origins"]
 
@@ -105,6 +118,9 @@ LIVE_FRACTION = 0.75
 EXTRA_LINKED_FILES = 3
 #: a piece's first bytes hashed for the cheap pre-check of change detection
 HEAD_BYTES = 4096
+#: the sample of a piece (:func:`sample_hash`): this many windows of :data:`SAMPLE_BYTES` bytes each
+SAMPLE_WINDOWS = 64
+SAMPLE_BYTES = 64
 #: below this many bytes in all, change detection runs on the calling thread
 _PARALLEL_HASH_BYTES = 8 << 20
 Written = Dict[str, Any]
@@ -146,6 +162,44 @@ def head_hash(value: Any, dtype: Any) -> Optional[str]:
     return str(digest.hexdigest())
 
 
+def sample_windows(nbytes: int) -> List[Tuple[int, int]]:
+    """The ``(start, stop)`` byte ranges of a piece of ``nbytes`` bytes that its sample reads besides its last
+    :data:`HEAD_BYTES`: :data:`SAMPLE_WINDOWS` windows of :data:`SAMPLE_BYTES` at equal steps, the first
+    right after the head, the last at most one step before the tail. None for a piece shorter than
+    ``2 * HEAD_BYTES + SAMPLE_WINDOWS * SAMPLE_BYTES`` bytes (its sample is all its bytes after the head)."""
+    step = _window_step(nbytes)
+    starts = [HEAD_BYTES + i * step for i in range(SAMPLE_WINDOWS)] if step else []
+    return [(a, a + SAMPLE_BYTES) for a in starts]
+
+
+def _window_step(nbytes: int) -> int:
+    """The step between sample windows (0: the piece is too short for windows)."""
+    step = (nbytes - 2 * HEAD_BYTES - SAMPLE_BYTES) // (SAMPLE_WINDOWS - 1)
+    return step if step >= SAMPLE_BYTES else 0
+
+
+def sample_hash(value: Any, dtype: Any) -> Optional[str]:
+    """xxh3-128 of the *sample* of ``value`` as stored: its :data:`SAMPLE_WINDOWS` windows
+    (:func:`sample_windows`) in order, then its last :data:`HEAD_BYTES` bytes; a piece too short for
+    windows: its bytes after the head. ``None`` for strings, for pieces of at most :data:`HEAD_BYTES`
+    bytes (the head holds them) and for arrays not laid out contiguously (reading the windows would
+    copy the whole piece); the pre-check then rests on the head alone. Reads about 8 KiB: microseconds."""
+    array, dt = to_disk_array(value, dtype)
+    if dt.is_string or array.nbytes <= HEAD_BYTES or not array.flags.c_contiguous:
+        return None
+    flat = byte_view(array)
+    n = len(flat)
+    digest = new_digest()
+    step = _window_step(n)
+    if not step:
+        digest.update(flat[HEAD_BYTES:])
+    else:  # the windows as one strided view of the bytes, copied into one buffer (4 KiB)
+        windows = np.ndarray((SAMPLE_WINDOWS, SAMPLE_BYTES), np.uint8, flat, HEAD_BYTES, (step, 1))
+        digest.update(windows.copy())
+        digest.update(flat[n - HEAD_BYTES:])
+    return str(digest.hexdigest())
+
+
 def entry_key(key: str, slice_spec: str) -> bytes:
     """The index key a piece is stored under (a slice's encoded key; a slice covering its tensor: the key)."""
     if not slice_spec:
@@ -161,6 +215,7 @@ class _Record:
     hash: Optional[str]
     token: Optional[str]
     head: Optional[str] = None
+    sample: Optional[str] = None
 
 
 @dataclass
@@ -229,8 +284,8 @@ def load_previous(prefix: str, fs: FileSystem) -> Optional[Previous]:
         items = list(read_table(sidecar["_index"], path))
         header = _parse_header(items[0][0], items[0][1], path)
         entries = {k: pb.BundleEntryProto.FromString(v) for k, v in items[1:]}
-        pieces = {(str(p[0]), str(p[1])): _Record(p[2], p[3], p[5] if len(p) > 5 else None)
-                  for p in sidecar["pieces"]}
+        pieces = {(str(p[0]), str(p[1])): _Record(p[2], p[3], p[5] if len(p) > 5 else None,
+                                                  p[6] if len(p) > 6 else None) for p in sidecar["pieces"]}
     except Exception as exc:
         _log.info("incremental save: cannot use %s as the previous checkpoint (%s)", prefix, exc)
         return None
@@ -249,32 +304,38 @@ def _same_form(item: PlanItem, entry: pb.BundleEntryProto) -> bool:
         and not entry.slices
 
 
-_Verdict = Tuple[str, Optional[str], Optional[str]]
+#: ``("unchanged" | "changed" | "new", hash, head hash, sample hash)``; a hash or sample of ``None`` (not
+#: a string) is computed on the writer's pass
+_Verdict = Tuple[str, Optional[str], Optional[str], Optional[str]]
 
 
 def _detect(item: PlanItem, previous: Previous, trust_versions: bool) -> "_Verdict | _Record":
-    """``("unchanged" | "changed" | "new", hash or None, head hash or None)`` for one piece when it is
-    known without reading the piece's bytes (a hash of ``None``, not a string, is computed while the
-    piece's bytes stream out); else the record its bytes must be compared with (:func:`_by_bytes`)."""
+    """The verdict on one piece when it is known without reading the piece's bytes (beyond its head,
+    for a new one); else the record its bytes must be compared with (:func:`_by_bytes`)."""
     if item.dtype.is_string:
-        return "new", None, None
+        return "new", None, None, None
     record = previous.pieces.get((item.key, item.slice_spec))
     entry = previous.entries.get(entry_key(item.key, item.slice_spec))
     if record is None or record.hash is None or entry is None or not _same_form(item, entry):
-        return "new", None, head_hash(item.source.get(), item.dtype.enum)
+        return "new", None, head_hash(item.source.get(), item.dtype.enum), None
     if item.version is not None and item.version == record.token and (trust_versions or item.version_proves):
-        return "unchanged", record.hash, record.head
+        return "unchanged", record.hash, record.head, record.sample
     return record
 
 
 def _by_bytes(item: PlanItem, record: _Record) -> _Verdict:
-    """The verdict on a piece from its bytes: its head first, then (same head) its whole xxh3-128 hash."""
+    """The verdict on a piece from its bytes: its head first, then (same head) its sample, then (same
+    sample) its whole xxh3-128 hash. A piece found changed by its head or sample is not hashed here:
+    its hash and sample are computed on the writer's pass."""
     value = item.source.get()
     head = head_hash(value, item.dtype.enum)
     if record.head is not None and head != record.head:  # changed for sure: no hashing pass
-        return "changed", None, head
+        return "changed", None, head, None
+    sample = sample_hash(value, item.dtype.enum)
+    if record.sample is not None and sample is not None and sample != record.sample:
+        return "changed", None, head, None
     digest = content_hash(value, item.dtype.enum)
-    return ("unchanged" if digest == record.hash else "changed"), digest, head
+    return ("unchanged" if digest == record.hash else "changed"), digest, head, sample
 
 
 def _detect_all(items: Sequence[PlanItem], previous: Previous, trust_versions: bool) -> List[_Verdict]:
@@ -369,7 +430,8 @@ def arrange(plan: SavePlan, previous: Optional[Previous], *, trust_versions: boo
     for shard_id, members in linked.items():
         task = members[0].tensor.task
         out.append(ShardPlan(len(out), task, tuple(members), tuple(verdicts[id(m)][1] for m in members),
-                             _reuse(previous, shard_id, members), tuple(verdicts[id(m)][2] for m in members)))
+                             _reuse(previous, shard_id, members), tuple(verdicts[id(m)][2] for m in members),
+                             tuple(verdicts[id(m)][3] for m in members)))
     for shard in plan.shards:
         rest = [i for i in shard.items if id(i) not in taken]
         stable = tuple(i for i in rest if verdicts[id(i)][0] == "unchanged")
@@ -378,7 +440,8 @@ def arrange(plan: SavePlan, previous: Optional[Previous], *, trust_versions: boo
         # rewritten apart from the changed ones, so that later saves can link their file
         for group in [g for g in (stable, moving) if g]:
             out.append(ShardPlan(len(out), shard.task, group, tuple(verdicts[id(i)][1] for i in group),
-                                 heads=tuple(verdicts[id(i)][2] for i in group)))
+                                 heads=tuple(verdicts[id(i)][2] for i in group),
+                                 samples=tuple(verdicts[id(i)][3] for i in group)))
     reused_bytes = sum(s.reuse.size for s in out if s.reuse is not None)
     _log.info("incremental save: %d of %d data files of %s linked (%d bytes in use), %d pieces written",
               len(linked), len(previous.files), previous.prefix, reused_bytes,
@@ -386,10 +449,14 @@ def arrange(plan: SavePlan, previous: Optional[Previous], *, trust_versions: boo
     return replace(plan, shards=tuple(out))
 
 
-def piece_records(shard: ShardPlan, hashes: Sequence[Optional[str]]) -> List[List[Any]]:
-    """What a written shard tells the sidecar about its pieces: ``[key, slice spec, hash, token, head]`` each."""
+def piece_records(shard: ShardPlan, hashes: Sequence[Optional[str]],
+                  samples: Optional[Sequence[Optional[str]]] = None) -> List[List[Any]]:
+    """What a written shard tells the sidecar about its pieces: ``[key, slice spec, hash, token, head,
+    sample]`` each (``samples`` default: the shard's)."""
     heads = shard.heads or (None,) * len(shard.items)
-    return [[item.key, item.slice_spec, h, item.version, head] for item, h, head in zip(shard.items, hashes, heads)]
+    samples = samples if samples is not None else shard.samples or (None,) * len(shard.items)
+    return [[item.key, item.slice_spec, h, item.version, head, sample]
+            for item, h, head, sample in zip(shard.items, hashes, heads, samples)]
 
 
 def sidecar_bytes(written: Sequence[Written], index: bytes, fs: FileSystem) -> bytes:
@@ -397,8 +464,8 @@ def sidecar_bytes(written: Sequence[Written], index: bytes, fs: FileSystem) -> b
     pieces: List[List[Any]] = []
     shards: List[Dict[str, Any]] = []
     for number, w in enumerate(written):
-        for record in w.get("pieces", []):  # stored as [key, slice spec, hash, token, shard record, head]
-            pieces.append(list(record[:4]) + [number] + list(record[4:5]))
+        for record in w.get("pieces", []):  # stored as [key, slice spec, hash, token, shard record, head, sample]
+            pieces.append(list(record[:4]) + [number] + list(record[4:6]))
         source = w.get("source")
         shards.append({"bytes_written": int(w.get("bytes", 0)), "bytes_reused": int(w.get("reused", 0)),
                        "how": w.get("how", "written"),

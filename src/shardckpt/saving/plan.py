@@ -142,6 +142,9 @@ class ShardPlan:
     reuse: Optional[Reuse] = None
     #: incremental saves: each item's head hash (:func:`shardckpt.saving.incremental.head_hash`)
     heads: Optional[Tuple[Optional[str], ...]] = None
+    #: incremental saves: each item's sample hash (:func:`shardckpt.saving.incremental.sample_hash`),
+    #: ``None`` where it is computed on the writer's pass
+    samples: Optional[Tuple[Optional[str], ...]] = None
 
     @property
     def nbytes(self) -> int:

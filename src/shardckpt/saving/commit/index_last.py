@@ -228,7 +228,7 @@ class IndexLastCommitter(Committer):
         writer = BundleWriter(self.location.prefix, fs=self._writer_fs, checksum_executor=shared_executor(),
                               data_path=path)
         try:
-            hashes = fill_bundle(writer, shard)
+            digests = fill_bundle(writer, shard)
         except BaseException:
             writer.abort()
             raise
@@ -238,8 +238,8 @@ class IndexLastCommitter(Committer):
             entry.shard_id = shard_id
         etag = self._created(path)
         out: Written = {"entries": _encode_entries(entries), "bytes": written, "etag": etag}
-        if hashes is not None:
-            out["pieces"] = piece_records(shard, hashes)
+        if digests is not None:
+            out["pieces"] = piece_records(shard, *digests)
         return out
 
     def _before_index(self, written: List[Written], index: bytes) -> None:

@@ -103,10 +103,10 @@ class RenameCommitter(Committer):
         # Only the data must be durable: the part's index is merged into the checkpoint's.
         with BundleWriter(part, fsync=self.fsync, durable_index=False, fs=self.location.fs,
                           checksum_executor=shared_executor()) as writer:
-            hashes = fill_bundle(writer, shard)
+            digests = fill_bundle(writer, shard)
             written: Written = {"part": part, "bytes": writer.bytes_written}
-        if hashes is not None:
-            written["pieces"] = piece_records(shard, hashes)
+        if digests is not None:
+            written["pieces"] = piece_records(shard, *digests)
         return written
 
     def _before_index(self, written: List[Written], index: bytes) -> None:
