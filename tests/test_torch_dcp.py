@@ -449,6 +449,37 @@ def test_stager_reuses_buffers_only_when_released() -> None:
     del ticket2
 
 
+def test_released_staging_buffers_are_dropped_and_made_again() -> None:
+    """``release_staging_buffers`` drops the kept buffers, so their memory returns; the next staging
+    allocates new ones with the right values, and a copy a save still writes is left alone."""
+    import weakref
+
+    from shardckpt.torch import release_staging_buffers
+    from shardckpt.torch._staging import HostStager, default_stager
+
+    stager = HostStager()
+    sd = {"w": torch.arange(6.0)}
+    first, ticket = stager.stage(sd)
+    stager.release(ticket)  # the save is over: the buffers are kept for the next one
+    kept = weakref.ref(first["w"])
+    del first
+    assert kept() is not None  # held by the stager
+    stager.clear()
+    assert kept() is None  # nothing holds it: its memory is free
+    sd["w"].add_(1)
+    second, ticket = stager.stage(sd)
+    assert torch.equal(second["w"], torch.arange(6.0) + 1)
+    stager.clear()  # while a save writes `second`: its buffers stay valid
+    assert torch.equal(second["w"], torch.arange(6.0) + 1)
+    stager.release(ticket)
+    stager_default = default_stager()
+    _, ticket = stager_default.stage({"v": torch.ones(4)})
+    stager_default.release(ticket)
+    assert stager_default._buffers
+    release_staging_buffers()
+    assert not stager_default._buffers
+
+
 def test_object_store_round_trip(s3_server: Any) -> None:
     """An ``s3://`` prefix: the index-last committer writes, region reads serve the load."""
     prefix = s3_server.url("torch", "step-1")
