@@ -55,12 +55,17 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _rchar() -> int:
+def _io(field: str = "rchar") -> int:
+    """A counter of ``/proc/self/io``: ``rchar`` (bytes through read calls), ``read_bytes`` (from the device)."""
     with open("/proc/self/io") as f:
         for line in f:
-            if line.startswith("rchar:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
+
+
+def _rchar() -> int:
+    return _io("rchar")
 
 
 class _PeakRSS:
@@ -222,7 +227,7 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
             dist.barrier()
             dcp.save({"x": torch.ones(4), "n": 1}, storage_writer=_writer(system, warm))
         for system in SYSTEMS:
-            saves, loads, blocks, peaks = [], [], [], []
+            saves, loads, blocks, peaks, disk = [], [], [], [], []
             for rep in range(repeats):  # save, then load onto the same layout, from the page cache
                 path = folder / system / f"rep{rep}"
                 if rank == 0:
@@ -231,10 +236,12 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
                 saves.append(_timed(lambda system=system, path=path: dcp.save(
                     sd, storage_writer=_writer(system, path))))
                 target = _zeros_like(sd)
+                before = _io("read_bytes")
                 with _PeakRSS() as mem:
                     loads.append(_timed(lambda system=system, path=path, target=target: dcp.load(
                         target, storage_reader=_reader(system, path), planner=_planner(system))))
                 peaks.append(max(_gather(mem.extra)))
+                disk.append(sum(_gather(_io("read_bytes") - before)))
                 del target
                 if rank == 0 and rep < repeats - 1:
                     shutil.rmtree(path)
@@ -256,7 +263,8 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
             _release_staging(system)  # the next system starts with the memory this one started with
             if rank == 0:
                 os.replace(folder / system / f"rep{repeats - 1}", folder / system / "final")
-            result[system] = {"save_s": saves, "load_s": loads, "async_block_s": blocks, "load_peak_extra": peaks}
+            result[system] = {"save_s": saves, "load_s": loads, "async_block_s": blocks, "load_peak_extra": peaks,
+                              "load_device_bytes": disk}
     else:  # "two": resharded load 4 -> 2, other placements
         sd = _state(size, 1)
         nbytes = sum(v.numel() * 4 for v in sd.values() if hasattr(v, "numel"))
@@ -370,6 +378,8 @@ def main() -> None:
         "higher")
     row("load throughput (4 -> 4)", nbytes / med(s["load_s"]) / 2**20, nbytes / med(d["load_s"]) / 2**20, "MiB/s",
         "higher")
+    row("bytes from the device / state, load 4 -> 4 (0: page cache)", med(s["load_device_bytes"]) / nbytes,
+        med(d["load_device_bytes"]) / nbytes, "x", "lower")
     s2, d2 = two["shardckpt"], two["dcp"]
     row("resharded load (4 -> 2, Shard(0) -> Shard(1))", nbytes / med(s2["load_s"]) / 2**20,
         nbytes / med(d2["load_s"]) / 2**20, "MiB/s", "higher")
