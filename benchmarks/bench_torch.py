@@ -8,7 +8,8 @@ One run, the same processes, the same bytes, medians over ``--repeats``::
   ``dcp.save`` (throughput), ``dcp.load`` onto the same layout into existing tensors
   (throughput, peak extra host memory), then ``dcp.async_save`` (time until the call
   returns; after the loads, since staged copies are kept for the next save), then the
-  system's kept staging buffers are freed before the other system runs;
+  system's kept staging buffers are freed and its files dropped from the page cache
+  before the other system runs (each starts with the same free memory);
 * launch 2 (2 ranks, every tensor ``Shard(1)``): the resharded load 4 -> 2 of both
   checkpoints (throughput, bytes read by the processes' read calls (``/proc/self/io``
   ``rchar``, plus what shardckpt's reader read through io_uring, ``ring_bytes``, which
@@ -176,6 +177,18 @@ def _release_staging(system: str) -> None:
     gc.collect()
 
 
+def _uncache(folder: Path) -> None:
+    """Drop the page-cache copies of the (written, synced) files under ``folder`` (``POSIX_FADV_DONTNEED``)."""
+    for path in folder.rglob("*"):
+        if path.is_file() and hasattr(os, "posix_fadvise"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def _timed(fn: Callable[[], Any]) -> float:
     import torch.distributed as dist
 
@@ -260,9 +273,11 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
                 dist.barrier()
                 if rank == 0:
                     shutil.rmtree(apath)
-            _release_staging(system)  # the next system starts with the memory this one started with
+            _release_staging(system)  # the next system starts with the memory this one started with ...
             if rank == 0:
                 os.replace(folder / system / f"rep{repeats - 1}", folder / system / "final")
+                _uncache(folder / system)  # ... and the page cache (launch 2 reads the files in again, untimed)
+            dist.barrier()
             result[system] = {"save_s": saves, "load_s": loads, "async_block_s": blocks, "load_peak_extra": peaks,
                               "load_device_bytes": disk}
     else:  # "two": resharded load 4 -> 2, other placements
