@@ -4,12 +4,12 @@ One run, the same processes, the same bytes, medians over ``--repeats``::
 
     .venv/bin/python benchmarks/bench_torch.py --size 256MiB --repeats 3
 
-* launch 1 (``torchrun``, 4 ranks, a 1-D CPU mesh, every tensor ``Shard(0)``): for each system
-  ``dcp.save`` (throughput), ``dcp.load`` onto the same layout into existing tensors
-  (throughput, peak extra host memory), then ``dcp.async_save`` (time until the call
-  returns; after the loads, since staged copies are kept for the next save), then the
-  system's kept staging buffers are freed and its files dropped from the page cache
-  before the other system runs (each starts with the same free memory);
+* launch 1 (``torchrun``, 4 ranks, a 1-D CPU mesh, every tensor ``Shard(0)``): for each system,
+  ``repeats`` times, ``dcp.save`` (throughput), ``dcp.load`` onto the same layout into
+  existing tensors (throughput, peak extra host memory, bytes read from the device),
+  ``dcp.async_save`` (time until the call returns); then the system's kept staging
+  buffers are freed and its files dropped from the page cache before the other system
+  runs (each starts with the same free memory);
 * launch 2 (2 ranks, every tensor ``Shard(1)``): the resharded load 4 -> 2 of both
   checkpoints (throughput, bytes read by the processes' read calls (``/proc/self/io``
   ``rchar``, plus what shardckpt's reader read through io_uring, ``ring_bytes``, which
@@ -241,7 +241,7 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
             dcp.save({"x": torch.ones(4), "n": 1}, storage_writer=_writer(system, warm))
         for system in SYSTEMS:
             saves, loads, blocks, peaks, disk = [], [], [], [], []
-            for rep in range(repeats):  # save, then load onto the same layout, from the page cache
+            for rep in range(repeats):
                 path = folder / system / f"rep{rep}"
                 if rank == 0:
                     shutil.rmtree(path, ignore_errors=True)
@@ -255,12 +255,6 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
                         target, storage_reader=_reader(system, path), planner=_planner(system))))
                 peaks.append(max(_gather(mem.extra)))
                 disk.append(sum(_gather(_io("read_bytes") - before)))
-                del target
-                if rank == 0 and rep < repeats - 1:
-                    shutil.rmtree(path)
-            # async saves after the loads: their staged copies (kept by both systems' stagers for the next
-            # save) would otherwise take memory from the page cache the next loads read from
-            for rep in range(repeats):
                 apath = folder / system / f"async{rep}"
                 if rank == 0:
                     shutil.rmtree(apath, ignore_errors=True)
@@ -271,7 +265,8 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
                 blocks.append(max(_gather(time.perf_counter() - started)))
                 future.result()
                 dist.barrier()
-                if rank == 0:
+                if rank == 0 and rep < repeats - 1:
+                    shutil.rmtree(path)
                     shutil.rmtree(apath)
             _release_staging(system)  # the next system starts with the memory this one started with ...
             if rank == 0:
