@@ -4,9 +4,12 @@ One run, the same processes, the same bytes, medians over ``--repeats``::
 
     .venv/bin/python benchmarks/bench_torch.py --size 256MiB --repeats 3
 
-* launch 1 (``torchrun``, 4 ranks, a 1-D CPU mesh, every tensor ``Shard(0)``): for each system
-  ``dcp.save`` (throughput), ``dcp.load`` onto the same layout (throughput, peak extra
-  host memory), ``dcp.async_save`` (time until the call returns);
+* launch 1 (``torchrun``, 4 ranks, a 1-D CPU mesh, every tensor ``Shard(0)``): for each system,
+  ``repeats`` times, ``dcp.save`` (throughput), ``dcp.load`` onto the same layout into
+  existing tensors (throughput, peak extra host memory, bytes read from the device),
+  ``dcp.async_save`` (time until the call returns); then the system's kept staging
+  buffers are freed and its files dropped from the page cache before the other system
+  runs (each starts with the same free memory);
 * launch 2 (2 ranks, every tensor ``Shard(1)``): the resharded load 4 -> 2 of both
   checkpoints (throughput, bytes read by the processes' read calls (``/proc/self/io``
   ``rchar``, plus what shardckpt's reader read through io_uring, ``ring_bytes``, which
@@ -18,8 +21,9 @@ One run, the same processes, the same bytes, medians over ``--repeats``::
   DCP's ``create_read_items_for_chunk_list``.
 
 Files are read from the page cache (no cache drop without root). Peak extra memory is
-the largest resident set sampled every millisecond during the load, minus the resident
-set before it, the largest over the ranks. The table goes to stdout; the raw figures to
+the largest resident set during the load (the kernel's high-water mark ``VmHWM``, reset
+before each load; sampled every millisecond by a thread only where that reset is
+refused), minus the resident set before it, the largest over the ranks. The table goes to stdout; the raw figures to
 ``--json`` when given.
 """
 
@@ -39,7 +43,7 @@ from typing import Any, Callable, Dict, List
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import fmt_size, parse_size  # noqa: E402
+from common import fmt_size, parse_size, reset_peak_rss, status_bytes  # noqa: E402
 
 SYSTEMS = ("shardckpt", "dcp")
 RESHARD_SYSTEMS = ("shardckpt", "shardckpt+map", "dcp")  # +map: TFBundleReader(map_reads=True), opt-in
@@ -52,22 +56,36 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _rchar() -> int:
+def _io(field: str = "rchar") -> int:
+    """A counter of ``/proc/self/io``: ``rchar`` (bytes through read calls), ``read_bytes`` (from the device)."""
     with open("/proc/self/io") as f:
         for line in f:
-            if line.startswith("rchar:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
 
 
+def _rchar() -> int:
+    return _io("rchar")
+
+
 class _PeakRSS:
-    """The largest resident set seen while the block runs, sampled every millisecond."""
+    """The largest resident set while the block runs, less the resident set before it (``extra``).
+
+    Linux: the kernel's own high-water mark (``VmHWM``, reset by writing 5 to
+    ``/proc/self/clear_refs``): exact, and nothing runs beside the load. Where that reset
+    is refused, a thread samples the resident set every millisecond instead (it takes CPU
+    from the load it measures: on 2 cores shared by 4 ranks about 10 % of a 1 GiB load).
+    """
 
     def __enter__(self) -> "_PeakRSS":
-        self.base = self.peak = _rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self.base = _rss()
+        self.exact = reset_peak_rss()
+        self.peak = self.base
+        if not self.exact:
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
         return self
 
     def _run(self) -> None:
@@ -75,9 +93,16 @@ class _PeakRSS:
             self.peak = max(self.peak, _rss())
 
     def __exit__(self, *_: Any) -> None:
+        if self.exact:
+            self.peak = max(self.base, status_bytes("VmHWM"))
+            return
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, _rss())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
 
 
 def _state(size: int, shard_dim: int) -> Dict[str, Any]:
@@ -141,6 +166,29 @@ def _planner(system: str) -> Any:
     return TFBundleLoadPlanner() if system.startswith("shardckpt") else None
 
 
+def _release_staging(system: str) -> None:
+    """Free the host buffers ``system``'s async saves keep for the next one (shardckpt's stager)."""
+    import gc
+
+    if system == "shardckpt":
+        from shardckpt.torch import release_staging_buffers
+
+        release_staging_buffers()
+    gc.collect()
+
+
+def _uncache(folder: Path) -> None:
+    """Drop the page-cache copies of the (written, synced) files under ``folder`` (``POSIX_FADV_DONTNEED``)."""
+    for path in folder.rglob("*"):
+        if path.is_file() and hasattr(os, "posix_fadvise"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def _timed(fn: Callable[[], Any]) -> float:
     import torch.distributed as dist
 
@@ -192,7 +240,7 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
             dist.barrier()
             dcp.save({"x": torch.ones(4), "n": 1}, storage_writer=_writer(system, warm))
         for system in SYSTEMS:
-            saves, loads, blocks, peaks = [], [], [], []
+            saves, loads, blocks, peaks, disk = [], [], [], [], []
             for rep in range(repeats):
                 path = folder / system / f"rep{rep}"
                 if rank == 0:
@@ -201,10 +249,12 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
                 saves.append(_timed(lambda system=system, path=path: dcp.save(
                     sd, storage_writer=_writer(system, path))))
                 target = _zeros_like(sd)
+                before = _io("read_bytes")
                 with _PeakRSS() as mem:
                     loads.append(_timed(lambda system=system, path=path, target=target: dcp.load(
                         target, storage_reader=_reader(system, path), planner=_planner(system))))
-                peaks.append(max(_gather(mem.peak - mem.base)))
+                peaks.append(max(_gather(mem.extra)))
+                disk.append(sum(_gather(_io("read_bytes") - before)))
                 apath = folder / system / f"async{rep}"
                 if rank == 0:
                     shutil.rmtree(apath, ignore_errors=True)
@@ -218,9 +268,13 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
                 if rank == 0 and rep < repeats - 1:
                     shutil.rmtree(path)
                     shutil.rmtree(apath)
+            _release_staging(system)  # the next system starts with the memory this one started with ...
             if rank == 0:
                 os.replace(folder / system / f"rep{repeats - 1}", folder / system / "final")
-            result[system] = {"save_s": saves, "load_s": loads, "async_block_s": blocks, "load_peak_extra": peaks}
+                _uncache(folder / system)  # ... and the page cache (launch 2 reads the files in again, untimed)
+            dist.barrier()
+            result[system] = {"save_s": saves, "load_s": loads, "async_block_s": blocks, "load_peak_extra": peaks,
+                              "load_device_bytes": disk}
     else:  # "two": resharded load 4 -> 2, other placements
         sd = _state(size, 1)
         nbytes = sum(v.numel() * 4 for v in sd.values() if hasattr(v, "numel"))
@@ -238,7 +292,7 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
                         target, storage_reader=reader, planner=_planner(system)))
                 read = sum(_gather(_rchar() - before + getattr(reader, "mapped_bytes", 0)
                                    + getattr(reader, "ring_bytes", 0)))
-                peak = max(_gather(mem.peak - mem.base))
+                peak = max(_gather(mem.extra))
                 _check_resharded(sd, target, rank, system)
                 if rep:
                     figures[system]["load_s"].append(seconds)
@@ -334,6 +388,8 @@ def main() -> None:
         "higher")
     row("load throughput (4 -> 4)", nbytes / med(s["load_s"]) / 2**20, nbytes / med(d["load_s"]) / 2**20, "MiB/s",
         "higher")
+    row("bytes from the device / state, load 4 -> 4 (0: page cache)", med(s["load_device_bytes"]) / nbytes,
+        med(d["load_device_bytes"]) / nbytes, "x", "lower")
     s2, d2 = two["shardckpt"], two["dcp"]
     row("resharded load (4 -> 2, Shard(0) -> Shard(1))", nbytes / med(s2["load_s"]) / 2**20,
         nbytes / med(d2["load_s"]) / 2**20, "MiB/s", "higher")

@@ -449,6 +449,37 @@ def test_stager_reuses_buffers_only_when_released() -> None:
     del ticket2
 
 
+def test_released_staging_buffers_are_dropped_and_made_again() -> None:
+    """``release_staging_buffers`` drops the kept buffers, so their memory returns; the next staging
+    allocates new ones with the right values, and a copy a save still writes is left alone."""
+    import weakref
+
+    from shardckpt.torch import release_staging_buffers
+    from shardckpt.torch._staging import HostStager, default_stager
+
+    stager = HostStager()
+    sd = {"w": torch.arange(6.0)}
+    first, ticket = stager.stage(sd)
+    stager.release(ticket)  # the save is over: the buffers are kept for the next one
+    kept = weakref.ref(first["w"])
+    del first
+    assert kept() is not None  # held by the stager
+    stager.clear()
+    assert kept() is None  # nothing holds it: its memory is free
+    sd["w"].add_(1)
+    second, ticket = stager.stage(sd)
+    assert torch.equal(second["w"], torch.arange(6.0) + 1)
+    stager.clear()  # while a save writes `second`: its buffers stay valid
+    assert torch.equal(second["w"], torch.arange(6.0) + 1)
+    stager.release(ticket)
+    stager_default = default_stager()
+    _, ticket = stager_default.stage({"v": torch.ones(4)})
+    stager_default.release(ticket)
+    assert stager_default._buffers
+    release_staging_buffers()
+    assert not stager_default._buffers
+
+
 def test_object_store_round_trip(s3_server: Any) -> None:
     """An ``s3://`` prefix: the index-last committer writes, region reads serve the load."""
     prefix = s3_server.url("torch", "step-1")
@@ -565,12 +596,18 @@ def test_reader_threads_follow_the_ranks_on_the_host(tmp_path: Path, monkeypatch
 
 def test_map_reads_copy_the_columns_out_of_a_map(tmp_path: Path) -> None:
     """``map_reads``: half of every row of a stored 1024x2048 chunk is copied out of a memory map;
-    the pages touched are exactly the half rows (page-aligned here), the values exact."""
+    the pages touched are exactly the pages the half rows lie on (the entry starts at the
+    writer's page phase: each 4 KiB half row spans two pages), the values exact."""
     from torch.distributed.checkpoint.planner import LoadPlan
 
     prefix = tmp_path / "ck"
     w = torch.randn(1024, 2048)
     dcp.save({"w": w}, storage_writer=TFBundleWriter(prefix))
+    with BundleReader(str(prefix)) as bundle:
+        offset = int(bundle.entry("w").offset)
+    starts = [offset + r * 2048 * 4 + 1024 * 4 for r in range(1024)]
+    pages = sum((a + 1024 * 4 - 1) // 4096 - a // 4096 + 1 for a in starts)
+    assert pages == 2 * 1024  # 2112 bytes into a page: every half row crosses a page boundary
     for map_reads in (True, False):
         reader = TFBundleReader(prefix, map_reads=map_reads)
         md = reader.read_metadata()
@@ -579,7 +616,7 @@ def test_map_reads_copy_the_columns_out_of_a_map(tmp_path: Path) -> None:
         dest = torch.zeros(1024, 1024)
         reader.read_data(LoadPlan(items), _RegionPlanner(dest)).wait()  # type: ignore[arg-type]
         assert torch.equal(dest, w[:, 1024:])
-        assert reader.mapped_bytes == (1024 * 1024 * 4 if map_reads else 0)
+        assert reader.mapped_bytes == (pages * 4096 if map_reads else 0)
         reader.close()
 
 

@@ -827,14 +827,14 @@ class BundleReader:
         if len(local) != len(stored) or any(not 0 <= a <= b <= d for (a, b), d in zip(local, stored)):
             raise InvalidArgumentError(f"region {list(local)} does not fit the stored piece's shape {list(stored)}",
                                        path=self.prefix, **piece.where())
-        self._locate(piece, dt)
+        located = self._locate(piece, dt)
         if out is None:
             out = np.empty(box_shape(local), dtype=dt.numpy)
         elif tuple(out.shape) != box_shape(local) or out.dtype != dt.numpy:
             raise InvalidArgumentError(f"destination has shape {list(out.shape)} and dtype {out.dtype}; expected "
                                        f"{list(box_shape(local))} and {dt.numpy}", path=self.prefix, **piece.where())
         if box_volume(local) > 0:
-            self._read_piece(piece, dt, local, out, verify, session)
+            self._read_piece(piece, dt, local, out, verify, session, located)
         return out
 
     @property

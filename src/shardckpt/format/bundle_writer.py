@@ -5,6 +5,17 @@ tensor bytes go to the data file in the order they are added, with no padding;
 the index lists the entries in bytewise key order after a header entry. For the
 same inputs the files are byte-identical to TensorFlow's.
 
+With ``page_phase`` (what shardckpt's own saves to local files use) a numeric entry of
+at least ``PHASE_MIN_BYTES`` starts that many bytes past a 4 KiB boundary of the data
+file; zero bytes, named by no entry, fill the gap before it (at most 4095 per entry).
+Every reader, TensorFlow's included, finds an entry by its offset, so gaps change
+nothing for them. Why: a load copies file pages from the page cache into the caller's
+arrays (``pread``), and the kernel's copy (``rep movsb``) is about 20 % faster when the
+destination sits about half a page from the source modulo 4096 than when it sits
+64-1536 bytes past it (and 4x slower at 1-63 bytes: see ``whole_reads``). Large torch
+tensors start 64 bytes into a page, large NumPy arrays 16 bytes, page-aligned buffers
+at 0; ``PAGE_PHASE`` (2112) puts all three 1984-2048 bytes from their source.
+
 Both files are first written under ``.tempstate<random>`` names and renamed when
 :meth:`BundleWriter.finish` succeeds; with ``fsync=True`` they are made durable
 first (the data file's write-back is started every 16 MiB while it is written,
@@ -33,10 +44,14 @@ from .strings import as_bytes_elements, encode_strings
 from .tensor_slice import TensorSlice
 
 __all__ = ["BundleWriter", "encode_key", "make_header", "shape_proto", "to_disk_array",
-           "byte_chunks", "byte_view"]
+           "byte_chunks", "byte_view", "PAGE_PHASE", "PHASE_MIN_BYTES"]
 
 _CHUNK = 16 << 20  # bytes per write/checksum step for large tensors
 _WRITEBACK_STEP = 16 << 20  # with fsync: start the device write of every this many bytes written
+_PAGE = 4096
+PAGE_PHASE = 2048 + 64  # where large entries start within a page of the data file (see the module docstring)
+PHASE_MIN_BYTES = 1 << 20  # entries this large or larger are placed at the phase (padding costs <= 0.4 %)
+_ZEROS = bytes(_PAGE)
 
 
 def encode_key(key: Union[str, bytes]) -> bytes:
@@ -113,9 +128,14 @@ class BundleWriter:
 
     def __init__(self, prefix: str, *, fsync: bool = False, durable_index: bool = True, big_endian: bool = False,
                  fs: Optional[FileSystem] = None,
-                 checksum_executor: Optional[ThreadPoolExecutor] = None, data_path: Optional[str] = None) -> None:
+                 checksum_executor: Optional[ThreadPoolExecutor] = None, data_path: Optional[str] = None,
+                 page_phase: Optional[int] = None) -> None:
         """``fsync`` makes the data file durable; with ``durable_index`` also the index and the
         directory entries (a temporary bundle that will be merged only needs its data).
+
+        ``page_phase`` (0-4095): numeric entries of at least ``PHASE_MIN_BYTES`` start this
+        many bytes past a 4 KiB boundary of the data file (see the module docstring);
+        ``None`` (default): no padding, TensorFlow's exact layout.
 
         ``data_path`` writes the data in place under that name (no temporary name, no
         rename): what object stores do, where the object appears only once complete;
@@ -134,6 +154,9 @@ class BundleWriter:
         fs.makedirs(fs.dirname(prefix))
         self._data_tmp = self._data_path if self._in_place else fs.temp_name(self._data_path)
         self._fd: Any = fs.open_write(self._data_tmp)
+        if page_phase is not None and not 0 <= page_phase < _PAGE:
+            raise InvalidArgumentError(f"page_phase must be in [0, {_PAGE}), got {page_phase}")
+        self._phase = page_phase
         self._offset = 0
         self._hinted = 0  # bytes whose write-back was started (``fsync``: see storage/writeback.py)
         self._finished = False
@@ -186,6 +209,10 @@ class BundleWriter:
         except (InvalidArgumentError, TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"cannot store this value: {getattr(exc, 'message', exc)}",
                                        path=self.prefix, key=key) from None
+        if self._phase is not None and elements is None and array.nbytes >= PHASE_MIN_BYTES:
+            gap = (self._phase - self._offset) % _PAGE
+            if gap:
+                self._write(memoryview(_ZEROS)[:gap])
         entry = pb.BundleEntryProto(dtype=dt.enum, shape=shape_proto(array.shape),  # type: ignore[arg-type]
                                     offset=self._offset)
         if elements is not None:

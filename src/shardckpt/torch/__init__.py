@@ -13,11 +13,15 @@ PyTorch; no pickle is written. The writer only translates DCP's write items into
 the save engine's plan (:mod:`shardckpt.saving.engine`); the reader translates read
 items into region reads (:mod:`shardckpt.format.bundle_reader`).
 :class:`TFBundleLoadPlanner` plans resharded loads in time linear in the chunks read.
+``dcp.async_save`` keeps its staged copy's host buffers for the next save;
+:func:`release_staging_buffers` frees them.
 Needs the ``[torch]`` extra.
 """
 
 from ._planner import TFBundleLoadPlanner, read_items_for_chunks
 from ._reader import KeyMap, TFBundleReader
+from ._staging import release_staging_buffers
 from ._writer import TFBundleWriter
 
-__all__ = ["TFBundleWriter", "TFBundleReader", "TFBundleLoadPlanner", "KeyMap", "read_items_for_chunks"]
+__all__ = ["TFBundleWriter", "TFBundleReader", "TFBundleLoadPlanner", "KeyMap", "read_items_for_chunks",
+           "release_staging_buffers"]

@@ -24,7 +24,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["HostStager", "default_stager"]
+__all__ = ["HostStager", "default_stager", "release_staging_buffers"]
 
 _Slot = Tuple[Any, ...]
 
@@ -57,6 +57,12 @@ class HostStager:
         with self._lock:
             if self._owner == ticket:
                 self._owner = None
+
+    def clear(self) -> None:
+        """Drop the kept buffers: the next ``stage`` allocates new ones. A save still writing a staged
+        copy keeps those buffers alive until it ends (it holds them, not this stager)."""
+        with self._lock:
+            self._buffers = {}
 
     def _buffer(self, slot: _Slot, like: torch.Tensor, buffers: Dict[_Slot, torch.Tensor]) -> torch.Tensor:
         key = slot + (tuple(like.shape), like.dtype, like.device.type)
@@ -101,3 +107,10 @@ def default_stager() -> HostStager:
         if not _DEFAULT:
             _DEFAULT.append(HostStager())
         return _DEFAULT[0]
+
+
+def release_staging_buffers() -> None:
+    """Free the host buffers that ``dcp.async_save`` with :class:`~shardckpt.torch.TFBundleWriter` keeps
+    for the next save (as much memory as the state dict's local tensors): e.g. before a large load,
+    or when no more async saves follow. The next async save allocates them again."""
+    default_stager().clear()

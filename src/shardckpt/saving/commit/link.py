@@ -70,7 +70,12 @@ def _reused(shard: ShardPlan, how: str) -> Written:
 
 
 class LinkRenameCommitter(RenameCommitter):
-    """Rename-commit where unchanged data files are hard-linked from the previous checkpoint."""
+    """Rename-commit where unchanged data files are hard-linked from the previous checkpoint.
+
+    Its data files stay packed (no ``page_phase`` gaps): whether a file is linked depends on
+    the share of its bytes that entries still name, and gaps would count as unused bytes."""
+
+    page_phase = None
 
     def write_shard(self, shard: ShardPlan, shard_id: int) -> Written:
         if shard.reuse is None:

@@ -9,6 +9,9 @@ What is on disk at each moment of a save to ``<prefix>``:
    their bundles there. Readers still see the previous checkpoint (or none).
 2. ``write_shard`` [every client]: shard ``i`` of ``N`` is written as the bundle
    ``<temp>/part-0000i-of-0000N`` (data file fsynced; its index is temporary, never fsynced).
+   Entries of 1 MiB or more start ``PAGE_PHASE`` bytes past a 4 KiB boundary of the data
+   file, zero bytes before them (see :mod:`shardckpt.format.bundle_writer`; not in
+   incremental saves, whose files stay packed).
 3. ``commit`` [io client], under the folder's exclusive lock (:func:`merge_bundles`): the
    parts' data files are renamed to ``<prefix>.data-I-of-M``. If data files with that
    count ``M`` exist at that moment (an older checkpoint at the same prefix, or another
@@ -38,7 +41,7 @@ import logging
 from typing import Callable, Collection, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from ...errors import InvalidArgumentError, NotFoundError
-from ...format.bundle_writer import BundleWriter, make_header
+from ...format.bundle_writer import PAGE_PHASE, BundleWriter, make_header
 from ...format.crc import shared_executor
 from ...format.merge import MergeInput, plan_merge, read_index
 from ...format.naming import data_filename, index_filename, sharded_filename
@@ -64,6 +67,9 @@ _log = logging.getLogger("shardckpt")
 
 class RenameCommitter(Committer):
     """Shards as bundles in a temporary folder, merged by renames; the index rename commits."""
+
+    #: where entries of 1 MiB or more start within a 4 KiB page of their data file (``None``: packed)
+    page_phase: Optional[int] = PAGE_PHASE
 
     def __init__(self, location: Location, *, fsync: bool = True) -> None:
         super().__init__(location, fsync=fsync)
@@ -102,7 +108,7 @@ class RenameCommitter(Committer):
         part = self._part(shard_id)
         # Only the data must be durable: the part's index is merged into the checkpoint's.
         with BundleWriter(part, fsync=self.fsync, durable_index=False, fs=self.location.fs,
-                          checksum_executor=shared_executor()) as writer:
+                          checksum_executor=shared_executor(), page_phase=self.page_phase) as writer:
             digests = fill_bundle(writer, shard)
             written: Written = {"part": part, "bytes": writer.bytes_written}
         if digests is not None:
