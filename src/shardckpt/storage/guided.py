@@ -51,9 +51,10 @@ The price (the same as ``LocalFileSystem(map_runs=True)``'s): a copy from the ma
 faults on a page not in the cache (evicted meanwhile) and fails to read it, or a file
 truncated by someone else meanwhile, ends the process with ``SIGBUS``. The files guided
 are those of committed checkpoints, which nothing writes into.
-``LocalFileSystem(guide_reads=False)`` turns guides off. Guides are used only on Linux
-with transparent huge pages not set to ``never`` (elsewhere a fault would read 4 KiB at a
-time); elsewhere reads are unchanged.
+``LocalFileSystem(guide_reads=False)`` turns guides off, and so does
+``SHARDCKPT_GUIDED_READS=0`` for the process. Guides are used only on Linux with transparent
+huge pages not set to ``never`` (elsewhere a fault would read 4 KiB at a time); elsewhere
+reads are unchanged.
 
 Only reads: nothing is written. The guide is memory only (the map and a few arrays per
 descriptor); :meth:`Guide.close` (the descriptor is closed) waits for the copies and the
@@ -93,11 +94,13 @@ _pool_lock = threading.Lock()
 
 
 def available() -> bool:
-    """Whether guides can be used here (Linux with transparent huge pages not ``never``)."""
+    """Whether guides can be used here (Linux with transparent huge pages not ``never``; not turned off by
+    ``SHARDCKPT_GUIDED_READS=0``)."""
     ok = _state["ok"]
     if ok is None:
         ok = False
-        if platform.system() == "Linux" and hasattr(os, "posix_fadvise"):
+        if platform.system() == "Linux" and hasattr(os, "posix_fadvise") and \
+                os.environ.get("SHARDCKPT_GUIDED_READS", "1") != "0":
             try:
                 with open("/sys/kernel/mm/transparent_hugepage/enabled") as fh:
                     ok = "[never]" not in fh.read()
