@@ -20,6 +20,14 @@ the pages that hold runs are touched; their bytes are counted in
 :attr:`LocalFileSystem.mapped_bytes` (``/proc``'s ``rchar`` does not see reads through a
 map). The price: a disk error, or the file truncated by someone else during the copy,
 ends the process with ``SIGBUS`` instead of raising :class:`StorageError`. Off by default.
+
+Announced reads (:meth:`LocalFileSystem.prefetch`, from a restore): a file whose announced
+ranges leave gaps of 1 MiB or more (the dead bytes of a linked data file of an incremental
+checkpoint, or the tensors a partial restore skips) is read through a guide
+(:mod:`.guided`: a huge-page map populated ahead of the reads, which reads the announced
+bytes and not the gaps; the same ``SIGBUS`` price, for files of committed checkpoints).
+Its bytes are counted in :attr:`LocalFileSystem.guided_bytes`. Other files keep
+``POSIX_FADV_SEQUENTIAL`` readahead. ``LocalFileSystem(guide_reads=False)`` turns it off.
 """
 
 from __future__ import annotations
