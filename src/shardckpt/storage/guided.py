@@ -35,13 +35,16 @@ guide:
 
 * :meth:`Guide.ahead`, before each read: every chunk not yet asked for that overlaps the
   read or starts less than :data:`AHEAD` bytes after it is handed to a few populating
-  threads (:data:`POPULATORS`, one chunk each at a time: as many requests in flight), in
+  threads (:data:`POPULATORS`, one chunk each at a time: as many 2 MiB requests in flight,
+16 MiB, about what ``POSIX_FADV_SEQUENTIAL`` readahead keeps in flight here), in
   every stream of reads of the file (the read pump's helpers read distant parts of one
   file at once). When the page cache already holds as many pages between the first and
   the last range as the ranges span (``cachestat``, Linux 6.5+: a warm restore), nothing
   is populated: copies fault cached pages in without a request.
 * :meth:`Guide.read`: a read that lies in chunks whose populating succeeded is copied from
-  the map (after waiting for those chunks). Any other read (outside the announced ranges,
+  the map (after waiting for those chunks; a chunk whose populating has not started yet is
+  populated by the reading thread itself, so that a busy machine that leaves the populating
+  threads waiting does not leave the reads waiting too). Any other read (outside the announced ranges,
   or in a chunk whose populating failed) goes to the descriptor as usual and raises the
   usual errors.
 
@@ -57,7 +60,9 @@ huge pages not set to ``never`` (elsewhere a fault would read 4 KiB at a time); 
 reads are unchanged.
 
 Only reads: nothing is written. The guide is memory only (the map and a few arrays per
-descriptor); :meth:`Guide.close` (the descriptor is closed) waits for the copies and the
+descriptor; the pages copied out stay mapped, so the process's resident set counts them
+as shared file pages, page cache that the kernel can still reclaim, until the guide is
+closed); :meth:`Guide.close` (the descriptor is closed) waits for the copies and the
 populating threads in progress, then unmaps.
 """
 
@@ -79,7 +84,7 @@ MIN_GAP = 1 << 20  # a gap at least this large between announced ranges makes a 
 MERGE_GAP = 256 << 10  # gaps below this are read with their neighbours
 CHUNK = 4 << 20  # one populating call covers at most this much
 AHEAD = 32 << 20  # chunks starting less than this after a read are populated ahead of it
-POPULATORS = 4  # populating threads (requests in flight)
+POPULATORS = 8  # populating threads (requests in flight)
 
 _PMD = 2 << 20  # a large page-cache page (x86-64, arm64 with 4 KiB pages)
 _PAGE = mmap.PAGESIZE
@@ -238,7 +243,7 @@ class Guide:
             return False
         i = int(np.searchsorted(self.ends, offset, side="right"))
         at = offset
-        jobs: List["Future[bool]"] = []
+        jobs: List[Tuple[int, "Future[bool]"]] = []
         with self._lock:
             if self._closed:
                 return False
@@ -246,12 +251,17 @@ class Guide:
                 job = self._jobs[i] if i < len(self.starts) and self.starts[i] <= at else None
                 if job is None:
                     return False
-                jobs.append(job)
+                jobs.append((i, job))
                 at = int(self.ends[i])
                 i += 1
             self._copying += 1
         try:
-            for job in jobs:
+            for k, job in jobs:
+                if job.cancel():  # not started (the populating threads are busy): populate it here, now
+                    done: "Future[bool]" = Future()
+                    done.set_result(self._populate(k))
+                    with self._lock:
+                        self._jobs[k] = job = done
                 if not job.result():
                     return False
             dest = np.frombuffer(view, dtype=np.uint8)  # type: ignore[call-overload]
