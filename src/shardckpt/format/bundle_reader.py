@@ -848,17 +848,31 @@ class BundleReader:
         Object stores then fetch the byte ranges those reads need (whole entries, or the
         runs of a region) in few large requests, in parallel, ahead of the reads
         (:meth:`~shardckpt.storage.fsspec_fs.FsspecFileSystem.prefetch`); the reads are
-        unchanged and checked as always. Nothing happens on stores that take no
-        announcements. Only entries that pass the reader's checks are announced; any
-        problem is left for the read to report. Returns the number of requests planned.
+        unchanged and checked as always. Local files whose announced bytes leave gaps are
+        read through a guide (:meth:`~shardckpt.storage.local.LocalFileSystem.prefetch`):
+        the kernel reads the announced bytes, not the gaps. Nothing happens on stores that
+        take no announcements. Only entries that fit their files (and, for regions, pass the
+        reader's other checks) are announced; any problem is left for the read to report.
+        Returns the number of requests planned.
         """
         if not self.prefetches:
             return 0
         hint = self._fs.prefetch  # type: ignore[attr-defined]
-        spans: Dict[int, Tuple[Any, str, List[np.ndarray], List[np.ndarray]]] = {}
+        spans: Dict[int, Tuple[Any, str, List[int], List[int], List[np.ndarray], List[np.ndarray]]] = {}
         for key, region in regions:
             try:
                 kb = _key_bytes(key)
+                entry = self.entry(kb)
+                if region is None and not entry.slices:  # the common case, one entry read whole: no planning
+                    into = spans.get(int(entry.shard_id))
+                    if into is None:
+                        fd, size = self._fd(int(entry.shard_id))
+                        into = spans[int(entry.shard_id)] = (fd, self.data_path(entry.shard_id), [], [], [], [])
+                        into[2].append(size)  # the file's size first (dropped below)
+                    if entry.offset + entry.size <= into[2][0]:
+                        into[2].append(int(entry.offset))
+                        into[3].append(int(entry.offset + entry.size))
+                    continue
                 dt = self.dtype(kb)
                 box = region_box(region, self.shape(kb), self.prefix, kb)
                 for piece, common in self._overlapping(kb, box):
@@ -872,14 +886,20 @@ class BundleReader:
                         run = int(entry.size)
                     else:
                         starts, run, _ = _box_runs(int(entry.offset), stored, local, dt.itemsize)
-                    into = spans.setdefault(int(entry.shard_id), (fd, path, [], []))
-                    into[2].append(starts)
-                    into[3].append(starts + run)
+                    into = spans.get(int(entry.shard_id))
+                    if into is None:
+                        into = spans[int(entry.shard_id)] = (fd, path, [self._file_sizes[int(entry.shard_id)]],
+                                                             [], [], [])
+                    into[4].append(starts)
+                    into[5].append(starts + run)
             except ShardckptError:
                 continue
         planned = 0
-        for fd, path, starts_list, ends_list in spans.values():
-            planned += int(hint(fd, np.concatenate(starts_list), np.concatenate(ends_list), path) or 0)
+        for fd, path, one_starts, one_ends, many_starts, many_ends in spans.values():
+            starts_all = np.concatenate([np.asarray(one_starts[1:], dtype=np.int64)] + many_starts)
+            ends_all = np.concatenate([np.asarray(one_ends, dtype=np.int64)] + many_ends)
+            if len(starts_all):
+                planned += int(hint(fd, starts_all, ends_all, path) or 0)
         return planned
 
     def verify(self, key: KeyLike) -> None:

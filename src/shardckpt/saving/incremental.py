@@ -60,9 +60,10 @@ looked at); they are freed with the last checkpoint that links the file. Two rul
 what that costs:
 
 * a file is linked only while the pieces still in use fill at least :data:`LIVE_FRACTION`
-  (3/4) of it, so a checkpoint's data files hold at most 4/3 of the bytes it names (a cold
-  restore reads unused bytes that lie between used ones too: the kernel's readahead does
-  not skip them);
+  (3/4) of it, so a checkpoint's data files hold at most 4/3 of the bytes it names (a
+  restore reads only the used ones: a file whose announced reads leave gaps is read
+  through a guide, :mod:`shardckpt.storage.guided`, since the kernel's readahead would run
+  through them; where guides are off, a cold restore reads the unused bytes too);
 * at most one file per shard of the sharding callback plus :data:`EXTRA_LINKED_FILES` is
   linked, those with the most bytes in use.
 

@@ -20,6 +20,14 @@ the pages that hold runs are touched; their bytes are counted in
 :attr:`LocalFileSystem.mapped_bytes` (``/proc``'s ``rchar`` does not see reads through a
 map). The price: a disk error, or the file truncated by someone else during the copy,
 ends the process with ``SIGBUS`` instead of raising :class:`StorageError`. Off by default.
+
+Announced reads (:meth:`LocalFileSystem.prefetch`, from a restore): a file whose announced
+ranges leave gaps of 1 MiB or more (the dead bytes of a linked data file of an incremental
+checkpoint, or the tensors a partial restore skips) is read through a guide
+(:mod:`.guided`: a huge-page map populated ahead of the reads, which reads the announced
+bytes and not the gaps; the same ``SIGBUS`` price, for files of committed checkpoints).
+Its bytes are counted in :attr:`LocalFileSystem.guided_bytes`. Other files keep
+``POSIX_FADV_SEQUENTIAL`` readahead. ``LocalFileSystem(guide_reads=False)`` turns it off.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import threading
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import NotFoundError, ShardckptError, StorageError
-from . import uring, writeback
+from . import guided, uring, writeback
 from .base import FileSystem, RunBatch
 
 __all__ = ["LocalFileSystem", "local_fs", "StorageError"]
@@ -79,11 +87,16 @@ class LocalFileSystem(FileSystem):
     mapped_bytes = 0  # bytes of the pages that run batches read through a map
     ring_bytes = 0  # bytes that run batches read through io_uring
     ring_runs = True  # strided run batches through io_uring where available (see _pread_runs)
+    prefetches = True  # announced reads guide the kernel's reads where they leave gaps (see prefetch)
+    guided_bytes = 0  # bytes that reads copied from guides' maps (see prefetch)
     _count_lock = threading.Lock()
+    #: the guide of each guided descriptor (descriptors are process-wide, so is this)
+    _guides: "dict[int, guided.Guide]" = {}
 
-    def __init__(self, *, map_runs: bool = False, ring_runs: bool = True) -> None:
+    def __init__(self, *, map_runs: bool = False, ring_runs: bool = True, guide_reads: bool = True) -> None:
         self.map_runs = map_runs
         self.ring_runs = ring_runs
+        self.prefetches = guide_reads
 
     # -- reading ---------------------------------------------------------
     def open_read(self, path: str) -> int:
@@ -92,6 +105,7 @@ class LocalFileSystem(FileSystem):
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
             raise _wrap(exc, path, "open") from None
+        self._drop_guide(fd)  # a guide of a closed descriptor with this number
         advise = getattr(os, "posix_fadvise", None)
         if advise is not None:
             try:
@@ -124,8 +138,44 @@ class LocalFileSystem(FileSystem):
         except OSError as exc:
             raise _wrap(exc, path, "read") from None
 
+    def prefetch(self, fd: int, starts: Any, ends: Any, path: str = "") -> int:
+        """Announce reads: bytes ``[starts[i], ends[i])`` of the file open as ``fd`` will be read soon.
+
+        Where they leave gaps (e.g. the dead bytes of a linked data file of an incremental
+        checkpoint) the descriptor's reads are guided (:mod:`.guided`): the announced bytes
+        are read ahead through a map of the file, not the gaps. Otherwise nothing changes.
+        Returns the number of chunks the guide holds (0: not guided).
+        """
+        if not self.prefetches:
+            return 0
+        try:
+            size = os.fstat(fd).st_size
+        except OSError:
+            return 0
+        previous = self._guides.get(fd)
+        guide = guided.plan(fd, size, starts, ends, previous)
+        if guide is None:
+            return 0
+        self._guides[fd] = guide
+        if previous is not None:
+            previous.close()
+        return len(guide.starts)
+
+    def _drop_guide(self, fd: int) -> None:
+        guide = self._guides.pop(fd, None)
+        if guide is not None:
+            guide.close()
+
     def pread_into(self, fd: int, buf: memoryview, offset: int, path: str = "") -> None:
         """Fill ``buf`` from ``offset``; a short file is an error."""
+        if self._guides:
+            guide = self._guides.get(fd)
+            if guide is not None:
+                guide.ahead(offset, len(buf))
+                if guide.read(offset, buf):
+                    with self._count_lock:
+                        self.guided_bytes += len(buf)
+                    return
         done = 0
         total = len(buf)
         while done < total:
@@ -141,6 +191,14 @@ class LocalFileSystem(FileSystem):
 
     def pread_batch(self, fd: int, requests: Sequence[Tuple[int, memoryview]], path: str = "") -> None:
         """Fill every ``(offset, buffer)``; runs shorter than a page less than a page apart share one read."""
+        guide = self._guides.get(fd) if self._guides and len(requests) else None
+        if guide is not None:  # the runs are read from the descriptor; their chunks are populated ahead
+            if isinstance(requests, RunBatch):
+                lo, hi = int(requests.offsets[0]), int(requests.offsets[-1]) + requests.run_bytes
+            else:
+                lo = min(o for o, _ in requests)
+                hi = max(o + b.nbytes for o, b in requests)
+            guide.ahead(lo, hi - lo)
         if isinstance(requests, RunBatch) and len(requests):
             packed = requests.dest_offsets is None
             if packed and self.map_runs and len(requests) > 1 and self._map_runs(fd, requests, path):
@@ -405,6 +463,7 @@ class LocalFileSystem(FileSystem):
     def close(self, fd: int) -> None:
         """Close ``fd``; closing twice or a bad descriptor is ignored."""
         writeback.drain(fd)  # no write-behind request may outlive its descriptor
+        self._drop_guide(fd)
         try:
             os.close(fd)
         except OSError:

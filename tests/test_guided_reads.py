@@ -1,0 +1,195 @@
+"""Guided reads (issue 14): a cold restore of an incremental checkpoint whose linked data file holds dead
+bytes (the old bytes of changed tensors) reads the bytes its index names, not the dead ones.
+
+Bytes read from the device are counted by ``/proc/self/io`` ``read_bytes`` (every thread of the process,
+the populating threads included); the page cache of the data files is dropped with
+``POSIX_FADV_DONTNEED`` (no privileges needed).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any, Dict, List
+
+import numpy as np
+import pytest
+
+import shardckpt
+from shardckpt import CheckpointOptions
+from shardckpt.format.bundle_reader import BundleReader
+from shardckpt.saving.incremental import data_file_origins
+from shardckpt.storage import guided
+from shardckpt.storage.local import LocalFileSystem, local_fs
+
+MIB = 1 << 20
+TENSORS, CHANGED = 16, (2, 7, 12)  # 4 MiB float32 tensors; 3 of 16 change: the old file stays linked
+ELEMENTS = (4 * MIB) // 4
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as fh:
+        return int(next(line for line in fh if line.startswith("read_bytes:")).split()[1])
+
+
+def _drop_cache(prefix: str) -> None:
+    """Write the checkpoint's files back and drop their pages from the page cache."""
+    os.sync()
+    folder, base = os.path.split(prefix)
+    for name in os.listdir(folder):
+        if name.startswith(base + "."):
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _named_bytes(prefix: str) -> int:
+    with BundleReader(prefix) as reader:
+        return sum(int(reader.entry(k).size) for k in reader.keys(include_slices=True))
+
+
+def _data_bytes(prefix: str) -> int:
+    folder, base = os.path.split(prefix)
+    return sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder) if n.startswith(base + ".data-"))
+
+
+@pytest.fixture(scope="module")
+def gapped(tmp_path_factory: Any) -> Dict[str, Any]:
+    """A full checkpoint ``p0`` and an incremental one ``inc`` (3 of 16 tensors changed) linking p0's file,
+    which keeps the 3 old tensors as dead bytes (p0 is kept: it still names them)."""
+    folder = tmp_path_factory.mktemp("guided")
+    rng = np.random.default_rng(3)
+    state = {f"t{i:02d}": rng.standard_normal(ELEMENTS).astype(np.float32) for i in range(TENSORS)}
+    p0 = str(folder / "p0")
+    shardckpt.save_tensors(p0, state, CheckpointOptions(incremental=True))
+    for i in CHANGED:
+        state[f"t{i:02d}"] = state[f"t{i:02d}"] + 1.0
+    inc = str(folder / "inc")
+    shardckpt.save_tensors(inc, state, CheckpointOptions(incremental=True), previous=p0)
+    origins = data_file_origins(inc, local_fs)
+    assert origins is not None and any(o["how"] == "link" for o in origins.values())
+    assert _data_bytes(inc) - _named_bytes(inc) == len(CHANGED) * 4 * MIB  # the dead bytes
+    return {"p0": p0, "inc": inc, "state": state}
+
+
+def _restore(prefix: str, names: List[str]) -> List[np.ndarray]:
+    return shardckpt.restore_tensors(prefix, names)
+
+
+needs_guides = pytest.mark.skipif(not guided.available(), reason="guides need Linux with transparent huge pages")
+
+
+@needs_guides
+def test_cold_restore_reads_the_named_bytes_not_the_dead_ones(gapped: Dict[str, Any]) -> None:
+    inc, state = gapped["inc"], gapped["state"]
+    names = sorted(state)
+    named = _named_bytes(inc)
+    _drop_cache(inc)
+    before, copied = _read_bytes(), local_fs.guided_bytes
+    got = _restore(inc, names)
+    read = _read_bytes() - before
+    assert all(np.array_equal(a, state[n]) for a, n in zip(got, names))
+    # the named bytes, rounded out to 2 MiB blocks (entries here are 4 MiB-aligned), plus the index
+    assert named <= read <= named + MIB, (read, named)
+    assert local_fs.guided_bytes > copied  # the linked file was read through its guide
+
+    # warm: nothing from the device (a later read of a large page read ahead must not start the
+    # kernel's readahead into the dead bytes after it)
+    before = _read_bytes()
+    got = _restore(inc, names)
+    assert _read_bytes() - before < MIB
+    assert all(np.array_equal(a, state[n]) for a, n in zip(got, names))
+
+
+def test_without_guides_the_same_values(gapped: Dict[str, Any]) -> None:
+    inc, state = gapped["inc"], gapped["state"]
+    names = sorted(state)
+    _drop_cache(inc)
+    with BundleReader(inc, fs=LocalFileSystem(guide_reads=False)) as reader:
+        got = shardckpt.restore_tensors(inc, names, reader=reader)
+    assert all(np.array_equal(a, state[n]) for a, n in zip(got, names))
+
+
+@needs_guides
+def test_a_full_read_is_not_guided_and_a_partial_one_is(gapped: Dict[str, Any]) -> None:
+    p0 = gapped["p0"]
+    fs = LocalFileSystem()
+    path = p0 + ".data-00000-of-00001"
+    size = os.path.getsize(path)
+    fd = fs.open_read(path)
+    try:
+        assert fs.prefetch(fd, np.array([0]), np.array([size])) == 0  # the whole file: readahead as before
+        assert fd not in fs._guides
+        four = 4 * MIB
+        # every other tensor: guided, chunks of at most guided.CHUNK over the announced ranges only
+        starts = np.arange(0, size, 2 * four)
+        assert fs.prefetch(fd, starts, starts + four) == len(starts) * -(-four // guided.CHUNK)
+        guide = fs._guides[fd]
+        assert int(guide.starts.min()) == 0 and int(guide.ends.max()) == int(starts[-1]) + four
+        # reads inside the ranges come from the map, reads outside from the descriptor: both exact
+        want = np.fromfile(path, dtype=np.uint8)
+        for offset, n in ((0, four), (four // 2, 100), (four, four), (four - 10, 20), (size - 5, 5)):
+            buf = bytearray(n)
+            fs.pread_into(fd, memoryview(buf), offset, path)
+            assert bytes(buf) == want[offset:offset + n].tobytes(), (offset, n)
+    finally:
+        fs.close(fd)
+    assert fd not in fs._guides  # closing drops (and unmaps) the guide
+
+
+@needs_guides
+def test_a_guide_is_dropped_when_its_descriptor_number_is_reused(gapped: Dict[str, Any]) -> None:
+    path = gapped["p0"] + ".data-00000-of-00001"
+    fs = LocalFileSystem()
+    fd = fs.open_read(path)
+    assert fs.prefetch(fd, np.array([0]), np.array([4 * MIB])) > 0
+    os.close(fd)  # closed behind the filesystem's back
+    again = fs.open_read(gapped["inc"] + ".index")
+    try:
+        if again == fd:
+            assert fd not in fs._guides
+            buf = bytearray(16)
+            fs.pread_into(again, memoryview(buf), 0)
+            with open(gapped["inc"] + ".index", "rb") as fh:
+                assert bytes(buf) == fh.read(16)
+    finally:
+        fs.close(again)
+        fs._drop_guide(fd)
+
+
+@needs_guides
+def test_many_threads_read_through_one_guide(gapped: Dict[str, Any]) -> None:
+    inc = gapped["inc"]
+    path = inc + ".data-00000-of-00002"
+    if not os.path.exists(path):
+        path = next(str(p) for p in Path(inc).parent.glob("inc.data-*") if os.path.getsize(p) == TENSORS * 4 * MIB)
+    size = os.path.getsize(path)
+    want = np.fromfile(path, dtype=np.uint8)
+    _drop_cache(inc)
+    fs = LocalFileSystem()
+    fd = fs.open_read(path)
+    unit = 1 << 20
+    offsets = [o for o in range(0, size, unit) if (o // (4 * MIB)) % 3 != 1]  # gaps of 4 MiB
+    starts = np.array(offsets)
+    assert fs.prefetch(fd, starts, starts + unit) > 0
+    errors: List[BaseException] = []
+
+    def work(part: List[int]) -> None:
+        try:
+            for o in part:
+                buf = bytearray(unit)
+                fs.pread_into(fd, memoryview(buf), o, path)
+                assert bytes(buf) == want[o:o + unit].tobytes(), o
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(offsets[k::3],)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    fs.close(fd)
+    assert errors == []
