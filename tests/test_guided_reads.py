@@ -9,6 +9,8 @@ the populating threads included); the page cache of the data files is dropped wi
 from __future__ import annotations
 
 import os
+import platform
+import re
 import threading
 from pathlib import Path
 from typing import Any, Dict, List
@@ -75,6 +77,23 @@ def gapped(tmp_path_factory: Any) -> Dict[str, Any]:
     return {"p0": p0, "inc": inc, "state": state}
 
 
+def _kernel() -> tuple:
+    return tuple(int(x) for x in re.findall(r"\d+", platform.release())[:2])
+
+
+def _fs_type(path: str) -> str:
+    """The type of the file system holding ``path`` (the longest mount point above it in /proc/mounts)."""
+    best, kind = "", ""
+    real = os.path.realpath(path)
+    with open("/proc/mounts") as fh:
+        for line in fh:
+            fields = line.split()
+            point = fields[1]
+            if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                best, kind = point, fields[2]
+    return kind
+
+
 def _restore(prefix: str, names: List[str]) -> List[np.ndarray]:
     return shardckpt.restore_tensors(prefix, names)
 
@@ -92,9 +111,17 @@ def test_cold_restore_reads_the_named_bytes_not_the_dead_ones(gapped: Dict[str, 
     got = _restore(inc, names)
     read = _read_bytes() - before
     assert all(np.array_equal(a, state[n]) for a, n in zip(got, names))
-    # the named bytes, rounded out to 2 MiB blocks (entries here are 4 MiB-aligned), plus the index
-    assert named <= read <= named + MIB, (read, named)
-    assert local_fs.guided_bytes > copied  # the linked file was read through its guide
+    with open(inc + ".index", "rb") as fh:
+        fits = guided.large_pages(fh.fileno())
+    if guided.available():
+        assert fits is not None  # the cold read probed this file system
+    if fits:
+        # the named bytes, rounded out to 2 MiB blocks (entries here are 4 MiB-aligned), plus the index
+        assert named <= read <= named + MIB, (read, named)
+        assert local_fs.guided_bytes > copied  # the linked file was read through its guide
+    else:  # no large pages here: read as before, the kernel's readahead through the dead bytes
+        assert local_fs.guided_bytes == copied
+        assert read >= named
 
     # warm: nothing from the device (a later read of a large page read ahead must not start the
     # kernel's readahead into the dead bytes after it)
@@ -193,3 +220,57 @@ def test_many_threads_read_through_one_guide(gapped: Dict[str, Any]) -> None:
         t.join()
     fs.close(fd)
     assert errors == []
+
+
+@needs_guides
+def test_a_file_system_without_large_file_pages_is_probed_unfit(tmp_path: Path) -> None:
+    """tmpfs (``/dev/shm``) never maps its pages as ``FilePmdMapped`` large pages: the probe says no, and
+    ``plan`` makes no guide for a file system marked so."""
+    shm = Path("/dev/shm")
+    assert shm.is_dir(), "Linux provides /dev/shm"
+    path = shm / f"shardckpt-probe-{os.getpid()}"
+    path.write_bytes(np.random.default_rng(0).integers(0, 255, 8 * MIB, dtype=np.uint8).tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        guide = guided.Guide(fd, 8 * MIB, np.array([0, 6 * MIB]), np.array([4 * MIB, 8 * MIB]))
+        try:
+            assert guide.probe() is False
+            out = bytearray(MIB)
+            assert guide.read(2 * MIB, memoryview(out))  # the probed chunk is populated: copies still work
+            assert bytes(out) == path.read_bytes()[2 * MIB:3 * MIB]
+        finally:
+            guide.close()
+        guided._large_pages[os.fstat(fd).st_dev] = False
+        assert guided.large_pages(fd) is False
+        assert guided.plan(fd, 8 * MIB, [0, 6 * MIB], [MIB, 8 * MIB]) is None
+    finally:
+        os.close(fd)
+        guided._large_pages.pop(os.stat(shm).st_dev, None)
+        path.unlink()
+
+
+@needs_guides
+def test_this_file_system_is_probed_once_from_a_cold_guided_read(gapped: Dict[str, Any]) -> None:
+    """The probe's verdict on the test folder's file system is what the cold read saw in ``/proc/self/smaps``."""
+    inc = gapped["inc"]
+    folder, base = os.path.split(inc)
+    path = max((os.path.join(folder, n) for n in os.listdir(folder) if n.startswith(base + ".data-")),
+               key=os.path.getsize)  # the linked file, with the dead bytes
+    names = sorted(gapped["state"])
+    _drop_cache(inc)
+    _restore(inc, names)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fits = guided.large_pages(fd)
+        assert fits is not None
+        if _fs_type(path) == "ext4" and _kernel() >= (6, 16) or _fs_type(path) == "xfs" and _kernel() >= (5, 18):
+            assert fits, "this kernel reads large pages into the cache for this file system"
+        size = os.fstat(fd).st_size
+        guide = guided.Guide(fd, size, np.array([0]), np.array([size]))
+        try:
+            _drop_cache(inc)
+            assert guide.probe() is fits
+        finally:
+            guide.close()
+    finally:
+        os.close(fd)

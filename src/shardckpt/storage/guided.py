@@ -56,8 +56,14 @@ truncated by someone else meanwhile, ends the process with ``SIGBUS``. The files
 are those of committed checkpoints, which nothing writes into.
 ``LocalFileSystem(guide_reads=False)`` turns guides off, and so does
 ``SHARDCKPT_GUIDED_READS=0`` for the process. Guides are used only on Linux with transparent
-huge pages not set to ``never`` (elsewhere a fault would read 4 KiB at a time); elsewhere
-reads are unchanged.
+huge pages not set to ``never``, and only on file systems where the kernel does read large
+pages into the cache for such a map (XFS since Linux 5.18, ext4 since 6.16; elsewhere a
+fault would read 4 KiB at a time, one request each). The first guide that populates a
+file of a file system is the probe (:meth:`Guide.probe`): it populates a chunk holding a
+whole 2 MiB block on the calling thread and looks in ``/proc/self/smaps`` for the large
+page mapped there (``FilePmdMapped``). If there is none, that file system is marked
+unfit for this process and its files are read as before (the sequential readahead); a
+file too small to probe is not guided. Elsewhere reads are unchanged.
 
 Only reads: nothing is written. The guide is memory only (the map and a few arrays per
 descriptor; the pages copied out stay mapped, so the process's resident set counts them
@@ -74,11 +80,12 @@ import os
 import platform
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["Guide", "plan", "available", "cached_pages", "MIN_GAP", "MERGE_GAP", "CHUNK", "AHEAD", "POPULATORS"]
+__all__ = ["Guide", "plan", "available", "large_pages", "cached_pages", "MIN_GAP", "MERGE_GAP", "CHUNK", "AHEAD",
+           "POPULATORS"]
 
 MIN_GAP = 1 << 20  # a gap at least this large between announced ranges makes a file guided
 MERGE_GAP = 256 << 10  # gaps below this are read with their neighbours
@@ -95,6 +102,7 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 _CACHESTAT = 451  # syscall number (Linux 6.5+; the same on every architecture but alpha)
 
 _state: dict = {"ok": None, "libc": None, "pool": None, "pid": None, "no_cachestat": False}
+_large_pages: Dict[int, bool] = {}  # st_dev -> whether the probe saw a large page mapped (see the module)
 _pool_lock = threading.Lock()
 
 
@@ -152,6 +160,30 @@ def _union(starts: Any, ends: Any, gap: int) -> Tuple[np.ndarray, np.ndarray]:
     fresh[1:] = s[1:] - e[:-1] >= gap
     first = np.flatnonzero(fresh)
     return s[first], e[np.append(first[1:], len(s)) - 1]
+
+
+def large_pages(fd: int) -> Optional[bool]:
+    """What the probe found for the file system of the file open as ``fd`` in this process: whether faults
+    in a guide's map read large pages (``None``: not probed yet)."""
+    return _large_pages.get(os.fstat(fd).st_dev)
+
+
+def _pmd_mapped(base: int) -> int:
+    """``FilePmdMapped`` (KiB) of the mapping of this process that starts at address ``base`` (0 when the
+    mapping or the field is not there)."""
+    head = f"{base:x}-"
+    try:
+        with open("/proc/self/smaps") as fh:
+            for line in fh:
+                if line.startswith(head):
+                    for field in fh:
+                        if field.startswith("FilePmdMapped:"):
+                            return int(field.split()[1])
+                        if "-" in field.split(" ", 1)[0]:  # the next mapping's header
+                            return 0
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def cached_pages(fd: int, start: int, length: int) -> Optional[int]:
@@ -217,6 +249,22 @@ class Guide:
         a = int(self.starts[i]) // _PAGE * _PAGE
         b = min(self._length, -(-int(self.ends[i]) // _PAGE) * _PAGE)
         return bool(_state["libc"].madvise(self.base + a, b - a, _MADV_POPULATE_READ) == 0)
+
+    def probe(self) -> Optional[bool]:
+        """Populate, on this thread, the first chunk that holds a whole 2 MiB block of the file, and say
+        whether the kernel mapped a large page there (see the module); ``None`` when no chunk holds one
+        or the populating failed."""
+        whole = self.size // _PMD * _PMD
+        for i in range(len(self.starts)):
+            block = -(-int(self.starts[i]) // _PMD) * _PMD
+            if block + _PMD <= min(int(self.ends[i]), whole):
+                ok = self._populate(i)
+                done: "Future[bool]" = Future()
+                done.set_result(ok)
+                with self._lock:
+                    self._jobs[i] = done
+                return _pmd_mapped(self.base) > 0 if ok else None
+        return None
 
     def ahead(self, offset: int, length: int) -> int:
         """Start populating the chunks not asked for yet that overlap ``[offset, offset + length)`` or start
@@ -313,10 +361,21 @@ def plan(fd: int, size: int, starts: Any, ends: Any, previous: Optional[Guide] =
     first, last = int(us[0]) // _PAGE, -(-int(ue[-1]) // _PAGE)
     cached = cached_pages(fd, first * _PAGE, (last - first) * _PAGE)
     wanted = int((-(-ue // _PAGE) - us // _PAGE).sum())
+    device = os.fstat(fd).st_dev
+    if _large_pages.get(device) is False:
+        return None
+    populate = cached is None or cached < wanted
     try:
-        guide = Guide(fd, size, us, ue, populate=cached is None or cached < wanted)
+        guide = Guide(fd, size, us, ue, populate=populate)
     except OSError:
         return None
+    if populate and device not in _large_pages:
+        found = guide.probe()
+        if found is not None:
+            _large_pages[device] = found
+        if not found:
+            guide.close()
+            return None
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     except OSError:
