@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Tuple
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.files import flip_byte
 
 import shardckpt
 from shardckpt import io
@@ -83,14 +84,6 @@ def ckpt(tmp_path: Path) -> str:
 
 def data_file(prefix: str) -> str:
     return prefix + ".data-00000-of-00001"
-
-
-def flip_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x10]))
 
 
 # -- inspect: listing -----------------------------------------------------------------------------

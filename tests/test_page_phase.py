@@ -17,6 +17,7 @@ from typing import Dict, List
 
 import numpy as np
 import pytest
+from helpers.files import flip_byte as _flip
 
 import shardckpt
 from shardckpt import CheckpointOptions
@@ -44,14 +45,6 @@ def _state() -> Dict[str, np.ndarray]:
 def _layout(prefix: str) -> List[tuple]:
     with BundleReader(prefix) as reader:
         return sorted((int(reader.entry(k).offset), int(reader.entry(k).size), k.decode()) for k in reader.keys())
-
-
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x10]))
 
 
 def test_large_entries_start_at_the_page_phase_and_read_back_exactly(tmp_path: Path, tf_oracle) -> None:

@@ -10,6 +10,7 @@ from typing import Any, Dict, List
 
 import numpy as np
 import pytest
+from helpers.files import flip_byte as _flip
 
 import shardckpt
 from shardckpt.errors import CheckpointReplacedError, DataLossError
@@ -89,14 +90,6 @@ def test_a_reader_with_its_own_context_uses_its_threads(tmp_path: Path) -> None:
 
 
 # -- whole entries in units on several threads -----------------------------------------------------
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x10]))
-
-
 @pytest.mark.parametrize("elements", [1, (512 << 10) + 1, (2 << 20) // 4 * 5 + 3])
 def test_multi_unit_entries_read_exactly_and_every_unit_is_checked(tmp_path: Path, elements: int) -> None:
     prefix = str(tmp_path / "ck")
