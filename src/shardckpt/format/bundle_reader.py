@@ -858,20 +858,23 @@ class BundleReader:
         if not self.prefetches:
             return 0
         hint = self._fs.prefetch  # type: ignore[attr-defined]
-        spans: Dict[int, Tuple[Any, str, List[int], List[int], List[np.ndarray], List[np.ndarray]]] = {}
+        files: Dict[int, Tuple[Any, str, int]] = {}  # shard -> (descriptor, path, size)
+        # shard -> announced [start, end) pairs: of whole entries (ints), of regions (arrays of runs)
+        whole: Dict[int, Tuple[List[int], List[int]]] = {}
+        runs: Dict[int, Tuple[List[np.ndarray], List[np.ndarray]]] = {}
         for key, region in regions:
             try:
                 kb = _key_bytes(key)
                 entry = self.entry(kb)
                 if region is None and not entry.slices:  # the common case, one entry read whole: no planning
-                    into = spans.get(int(entry.shard_id))
-                    if into is None:
-                        fd, size = self._fd(int(entry.shard_id))
-                        into = spans[int(entry.shard_id)] = (fd, self.data_path(entry.shard_id), [], [], [], [])
-                        into[2].append(size)  # the file's size first (dropped below)
-                    if entry.offset + entry.size <= into[2][0]:
-                        into[2].append(int(entry.offset))
-                        into[3].append(int(entry.offset + entry.size))
+                    shard = int(entry.shard_id)
+                    if shard not in files:
+                        fd, size = self._fd(shard)
+                        files[shard] = (fd, self.data_path(entry.shard_id), size)
+                    if entry.offset + entry.size <= files[shard][2]:
+                        pairs = whole.setdefault(shard, ([], []))
+                        pairs[0].append(int(entry.offset))
+                        pairs[1].append(int(entry.offset + entry.size))
                     continue
                 dt = self.dtype(kb)
                 box = region_box(region, self.shape(kb), self.prefix, kb)
@@ -886,20 +889,21 @@ class BundleReader:
                         run = int(entry.size)
                     else:
                         starts, run, _ = _box_runs(int(entry.offset), stored, local, dt.itemsize)
-                    into = spans.get(int(entry.shard_id))
-                    if into is None:
-                        into = spans[int(entry.shard_id)] = (fd, path, [self._file_sizes[int(entry.shard_id)]],
-                                                             [], [], [])
-                    into[4].append(starts)
-                    into[5].append(starts + run)
+                    shard = int(entry.shard_id)
+                    files.setdefault(shard, (fd, path, self._file_sizes[shard]))
+                    arrays = runs.setdefault(shard, ([], []))
+                    arrays[0].append(starts)
+                    arrays[1].append(starts + run)
             except ShardckptError:
                 continue
         planned = 0
-        for fd, path, one_starts, one_ends, many_starts, many_ends in spans.values():
-            starts_all = np.concatenate([np.asarray(one_starts[1:], dtype=np.int64)] + many_starts)
+        for shard in whole.keys() | runs.keys():
+            one_starts, one_ends = whole.get(shard, ([], []))
+            many_starts, many_ends = runs.get(shard, ([], []))
+            fd, path, _ = files[shard]
+            starts_all = np.concatenate([np.asarray(one_starts, dtype=np.int64)] + many_starts)
             ends_all = np.concatenate([np.asarray(one_ends, dtype=np.int64)] + many_ends)
-            if len(starts_all):
-                planned += int(hint(fd, starts_all, ends_all, path) or 0)
+            planned += int(hint(fd, starts_all, ends_all, path) or 0)
         return planned
 
     def verify(self, key: KeyLike) -> None:
