@@ -14,8 +14,8 @@ One run, the same processes, the same bytes, medians over ``--repeats``::
   checkpoints (throughput, bytes read by the processes' read calls (``/proc/self/io``
   ``rchar``, plus what shardckpt's reader read through io_uring, ``ring_bytes``, which
   ``rchar`` does not see) against the bytes the ranks need, peak extra host memory), and
-  of shardckpt's with ``TFBundleReader(map_reads=True)`` (its bytes read also count the
-  pages it copied out of memory maps);
+  of shardckpt's with ``TFBundleReader(map_reads=False)`` (read calls only, no memory maps;
+  shardckpt's bytes read also count the bytes it copied out of memory maps, ``mapped_bytes``);
 * this process: planning a rank's read items for an 80x80-chunk tensor (its chunk an
   eighth of the rows; and 80x80 local chunks) with ``read_items_for_chunks`` against
   DCP's ``create_read_items_for_chunk_list``.
@@ -46,7 +46,7 @@ sys.path.insert(0, str(HERE))
 from common import fmt_size, parse_size, reset_peak_rss, status_bytes  # noqa: E402
 
 SYSTEMS = ("shardckpt", "dcp")
-RESHARD_SYSTEMS = ("shardckpt", "shardckpt+map", "dcp")  # +map: TFBundleReader(map_reads=True), opt-in
+RESHARD_SYSTEMS = ("shardckpt", "shardckpt+calls", "dcp")  # +calls: TFBundleReader(map_reads=False)
 TENSORS = 16
 
 
@@ -156,7 +156,7 @@ def _reader(system: str, path: Path) -> Any:
     from shardckpt.torch import TFBundleReader
 
     if system.startswith("shardckpt"):
-        return TFBundleReader(path / "ck", map_reads=system == "shardckpt+map")
+        return TFBundleReader(path / "ck", map_reads=False if system == "shardckpt+calls" else None)
     return FileSystemReader(str(path))
 
 
@@ -395,17 +395,17 @@ def main() -> None:
         nbytes / med(d2["load_s"]) / 2**20, "MiB/s", "higher")
     row("bytes read / bytes needed (4 -> 2)", med(s2["bytes_read"]) / nbytes, med(d2["bytes_read"]) / nbytes, "x",
         "lower")
-    m2 = two["shardckpt+map"]
-    row("resharded load (4 -> 2), map_reads=True (opt-in)", nbytes / med(m2["load_s"]) / 2**20,
+    m2 = two["shardckpt+calls"]
+    row("resharded load (4 -> 2), map_reads=False (read calls)", nbytes / med(m2["load_s"]) / 2**20,
         nbytes / med(d2["load_s"]) / 2**20, "MiB/s", "higher")
-    row("bytes read (incl. mapped pages) / needed, map_reads=True", med(m2["bytes_read"]) / nbytes,
+    row("bytes read / needed, map_reads=False", med(m2["bytes_read"]) / nbytes,
         med(d2["bytes_read"]) / nbytes, "x", "lower")
     row("async_save blocking time", med(s["async_block_s"]) * 1e3, med(d["async_block_s"]) * 1e3, "ms", "lower")
     row("peak extra host memory, load 4 -> 4 (per rank, % of state)", 100 * med(s["load_peak_extra"]) / nbytes,
         100 * med(d["load_peak_extra"]) / nbytes, "%", "lower")
     row("peak extra host memory, load 4 -> 2 (per rank, % of state)", 100 * med(s2["load_peak_extra"]) / nbytes,
         100 * med(d2["load_peak_extra"]) / nbytes, "%", "lower")
-    row("peak extra host memory, load 4 -> 2, map_reads=True (%)", 100 * med(m2["load_peak_extra"]) / nbytes,
+    row("peak extra host memory, load 4 -> 2, map_reads=False (%)", 100 * med(m2["load_peak_extra"]) / nbytes,
         100 * med(d2["load_peak_extra"]) / nbytes, "%", "lower")
     for name, figures in planning.items():
         row(f"planning, 80x80 stored chunks, {name}", figures["shardckpt"] * 1e3, figures["dcp"] * 1e3, "ms",

@@ -68,11 +68,11 @@ def test_ring_reads_exactly_the_runs_or_says_it_cannot(data: Tuple[str, np.ndarr
 @pytest.mark.parametrize("ring", [True, False])
 def test_strided_run_batch_reads_exact_bytes_with_or_without_ring(data: Tuple[str, np.ndarray], ring: bool) -> None:
     """Half of every 16 KiB row (a resharded load's reads): the same bytes with io_uring and with one
-    ``preadv`` per run; ``ring_bytes`` counts the ring's bytes (``rchar`` does not see them), and the
-    two together are exactly the bytes asked for."""
+    ``preadv`` per run (no maps); ``ring_bytes`` counts the ring's bytes (``rchar`` does not see
+    them), and the two together are exactly the bytes asked for."""
     path, raw = data
     rb, n = 8192, SIZE // 16384
-    fs = LocalFileSystem(ring_runs=ring)
+    fs = LocalFileSystem(ring_runs=ring, map_runs=False)
     fd = fs.open_read(path)
     try:
         offsets = np.arange(n, dtype=np.int64) * 16384 + 8192
@@ -107,7 +107,7 @@ def test_ring_runs_past_the_end_of_the_file_raise(data: Tuple[str, np.ndarray]) 
 
 def _child_reads(path: str, queue: Any) -> None:
     raw = np.fromfile(path, dtype=np.uint8)
-    fs = LocalFileSystem()
+    fs = LocalFileSystem(map_runs=False)  # the ring (maps would serve these half-dense runs)
     fd = fs.open_read(path)
     dest = np.zeros(64 * 4096, dtype=np.uint8)
     offsets = np.arange(64, dtype=np.int64) * 8192
@@ -120,7 +120,7 @@ def _child_reads(path: str, queue: Any) -> None:
 def test_a_forked_child_reads_through_a_ring_of_its_own(data: Tuple[str, np.ndarray]) -> None:
     """The parent's ring is never used by a forked child (their rings would be shared memory)."""
     path, _ = data
-    fs = LocalFileSystem()
+    fs = LocalFileSystem(map_runs=False)
     fd = fs.open_read(path)
     dest = np.zeros(64 * 4096, dtype=np.uint8)
     fs.pread_batch(fd, RunBatch(np.arange(64, dtype=np.int64) * 8192, 4096, memoryview(dest)), path)

@@ -379,10 +379,11 @@ def test_runs_of_a_page_or_more_are_read_in_one_loop(tmp_path: Path) -> None:
     assert seen[:len(offsets)] == offsets.tolist()
 
 
-def test_mapped_runs_count_their_pages_and_fall_back_to_reads(tmp_path: Path) -> None:
-    """``map_runs``: runs land in place, ``mapped_bytes`` counts each page they touch once (a
-    window boundary included), a file too short is the read calls' DataLossError."""
-    from shardckpt.storage import local
+def test_mapped_runs_count_their_bytes_and_fall_back_to_reads(tmp_path: Path, monkeypatch: Any) -> None:
+    """``map_runs=True``: every batch of ascending runs (tiny, uneven, off the pages, over several
+    windows) lands in place out of maps, ``mapped_bytes`` counts the bytes copied; a file too short
+    is the read calls' DataLossError, with nothing counted."""
+    from shardckpt.storage import mapped
     from shardckpt.storage.base import RunBatch
 
     path = str(tmp_path / "f")
@@ -392,26 +393,22 @@ def test_mapped_runs_count_their_pages_and_fall_back_to_reads(tmp_path: Path) ->
     fs = LocalFileSystem(map_runs=True)
     fd = fs.open_read(path)
     try:
-        for offsets, rb, pages in [
-            (np.arange(10, dtype=np.int64) * 16384, 8192, 20),  # page-aligned rows: 2 pages each
-            (np.arange(10, dtype=np.int64) * 16384 + 100, 8192, 30),  # off the pages: 3 each
-            (np.arange(64, dtype=np.int64) * 200, 100, 4),  # tiny runs sharing pages
-            (np.array([0, 5000, 9000, 2 << 20], np.int64), 3000, 4),  # uneven spacing: a page each
+        for offsets, rb in [
+            (np.arange(10, dtype=np.int64) * 16384, 8192),  # page-aligned rows
+            (np.arange(10, dtype=np.int64) * 16384 + 100, 8192),  # off the pages
+            (np.arange(64, dtype=np.int64) * 200, 100),  # tiny runs sharing pages
+            (np.array([0, 5000, 9000, 2 << 20], np.int64), 3000),  # uneven spacing, across 2 MiB
         ]:
             before = fs.mapped_bytes
             dest = bytearray(len(offsets) * rb)
             fs.pread_batch(fd, RunBatch(offsets, rb, memoryview(dest)), path)
             assert bytes(dest) == b"".join(data[o:o + rb] for o in offsets.tolist())
-            assert fs.mapped_bytes - before == pages * 4096
-        window = local._MAP_WINDOW
-        local._MAP_WINDOW = 1 << 20  # several windows over one batch
-        try:
-            offsets = np.arange(0, (3 << 20) - 8192, 12288, dtype=np.int64)
-            dest = bytearray(len(offsets) * 8192)
-            fs.pread_batch(fd, RunBatch(offsets, 8192, memoryview(dest)), path)
-            assert bytes(dest) == b"".join(data[o:o + 8192] for o in offsets.tolist())
-        finally:
-            local._MAP_WINDOW = window
+            assert fs.mapped_bytes - before == len(offsets) * rb
+        monkeypatch.setattr(mapped, "WINDOW", (2 << 20) + (64 << 10))  # several windows over one batch
+        offsets = np.arange(0, (3 << 20) - 8192, 12288, dtype=np.int64)
+        dest = bytearray(len(offsets) * 8192)
+        fs.pread_batch(fd, RunBatch(offsets, 8192, memoryview(dest)), path)
+        assert bytes(dest) == b"".join(data[o:o + 8192] for o in offsets.tolist())
         before = fs.mapped_bytes
         with pytest.raises(DataLossError, match="end of file"):
             fs.pread_batch(fd, RunBatch(np.array([0, (3 << 20) - 4096], np.int64), 8192,

@@ -31,7 +31,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -594,30 +594,40 @@ def test_reader_threads_follow_the_ranks_on_the_host(tmp_path: Path, monkeypatch
     reader.close()
 
 
-def test_map_reads_copy_the_columns_out_of_a_map(tmp_path: Path) -> None:
-    """``map_reads``: half of every row of a stored 1024x2048 chunk is copied out of a memory map;
-    the pages touched are exactly the pages the half rows lie on (the entry starts at the
-    writer's page phase: each 4 KiB half row spans two pages), the values exact."""
+@pytest.mark.parametrize("map_reads", [None, True, False], ids=["default", "maps", "calls"])
+def test_map_reads_copy_the_columns_out_of_a_map(tmp_path: Path, map_reads: Optional[bool]) -> None:
+    """Half of every row of a stored 1024x2048 chunk (a load 4 -> 2, row- to column-sharded): by
+    default and with ``map_reads=True`` copied out of a memory map (``mapped_bytes``: exactly the
+    half rows' bytes, nothing through read calls' ``rchar`` beyond the index), with ``False``
+    through read calls; the values exact either way."""
     from torch.distributed.checkpoint.planner import LoadPlan
 
+    from shardckpt.storage import mapped
+
+    assert mapped.available()  # Linux: maps serve resharded reads by default (what this test holds)
     prefix = tmp_path / "ck"
     w = torch.randn(1024, 2048)
     dcp.save({"w": w}, storage_writer=TFBundleWriter(prefix))
-    with BundleReader(str(prefix)) as bundle:
-        offset = int(bundle.entry("w").offset)
-    starts = [offset + r * 2048 * 4 + 1024 * 4 for r in range(1024)]
-    pages = sum((a + 1024 * 4 - 1) // 4096 - a // 4096 + 1 for a in starts)
-    assert pages == 2 * 1024  # 2112 bytes into a page: every half row crosses a page boundary
-    for map_reads in (True, False):
-        reader = TFBundleReader(prefix, map_reads=map_reads)
-        md = reader.read_metadata()
-        items = read_items_for_chunks("w", md.state_dict_metadata["w"], [
-            ChunkStorageMetadata(offsets=torch.Size([0, 1024]), sizes=torch.Size([1024, 1024]))])
-        dest = torch.zeros(1024, 1024)
-        reader.read_data(LoadPlan(items), _RegionPlanner(dest)).wait()  # type: ignore[arg-type]
-        assert torch.equal(dest, w[:, 1024:])
-        assert reader.mapped_bytes == (pages * 4096 if map_reads else 0)
-        reader.close()
+    reader = TFBundleReader(prefix, map_reads=map_reads, max_workers=1)
+    md = reader.read_metadata()
+    items = read_items_for_chunks("w", md.state_dict_metadata["w"], [
+        ChunkStorageMetadata(offsets=torch.Size([0, 1024]), sizes=torch.Size([1024, 1024]))])
+    dest = torch.zeros(1024, 1024)
+    before = _rchar()
+    reader.read_data(LoadPlan(items), _RegionPlanner(dest)).wait()  # type: ignore[arg-type]
+    counted = _rchar() - before
+    assert torch.equal(dest, w[:, 1024:])
+    needed = 1024 * 1024 * 4
+    if map_reads is False:
+        assert reader.mapped_bytes == 0 and counted + reader.ring_bytes >= needed
+    else:
+        assert reader.mapped_bytes == needed and reader.ring_bytes == 0 and counted < needed // 8
+    reader.close()
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
 
 
 def _sliced(prefix: Path, full: np.ndarray, boxes: Any) -> None:
@@ -738,7 +748,7 @@ def test_rows_halves_load_through_few_calls_and_count_their_bytes(tmp_path: Path
     w = torch.randn(1024, 2048)
     prefix = tmp_path / "ck"
     dcp.save({"w": w}, storage_writer=TFBundleWriter(prefix))
-    reader = TFBundleReader(prefix, max_workers=1)
+    reader = TFBundleReader(prefix, max_workers=1, map_reads=False)  # read calls (maps: the test above)
     md = reader.read_metadata()
     items = read_items_for_chunks("w", md.state_dict_metadata["w"], [
         ChunkStorageMetadata(offsets=torch.Size([0, 1024]), sizes=torch.Size([1024, 1024]))])

@@ -857,43 +857,59 @@ class BundleReader:
         """
         if not self.prefetches:
             return 0
-        hint = self._fs.prefetch  # type: ignore[attr-defined]
-        files: Dict[int, Tuple[Any, str, int]] = {}  # shard -> (descriptor, path, size)
-        # shard -> announced [start, end) pairs: of whole entries (ints), of regions (arrays of runs)
-        whole: Dict[int, Tuple[List[int], List[int]]] = {}
-        runs: Dict[int, Tuple[List[np.ndarray], List[np.ndarray]]] = {}
+        reads: List[Tuple[StoredPiece, Optional[Box]]] = []
         for key, region in regions:
             try:
                 kb = _key_bytes(key)
                 entry = self.entry(kb)
                 if region is None and not entry.slices:  # the common case, one entry read whole: no planning
-                    shard = int(entry.shard_id)
+                    reads.append((StoredPiece(full_box(self.shape(kb)), kb, entry, kb), None))
+                    continue
+                box = region_box(region, self.shape(kb), self.prefix, kb)
+                for piece, common in self._overlapping(kb, box):
+                    reads.append((piece, tuple((a - p0, b - p0) for (a, b), (p0, _) in zip(common, piece.box))))
+            except ShardckptError:
+                continue
+        return self.prefetch_pieces(reads)
+
+    def prefetch_pieces(self, reads: Sequence[Tuple[StoredPiece, Optional[Box]]]) -> int:
+        """:meth:`prefetch` for callers that already hold the stored pieces (a DCP read item names
+        its chunk): ``(piece, box relative to the piece)``, ``None`` for the whole piece. No key
+        or slice is looked up again. Returns the number of requests planned."""
+        if not self.prefetches:
+            return 0
+        hint = self._fs.prefetch  # type: ignore[attr-defined]
+        files: Dict[int, Tuple[Any, str, int]] = {}  # shard -> (descriptor, path, size)
+        # shard -> announced [start, end) pairs: of whole pieces (ints), of regions (arrays of runs)
+        whole: Dict[int, Tuple[List[int], List[int]]] = {}
+        runs: Dict[int, Tuple[List[np.ndarray], List[np.ndarray]]] = {}
+        for piece, local in reads:
+            try:
+                entry = piece.entry
+                stored = box_shape(piece.box)
+                if local is not None and box_volume(local) == 0:
+                    continue
+                shard = int(entry.shard_id)
+                if local is None or local == full_box(stored):  # read whole: its entry's bytes, if they fit
                     if shard not in files:
                         fd, size = self._fd(shard)
-                        files[shard] = (fd, self.data_path(entry.shard_id), size)
+                        files[shard] = (fd, self.data_path(shard), size)
                     if entry.offset + entry.size <= files[shard][2]:
                         pairs = whole.setdefault(shard, ([], []))
                         pairs[0].append(int(entry.offset))
                         pairs[1].append(int(entry.offset + entry.size))
                     continue
-                dt = self.dtype(kb)
-                box = region_box(region, self.shape(kb), self.prefix, kb)
-                for piece, common in self._overlapping(kb, box):
-                    if box_volume(common) == 0:
-                        continue
-                    fd, path = self._locate(piece, dt)  # opened, and the entry checked against the file
-                    entry, stored = piece.entry, box_shape(piece.box)
-                    local = tuple((a - p0, b - p0) for (a, b), (p0, _) in zip(common, piece.box))
-                    if dt.itemsize is None or local == full_box(stored):
-                        starts = np.array([int(entry.offset)], dtype=np.int64)
-                        run = int(entry.size)
-                    else:
-                        starts, run, _ = _box_runs(int(entry.offset), stored, local, dt.itemsize)
-                    shard = int(entry.shard_id)
-                    files.setdefault(shard, (fd, path, self._file_sizes[shard]))
-                    arrays = runs.setdefault(shard, ([], []))
-                    arrays[0].append(starts)
-                    arrays[1].append(starts + run)
+                dt = from_enum(entry.dtype)
+                fd, path = self._locate(piece, dt)  # opened, and the entry checked against the file
+                if dt.itemsize is None:
+                    starts = np.array([int(entry.offset)], dtype=np.int64)
+                    run = int(entry.size)
+                else:
+                    starts, run, _ = _box_runs(int(entry.offset), stored, tuple(local), dt.itemsize)
+                files.setdefault(shard, (fd, path, self._file_sizes[shard]))
+                arrays = runs.setdefault(shard, ([], []))
+                arrays[0].append(starts)
+                arrays[1].append(starts + run)
             except ShardckptError:
                 continue
         planned = 0

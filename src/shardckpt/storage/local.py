@@ -13,13 +13,18 @@ positional read each. Every way reads exactly the runs' bytes. A subclass that o
 :meth:`LocalFileSystem.pread_into` gets every run through it instead (so that what it
 counts or injects sees every read).
 
-``LocalFileSystem(map_runs=True)`` serves run batches from a read-only memory map of
-the file instead, a window of at most 64 MiB at a time: one copy in user space, no call
-per run (a resharded load reading half of every row costs about half as much). Only
-the pages that hold runs are touched; their bytes are counted in
-:attr:`LocalFileSystem.mapped_bytes` (``/proc``'s ``rchar`` does not see reads through a
-map). The price: a disk error, or the file truncated by someone else during the copy,
-ends the process with ``SIGBUS`` instead of raising :class:`StorageError`. Off by default.
+Dense strided batches (at least 8 runs of a page or more, filling at least half of the
+span they cover: the rows of a resharded load's region) are copied out of a read-only
+memory map of the file instead (:mod:`.mapped`: a huge-page map, its pages populated
+first, one strided copy, no call per run; a resharded load reading half of every row
+costs about half as much). Their bytes are counted in :attr:`LocalFileSystem.mapped_bytes`
+(``/proc``'s ``rchar`` does not see copies out of a map). Populating reports a disk error
+or a file cut short as a code, and the read calls then serve the batch and raise as
+usual; the price that remains (the same as guided reads', for files of committed
+checkpoints): a page evicted between the populating and the copy that fails to read
+again, or a truncation by someone else in that moment, ends the process with ``SIGBUS``.
+``LocalFileSystem(map_runs=False)`` or ``SHARDCKPT_MAP_READS=0`` turns maps off;
+``map_runs=True`` maps every batch of ascending runs.
 
 Announced reads (:meth:`LocalFileSystem.prefetch`, from a restore): a file whose announced
 ranges leave gaps of 1 MiB or more (the dead bytes of a linked data file of an incremental
@@ -37,7 +42,6 @@ import errno
 import fcntl
 import itertools
 import logging
-import mmap
 import os
 import secrets
 import shutil
@@ -45,13 +49,12 @@ import threading
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import NotFoundError, ShardckptError, StorageError
-from . import guided, uring, writeback
+from . import guided, mapped, uring, writeback
 from .base import FileSystem, RunBatch
 
 __all__ = ["LocalFileSystem", "local_fs", "StorageError"]
 
 _MAX_IO = 1 << 30  # one syscall moves at most 1 GiB (Linux caps near 2 GiB)
-_MAP_WINDOW = 64 << 20  # map_runs: at most this much of a file is mapped at once
 _COALESCE_GAP = 4096  # pread_batch reads runs below a page, and gaps up to a page, in one covering call
 _COALESCE_SPAN = 16 << 20  # ... as long as one covering read stays below this
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
@@ -79,12 +82,13 @@ def _wrap(exc: OSError, path: str, action: str) -> ShardckptError:
 
 
 class LocalFileSystem(FileSystem):
-    """The local filesystem (``map_runs``: serve run batches from memory maps, see the module docstring)."""
+    """The local filesystem (``map_runs``: which run batches are copied out of memory maps, see the module
+    docstring)."""
 
     supports_rename = True
     read_step = None
-    map_runs = False
-    mapped_bytes = 0  # bytes of the pages that run batches read through a map
+    map_runs: Optional[bool] = None
+    mapped_bytes = 0  # bytes that run batches copied out of maps
     ring_bytes = 0  # bytes that run batches read through io_uring
     ring_runs = True  # strided run batches through io_uring where available (see _pread_runs)
     prefetches = True  # announced reads guide the kernel's reads where they leave gaps (see prefetch)
@@ -93,7 +97,7 @@ class LocalFileSystem(FileSystem):
     #: the guide of each guided descriptor (descriptors are process-wide, so is this)
     _guides: "dict[int, guided.Guide]" = {}
 
-    def __init__(self, *, map_runs: bool = False, ring_runs: bool = True, guide_reads: bool = True) -> None:
+    def __init__(self, *, map_runs: Optional[bool] = None, ring_runs: bool = True, guide_reads: bool = True) -> None:
         self.map_runs = map_runs
         self.ring_runs = ring_runs
         self.prefetches = guide_reads
@@ -201,7 +205,7 @@ class LocalFileSystem(FileSystem):
             guide.ahead(lo, hi - lo)
         if isinstance(requests, RunBatch) and len(requests):
             packed = requests.dest_offsets is None
-            if packed and self.map_runs and len(requests) > 1 and self._map_runs(fd, requests, path):
+            if packed and len(requests) > 1 and self._mapping(requests) and self._map_runs(fd, requests, path):
                 return
             if packed and requests.run_bytes < _COALESCE_GAP:
                 self._pread_small_runs(fd, requests, path)
@@ -320,19 +324,35 @@ class LocalFileSystem(FileSystem):
                     got = 0
                 offset += rb
 
-    def _map_runs(self, fd: int, batch: RunBatch, path: str) -> bool:
-        """Copy the runs out of read-only maps of the file, a window of up to ``_MAP_WINDOW`` at a time.
+    def _mapping(self, batch: RunBatch) -> bool:
+        """Whether a packed batch of runs is copied out of maps (see the module docstring): always with
+        ``map_runs=True``, never with ``False``; by default (``None``) batches of at least ``_RING_MIN``
+        runs of a page or more, strided in the file, whose runs fill at least half of their span, where
+        :func:`mapped.available` (and no subclass reads run by run through its own ``pread_into``)."""
+        if self.map_runs is not None:
+            return self.map_runs
+        n = len(batch)
+        rb = batch.run_bytes
+        if n < _RING_MIN or rb < _COALESCE_GAP or type(self).pread_into is not _PREAD_INTO or \
+                not mapped.available():
+            return False
+        first, last = int(batch.offsets[0]), int(batch.offsets[-1])
+        span = last + rb - first
+        return span > n * rb and 2 * n * rb >= span  # not one range (preadv serves that), dense enough
 
-        False (nothing read) where a map does not fit: runs not ascending and disjoint, a
-        file shorter than the runs (the read calls then raise the usual error), a file
-        that cannot be mapped.
+    def _map_runs(self, fd: int, batch: RunBatch, path: str) -> bool:
+        """Copy the runs out of read-only maps of the file (:func:`mapped.copy_runs`).
+
+        False (nothing read; the read calls serve the batch) where a map does not fit: runs
+        not ascending and disjoint, a file shorter than the runs (the read calls then raise
+        the usual error), a file that cannot be mapped or whose pages fail to populate.
         """
         import numpy as np
 
         offsets = np.asarray(batch.offsets, dtype=np.int64)
         rb = batch.run_bytes
         n = len(offsets)
-        if rb <= 0 or rb > _MAP_WINDOW or offsets[0] < 0 or (np.diff(offsets) < rb).any():
+        if rb <= 0 or rb > mapped.WINDOW or offsets[0] < 0 or (np.diff(offsets) < rb).any():
             return False
         try:
             if os.fstat(fd).st_size < int(offsets[-1]) + rb:
@@ -340,44 +360,13 @@ class LocalFileSystem(FileSystem):
         except OSError:
             return False
         dest = np.frombuffer(batch.dest, dtype=np.uint8)[:n * rb].reshape(n, rb)
-        grain = mmap.ALLOCATIONGRANULARITY
-        i = 0
-        while i < n:
-            base = int(offsets[i]) // grain * grain
-            j = max(i + 1, int(np.searchsorted(offsets, base + _MAP_WINDOW - rb, side="right")))
-            end = int(offsets[j - 1]) + rb
-            try:
-                window = mmap.mmap(fd, end - base, access=mmap.ACCESS_READ, offset=base)
-            except (OSError, ValueError) as exc:
-                if i == 0:
-                    return False  # e.g. a filesystem without maps: the read calls serve the batch
-                if isinstance(exc, OSError):
-                    raise _wrap(exc, path, "map") from None
-                raise
-            try:
-                src = np.frombuffer(window, dtype=np.uint8)
-                rel = offsets[i:j] - base
-                steps = np.diff(rel)
-                if len(steps) and (steps == steps[0]).all():  # evenly spaced: one strided copy
-                    runs = np.lib.stride_tricks.as_strided(src[int(rel[0]):], shape=(j - i, rb),
-                                                           strides=(int(steps[0]), 1))
-                    np.copyto(dest[i:j], runs)
-                    del runs
-                else:
-                    for k, r in enumerate(rel.tolist(), start=i):
-                        dest[k] = src[r:r + rb]
-                del src
-            finally:
-                try:
-                    window.close()
-                except BufferError:  # a view still alive (a failed copy's traceback): unmapped when it dies
-                    pass
-            first = offsets[i:j] // mmap.PAGESIZE
-            last = (offsets[i:j] + rb - 1) // mmap.PAGESIZE  # runs may share a page: count each page once
-            pages = int((last - first + 1).sum() - (first[1:] <= last[:-1]).sum())
-            with self._count_lock:
-                self.mapped_bytes += pages * mmap.PAGESIZE
-            i = j
+        copied = mapped.copy_runs(fd, offsets, rb, dest, populate=mapped.can_populate())
+        if copied is None and self.map_runs and not mapped.can_populate():  # asked for, on a kernel before 5.14
+            copied = mapped.copy_runs(fd, offsets, rb, dest, populate=False)
+        if copied is None:
+            return False
+        with self._count_lock:
+            self.mapped_bytes += copied
         return True
 
     def _pread_small_runs(self, fd: int, batch: RunBatch, path: str) -> None:

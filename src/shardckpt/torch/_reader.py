@@ -105,15 +105,17 @@ class TFBundleReader(StorageReader):
     default the cores this process may use divided among the ranks on this host
     (torchrun's ``LOCAL_WORLD_SIZE``), at most 4. With one, every read and checksum
     runs on the calling thread (no thread hand-offs where the ranks already keep
-    every core busy). ``map_reads`` (local files): parts of chunks made of many rows
-    (a resharded load) are copied out of a memory map of the data file instead of
-    read calls (batched through io_uring where allowed), cheaper still; a disk
-    error or a data file truncated during the load then ends the process with
-    ``SIGBUS`` instead of raising (see :mod:`shardckpt.storage.local`). Off by default.
+    every core busy). ``map_reads`` (local files): by default (``None``) parts of
+    chunks made of many rows (a resharded load) are copied out of a memory map of the
+    data file, populated first, instead of one read call per row (see
+    :mod:`shardckpt.storage.mapped`: a disk error found while populating still raises;
+    a page evicted and failing to re-read in the moment before its copy, or a data file
+    truncated then, ends the process with ``SIGBUS``); ``False``: read calls only
+    (batched through io_uring where allowed); ``True``: every batch of rows through maps.
     """
 
     def __init__(self, path: Any = None, *, key_map: KeyMap = None, verify: bool = True,
-                 max_workers: Optional[int] = None, map_reads: bool = False) -> None:
+                 max_workers: Optional[int] = None, map_reads: Optional[bool] = None) -> None:
         super().__init__()
         self._path: Optional[str] = None if path is None else os.fspath(path)
         if key_map is not None and not callable(key_map) and not isinstance(key_map, Mapping):
@@ -205,7 +207,8 @@ class TFBundleReader(StorageReader):
 
     @property
     def mapped_bytes(self) -> int:
-        """Bytes (whole pages) this reader copied out of memory maps (``map_reads``); read calls not included."""
+        """Bytes this reader copied out of memory maps (rows of resharded reads, ``map_reads``); read calls
+        not included."""
         return self._local_fs.mapped_bytes if self._local_fs is not None else 0
 
     @property
@@ -267,12 +270,13 @@ class TFBundleReader(StorageReader):
 
     # -- reads --------------------------------------------------------------------------------------------
     def _announce(self, bundle: BundleReader, items: List[ReadItem]) -> None:
-        """Object stores: announce the bytes of every read item (few large GETs, fetched in parallel ahead
-        of the reads: :meth:`BundleReader.prefetch`); nothing on other stores. An item that does not
-        resolve is left for its read to report."""
+        """Announce the bytes of every read item to the store (:meth:`BundleReader.prefetch_pieces`):
+        object stores fetch them in few large GETs, in parallel, ahead of the reads; local files whose
+        announced bytes leave gaps are read through a guide. Nothing on other stores. An item that
+        does not resolve is left for its read to report."""
         if not bundle.prefetches:
             return
-        regions: List[Tuple[bytes, Box]] = []
+        reads: List[Tuple[StoredPiece, Optional[Box]]] = []
         for item in items:
             stored = self._tensors.get(item.storage_index.fqn)
             if stored is None:
@@ -283,9 +287,9 @@ class TFBundleReader(StorageReader):
                 continue
             if piece is None:
                 continue
-            regions.append((stored.key, tuple((p0 + int(o), p0 + int(o) + int(n)) for (p0, _), o, n
-                                              in zip(piece.box, item.storage_offsets, item.lengths))))
-        bundle.prefetch(regions)
+            local = tuple((int(o), int(o) + int(n)) for o, n in zip(item.storage_offsets, item.lengths))
+            reads.append((piece, None if local == tuple((0, b - a) for a, b in piece.box) else local))
+        bundle.prefetch_pieces(reads)
 
     def _read_item(self, bundle: BundleReader, session: ReadSession, item: ReadItem, planner: LoadPlanner
                    ) -> Tuple[ReadItem, torch.Tensor]:
