@@ -9,7 +9,10 @@ One run, the same processes, the same bytes, medians over ``--repeats``::
   existing tensors (throughput, peak extra host memory, bytes read from the device),
   ``dcp.async_save`` (time until the call returns); then the system's kept staging
   buffers are freed and its files dropped from the page cache before the other system
-  runs (each starts with the same free memory);
+  runs (each starts with the same free memory); then the disk's own figure, ``repeats``
+  times: each rank writes its local bytes to one file with plain 16 MiB writes and fsyncs
+  it (the coordinator also fsyncs the folder), timed like a save (row "save throughput /
+  raw write+fsync": how close each system's durable save comes to the disk);
 * launch 2 (2 ranks, every tensor ``Shard(1)``): the resharded load 4 -> 2 of both
   checkpoints (throughput, bytes read by the processes' read calls (``/proc/self/io``
   ``rchar``, plus what shardckpt's reader read through io_uring, ``ring_bytes``, which
@@ -189,6 +192,29 @@ def _uncache(folder: Path) -> None:
                 os.close(fd)
 
 
+def _raw_write(sd: Dict[str, Any], path: Path, coordinator: bool) -> None:
+    """What the disk allows a durable save: this rank's local bytes written to one file (16 MiB
+    writes straight from the tensors' memory), fsynced; the coordinator fsyncs the folder."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for value in sd.values():
+            if hasattr(value, "to_local"):
+                view = memoryview(value.to_local().numpy()).cast("B")
+                for at in range(0, len(view), 16 << 20):
+                    chunk = view[at:at + (16 << 20)]
+                    while len(chunk):
+                        chunk = chunk[os.write(fd, chunk):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if coordinator:
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
 def _timed(fn: Callable[[], Any]) -> float:
     import torch.distributed as dist
 
@@ -275,6 +301,17 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
             dist.barrier()
             result[system] = {"save_s": saves, "load_s": loads, "async_block_s": blocks, "load_peak_extra": peaks,
                               "load_device_bytes": disk}
+        raw = []  # the disk's own figure: each rank writes its bytes to one file with plain writes, fsyncs
+        for rep in range(repeats):
+            path = folder / "raw" / f"rep{rep}"
+            if rank == 0:
+                path.mkdir(parents=True)
+            dist.barrier()
+            raw.append(_timed(lambda path=path: _raw_write(sd, path / f"rank{rank}.bin", rank == 0)))
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(path)
+        result["raw"] = {"save_s": raw}
     else:  # "two": resharded load 4 -> 2, other placements
         sd = _state(size, 1)
         nbytes = sum(v.numel() * 4 for v in sd.values() if hasattr(v, "numel"))
@@ -386,6 +423,9 @@ def main() -> None:
     s, d = four["shardckpt"], four["dcp"]
     row("save throughput (4 ranks)", nbytes / med(s["save_s"]) / 2**20, nbytes / med(d["save_s"]) / 2**20, "MiB/s",
         "higher")
+    raw = nbytes / med(four["raw"]["save_s"]) / 2**20
+    row(f"save throughput / raw write+fsync of the same bytes ({raw:.0f} MiB/s)",
+        nbytes / med(s["save_s"]) / 2**20 / raw, nbytes / med(d["save_s"]) / 2**20 / raw, "x", "higher")
     row("load throughput (4 -> 4)", nbytes / med(s["load_s"]) / 2**20, nbytes / med(d["load_s"]) / 2**20, "MiB/s",
         "higher")
     row("bytes from the device / state, load 4 -> 4 (0: page cache)", med(s["load_device_bytes"]) / nbytes,

@@ -50,7 +50,7 @@ guide:
 
 Bytes read from the device: the announced ranges, rounded out to 2 MiB blocks.
 
-The price (the same as ``LocalFileSystem(map_runs=True)``'s): a copy from the map that
+The price (the same as mapped run reads', :mod:`.mapped`): a copy from the map that
 faults on a page not in the cache (evicted meanwhile) and fails to read it, or a file
 truncated by someone else meanwhile, ends the process with ``SIGBUS``. The files guided
 are those of committed checkpoints, which nothing writes into.
