@@ -5,7 +5,8 @@ One run, the same processes, the same bytes, medians over ``--repeats``::
     .venv/bin/python benchmarks/bench_torch.py --size 256MiB --repeats 3
 
 * launch 1 (``torchrun``, 4 ranks, a 1-D CPU mesh, every tensor ``Shard(0)``): for each system,
-  ``repeats`` times, ``dcp.save`` (throughput), ``dcp.load`` onto the same layout into
+  ``repeats`` times, ``dcp.save`` (throughput; each save starts after ``os.sync()``, with
+  nothing of the previous steps left to write back), ``dcp.load`` onto the same layout into
   existing tensors (throughput, peak extra host memory, bytes read from the device),
   ``dcp.async_save`` (time until the call returns); then the system's kept staging
   buffers are freed and its files dropped from the page cache before the other system
@@ -272,6 +273,7 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
                 if rank == 0:
                     shutil.rmtree(path, ignore_errors=True)
                     path.mkdir(parents=True)
+                    os.sync()  # every timed save starts with nothing left to write back
                 saves.append(_timed(lambda system=system, path=path: dcp.save(
                     sd, storage_writer=_writer(system, path))))
                 target = _zeros_like(sd)
@@ -306,6 +308,7 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
             path = folder / "raw" / f"rep{rep}"
             if rank == 0:
                 path.mkdir(parents=True)
+                os.sync()
             dist.barrier()
             raw.append(_timed(lambda path=path: _raw_write(sd, path / f"rank{rank}.bin", rank == 0)))
             dist.barrier()
