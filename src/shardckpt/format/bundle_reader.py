@@ -886,7 +886,7 @@ class BundleReader:
         for piece, local in reads:
             try:
                 entry = piece.entry
-                stored = box_shape(piece.box)
+                stored = box_shape(piece.box) if local is not None else ()
                 if local is not None and box_volume(local) == 0:
                     continue
                 shard = int(entry.shard_id)
