@@ -9,15 +9,6 @@ same buffers, so the steady state allocates nothing. Buffers of CUDA tensors are
 pinned and filled with non-blocking copies, then one synchronize; CPU tensors get
 plain buffers. Non-tensor values are deep-copied.
 
-Between saves the kept CPU buffers are lent back to the kernel lazily
-(``MADV_FREE``, Linux): while memory is plentiful they stay as they are and the next
-save refills them at the cost of a copy (measured: 1 GiB, 80 ms, against 325 ms into
-new memory); under memory pressure the kernel takes their pages first (without swap,
-kept anonymous memory could otherwise only push the page cache out: at 4 GiB of state a
-load right after the save read 70 % of its checkpoint from the device), and the next
-save's copy gets zeroed pages again. Every byte of a buffer is rewritten by each save,
-so a page taken back is never read. Pinned buffers (CUDA) are kept as they are.
-
 Writers share the process's :func:`default_stager` (a writer is usually made per
 save, its buffers should outlive it). A save still writing the previous copy owns its buffers: ``stage`` then makes new
 ones (it never waits, never overwrites bytes a writer may still read). ``stage``
@@ -28,15 +19,12 @@ successfully or not.
 from __future__ import annotations
 
 import copy
-import ctypes
-import mmap
-import platform
 import threading
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["HostStager", "default_stager", "release_staging_buffers", "lend_back"]
+__all__ = ["HostStager", "default_stager", "release_staging_buffers"]
 
 _Slot = Tuple[Any, ...]
 
@@ -65,13 +53,9 @@ class HostStager:
         return staged, ticket
 
     def release(self, ticket: int) -> None:
-        """The save of staging ``ticket`` is over: if its buffers are the current ones, they may be refilled
-        (and until then the kernel may take their pages back, see the module docstring)."""
+        """The save of staging ``ticket`` is over: if its buffers are the current ones, they may be refilled."""
         with self._lock:
             if self._owner == ticket:
-                for buf in self._buffers.values():
-                    if not buf.is_pinned():
-                        lend_back(buf.data_ptr(), buf.numel() * buf.element_size())
                 self._owner = None
 
     def clear(self) -> None:
@@ -111,32 +95,6 @@ class HostStager:
         if isinstance(value, tuple) and not hasattr(value, "_fields"):
             return tuple(self._copy(v, path + (i,), buffers, cuda) for i, v in enumerate(value))
         return copy.deepcopy(value)
-
-
-_MADV_FREE = 8  # Linux 4.5+
-_LIBC: list = []
-
-
-def lend_back(address: int, nbytes: int) -> bool:
-    """Tell the kernel that the whole pages inside ``[address, address + nbytes)`` hold nothing needed
-    until they are written again (``MADV_FREE``): it may take them under memory pressure (a later read
-    sees zeros), else they stay. Pages shared with other memory at the edges are left alone. False where
-    the kernel or platform cannot (nothing changes)."""
-    if not _LIBC:
-        libc = None
-        if platform.system() == "Linux":
-            try:
-                libc = ctypes.CDLL(None, use_errno=True)
-                libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            except (OSError, AttributeError):
-                libc = None
-        _LIBC.append(libc)
-    libc = _LIBC[0]
-    lo = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
-    hi = (address + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    if libc is None or hi <= lo:
-        return False
-    return bool(libc.madvise(lo, hi - lo, _MADV_FREE) == 0)
 
 
 _LOCK = threading.Lock()
