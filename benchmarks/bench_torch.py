@@ -6,7 +6,8 @@ One run, the same processes, the same bytes, medians over ``--repeats``::
 
 * launch 1 (``torchrun``, 4 ranks, a 1-D CPU mesh, every tensor ``Shard(0)``): for each system,
   ``repeats`` times, ``dcp.save`` (throughput; each save starts after ``os.sync()``, with
-  nothing of the previous steps left to write back), ``dcp.load`` onto the same layout into
+  nothing of the previous steps left to write back), ``dcp.load`` (the checkpoint's files
+  read into the page cache first, untimed) onto the same layout into
   existing tensors (throughput, peak extra host memory, bytes read from the device),
   ``dcp.async_save`` (time until the call returns); then the system's kept staging
   buffers are freed and its files dropped from the page cache before the other system
@@ -181,6 +182,17 @@ def _release_staging(system: str) -> None:
     gc.collect()
 
 
+def _cache(folder: Path) -> None:
+    """Read the files under ``folder`` into the page cache where memory pressure pushed parts out (at
+    4 GiB of state on a 24 GiB machine, the files a save just wrote do not always stay cached)."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with open(path, "rb", buffering=0) as f:
+                buf = bytearray(16 << 20)
+                while f.readinto(buf):
+                    pass
+
+
 def _uncache(folder: Path) -> None:
     """Drop the page-cache copies of the (written, synced) files under ``folder`` (``POSIX_FADV_DONTNEED``)."""
     for path in folder.rglob("*"):
@@ -277,6 +289,9 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
                 saves.append(_timed(lambda system=system, path=path: dcp.save(
                     sd, storage_writer=_writer(system, path))))
                 target = _zeros_like(sd)
+                if rank == 0:
+                    _cache(path)  # the method: both systems' files are read from the page cache
+                dist.barrier()
                 before = _io("read_bytes")
                 with _PeakRSS() as mem:
                     loads.append(_timed(lambda system=system, path=path, target=target: dcp.load(
