@@ -13,6 +13,7 @@ from typing import Any, List, Tuple
 
 import numpy as np
 import pytest
+from helpers.files import random_file
 
 from shardckpt.errors import DataLossError
 from shardckpt.format.bundle_reader import _scatter_runs
@@ -25,10 +26,7 @@ SIZE = 4 << 20
 
 @pytest.fixture()
 def data(tmp_path: Path) -> Tuple[str, np.ndarray]:
-    raw = np.random.default_rng(7).integers(0, 256, size=SIZE, dtype=np.uint8)
-    path = tmp_path / "data"
-    raw.tofile(path)
-    return str(path), raw
+    return random_file(tmp_path, SIZE, 7)
 
 
 def _rchar() -> int:

@@ -15,6 +15,7 @@ from typing import Any, Tuple
 
 import numpy as np
 import pytest
+from helpers.files import random_file
 
 from shardckpt.storage import mapped, uring
 from shardckpt.storage.base import RunBatch
@@ -25,10 +26,7 @@ SIZE = 8 << 20
 
 @pytest.fixture()
 def data(tmp_path: Path) -> Tuple[str, np.ndarray]:
-    raw = np.random.default_rng(11).integers(0, 256, size=SIZE, dtype=np.uint8)
-    path = tmp_path / "data"
-    raw.tofile(path)
-    return str(path), raw
+    return random_file(tmp_path, SIZE, 11)
 
 
 def _read(fs: LocalFileSystem, path: str, offsets: np.ndarray, rb: int) -> np.ndarray:
@@ -112,7 +110,7 @@ def test_a_failed_populate_leaves_the_batch_to_read_calls(data: Tuple[str, np.nd
     """Populating fails (a disk error, a file cut short): nothing is copied out of the map, the read
     calls serve the batch (and would raise the usual error); the next batch tries maps again."""
     path, raw = data
-    libc = mapped._libc()
+    libc = mapped.libc()
     fake = _FailingPopulate(libc, errno)
     monkeypatch.setitem(mapped._state, "libc", fake)
     offsets = np.arange(300, dtype=np.int64) * 16384 + 2112
@@ -129,7 +127,7 @@ def test_a_kernel_without_populate_keeps_read_calls_unless_maps_are_asked_for(
     """``EINVAL`` (Linux before 5.14): the default stops mapping (no way to learn of a disk error but
     ``SIGBUS``); ``map_runs=True`` still copies out of maps, without populating."""
     path, raw = data
-    fake = _FailingPopulate(mapped._libc(), 22)
+    fake = _FailingPopulate(mapped.libc(), 22)
     monkeypatch.setitem(mapped._state, "libc", fake)
     monkeypatch.setitem(mapped._state, "populate", None)
     offsets = np.arange(300, dtype=np.int64) * 16384 + 2112

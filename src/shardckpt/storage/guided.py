@@ -84,6 +84,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from . import mapped
+
 __all__ = ["Guide", "plan", "available", "large_pages", "cached_pages", "MIN_GAP", "MERGE_GAP", "CHUNK", "AHEAD",
            "POPULATORS"]
 
@@ -113,24 +115,9 @@ def available() -> bool:
     if ok is None:
         ok = False
         if platform.system() == "Linux" and hasattr(os, "posix_fadvise") and \
-                os.environ.get("SHARDCKPT_GUIDED_READS", "1") != "0":
-            try:
-                with open("/sys/kernel/mm/transparent_hugepage/enabled") as fh:
-                    ok = "[never]" not in fh.read()
-            except OSError:
-                ok = False
-        if ok:
-            try:
-                libc = ctypes.CDLL(None, use_errno=True)
-                libc.mmap.restype = ctypes.c_void_p
-                libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                      ctypes.c_long]
-                libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-                libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                libc.syscall.restype = ctypes.c_long
-                _state["libc"] = libc
-            except (OSError, AttributeError):
-                ok = False
+                os.environ.get("SHARDCKPT_GUIDED_READS", "1") != "0" and mapped.transparent_huge_pages():
+            _state["libc"] = mapped.libc()
+            ok = _state["libc"] is not None
         _state["ok"] = ok
     return bool(ok)
 

@@ -50,7 +50,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["copy_runs", "available", "can_populate", "WINDOW"]
+__all__ = ["copy_runs", "available", "can_populate", "libc", "transparent_huge_pages", "WINDOW"]
 
 WINDOW = 256 << 20  # at most this much of a file is mapped at once
 _PMD = 2 << 20
@@ -69,7 +69,7 @@ def available() -> bool:
     on first use: where it does not, default reads stay read calls.)"""
     if os.environ.get("SHARDCKPT_MAP_READS", "1") == "0":
         return False
-    return _libc() is not None and can_populate()
+    return libc() is not None and can_populate()
 
 
 def can_populate() -> bool:
@@ -77,25 +77,28 @@ def can_populate() -> bool:
     return _state["populate"] is not False
 
 
-def _libc() -> Any:
+def libc() -> Any:
+    """The C library with ``mmap``, ``munmap``, ``madvise`` and ``syscall`` typed for ctypes (Linux), or
+    ``None``; loaded once (the maps of this module and of :mod:`.guided` use it)."""
     if not _state["checked"]:
         _state["checked"] = True
         if platform.system() == "Linux":
             try:
-                libc = ctypes.CDLL(None, use_errno=True)
-                libc.mmap.restype = ctypes.c_void_p
-                libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                      ctypes.c_long]
-                libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-                libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                _state["libc"] = libc
+                lib = ctypes.CDLL(None, use_errno=True)
+                lib.mmap.restype = ctypes.c_void_p
+                lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                     ctypes.c_long]
+                lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+                lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                lib.syscall.restype = ctypes.c_long
+                _state["libc"] = lib
             except (OSError, AttributeError):
                 pass
     return _state["libc"]
 
 
-def _thp() -> bool:
-    """Whether transparent huge pages may be asked for (not ``never``)."""
+def transparent_huge_pages() -> bool:
+    """Whether transparent huge pages may be asked for here (not ``never``)."""
     huge = _state.get("thp")
     if huge is None:
         try:
@@ -115,12 +118,12 @@ def copy_runs(fd: int, offsets: np.ndarray, run_bytes: int, dest: np.ndarray, *,
     made or populated (the caller reads the runs with read calls instead; runs already copied are
     simply read again). ``populate=False`` copies without populating first (faults read the pages);
     ``huge=False`` leaves out ``MADV_HUGEPAGE``."""
-    libc = _libc()
-    if libc is None:
+    calls = libc()
+    if calls is None:
         return None
     n = len(offsets)
     rb = int(run_bytes)
-    huge = huge and _thp()
+    huge = huge and transparent_huge_pages()
     i = 0
     while i < n:
         base = int(offsets[i]) // _PMD * _PMD
@@ -128,19 +131,19 @@ def copy_runs(fd: int, offsets: np.ndarray, run_bytes: int, dest: np.ndarray, *,
         end = int(offsets[j - 1]) + rb
         length = -(-(end - base) // _PAGE) * _PAGE
         span = length + _PMD
-        reserved = libc.mmap(None, span, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)
+        reserved = calls.mmap(None, span, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)
         if reserved in (None, _MAP_FAILED):
             return None
         try:
             at = -(-reserved // _PMD) * _PMD  # 2 MiB-aligned, as the window's start in the file
-            if libc.mmap(at, length, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, base) != at:
+            if calls.mmap(at, length, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, base) != at:
                 return None
             if huge:
-                libc.madvise(at, length, mmap.MADV_HUGEPAGE)  # a hint: without it the copy still works
+                calls.madvise(at, length, mmap.MADV_HUGEPAGE)  # a hint: without it the copy still works
             if populate:
                 first = int(offsets[i]) - base
                 lo = first // _PAGE * _PAGE
-                if libc.madvise(at + lo, length - lo, _MADV_POPULATE_READ) != 0:
+                if calls.madvise(at + lo, length - lo, _MADV_POPULATE_READ) != 0:
                     if ctypes.get_errno() == 22:  # EINVAL: a kernel before 5.14
                         _state["populate"] = False
                     return None
@@ -158,6 +161,6 @@ def copy_runs(fd: int, offsets: np.ndarray, run_bytes: int, dest: np.ndarray, *,
                     dest[k] = src[r:r + rb]
             del src
         finally:
-            libc.munmap(reserved, span)  # the file's map lies inside the reservation: both go
+            calls.munmap(reserved, span)  # the file's map lies inside the reservation: both go
         i = j
     return n * rb
