@@ -26,7 +26,7 @@ SCRIPT = HERE / "helpers" / "exit_script.py"
 if str(HERE / "helpers") not in sys.path:
     sys.path.insert(0, str(HERE / "helpers"))
 
-from launchers import clean_env, launch_command  # noqa: E402  (tests/helpers)
+from launchers import clean_env, launch_command, run_launched  # noqa: E402  (tests/helpers)
 
 MODES = ["fall-off", "sys-exit", "user-error", "async-pending"]
 RUNS = 3
@@ -35,8 +35,7 @@ RUNS = 3
 def _launch(backend: str, mode: str, folder: Path) -> subprocess.CompletedProcess:
     folder.mkdir(parents=True)
     cmd = launch_command(backend, 4, SCRIPT)
-    return subprocess.run(cmd + [mode, str(folder)], capture_output=True, text=True, env=clean_env(),
-                          cwd=str(HERE.parent), timeout=240)
+    return run_launched(cmd + [mode, str(folder)], env=clean_env(), cwd=str(HERE.parent), timeout=240)
 
 
 @pytest.mark.parametrize("backend", ["torch", "mpi"])

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 BIN = Path(sys.executable).parent
 
@@ -36,3 +38,19 @@ def launch_command(backend: str, nproc: int, script: Path) -> list:
         return [str(tool("torchrun")), "--standalone", f"--nproc-per-node={nproc}", str(script)]
     return [str(tool("mpiexec")), "--allow-run-as-root", "--oversubscribe", "-n", str(nproc),
             sys.executable, str(script)]
+
+
+# What a launcher prints when it failed to start itself, before any client ran (OpenMPI's PMIx
+# server, seen once in a full run when two mpiexec started at the same moment on this VM).
+LAUNCHER_STARTUP_FAILURES = ("The PMIx server's listener thread failed to start",)
+
+
+def run_launched(cmd: list, *, tries: int = 3, **kwargs: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, **kwargs)`` (with ``capture_output=True, text=True``); a launcher that failed
+    to start itself (:data:`LAUNCHER_STARTUP_FAILURES`: no client ran) is started again, up to ``tries``
+    times. Any other outcome, failures included, is returned as it is."""
+    for _ in range(tries):
+        proc = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+        if proc.returncode == 0 or not any(m in proc.stdout + proc.stderr for m in LAUNCHER_STARTUP_FAILURES):
+            return proc
+    return proc
