@@ -95,12 +95,9 @@ CHUNK = 4 << 20  # one populating call covers at most this much
 AHEAD = 32 << 20  # chunks starting less than this after a read are populated ahead of it
 POPULATORS = 8  # populating threads (requests in flight)
 
-_PMD = 2 << 20  # a large page-cache page (x86-64, arm64 with 4 KiB pages)
+_PMD = mapped.PMD
 _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_READ = 22
-_PROT_NONE, _PROT_READ = 0, 1
-_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
-_MAP_FAILED = ctypes.c_void_p(-1).value
 _CACHESTAT = 451  # syscall number (Linux 6.5+; the same on every architecture but alpha)
 
 _state: dict = {"ok": None, "libc": None, "pool": None, "pid": None, "no_cachestat": False}
@@ -212,21 +209,13 @@ class Guide:
         self._copying = 0  # copies out of the map in progress (close waits for them)
         self._closed = False
         self._length = -(-size // _PAGE) * _PAGE
-        self._span = self._length + _PMD
-        reserved = libc.mmap(None, self._span, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)
-        if reserved in (None, _MAP_FAILED):
-            raise OSError(ctypes.get_errno(), "mmap")
-        self._reserved = reserved
-        base = -(-reserved // _PMD) * _PMD  # large pages are mapped whole only at 2 MiB-aligned addresses
-        got = libc.mmap(base, self._length, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, 0)
-        if got != base:
-            libc.munmap(reserved, self._span)
-            raise OSError(ctypes.get_errno(), "mmap")
+        base, self._reserved, self._span = mapped.map_window(fd, 0, self._length)
         self.base = base
         if libc.madvise(base, self._length, mmap.MADV_HUGEPAGE) != 0 or \
                 libc.madvise(base, self._length, mmap.MADV_RANDOM) != 0:
-            libc.munmap(reserved, self._span)
-            raise OSError(ctypes.get_errno(), "madvise")
+            err = ctypes.get_errno()
+            mapped.unmap_window(self._reserved, self._span)
+            raise OSError(err, "madvise")
 
     def ranges(self) -> Tuple[np.ndarray, np.ndarray]:
         """The announced ranges (merged), for a later announcement to add to."""
@@ -324,7 +313,7 @@ class Guide:
                     job.result()
                 except BaseException:
                     pass
-        _state["libc"].munmap(self._reserved, self._span)
+        mapped.unmap_window(self._reserved, self._span)
 
 
 def plan(fd: int, size: int, starts: Any, ends: Any, previous: Optional[Guide] = None) -> Optional[Guide]:

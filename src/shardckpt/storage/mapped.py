@@ -46,21 +46,22 @@ import ctypes
 import mmap
 import os
 import platform
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["copy_runs", "available", "can_populate", "libc", "transparent_huge_pages", "WINDOW"]
+__all__ = ["copy_runs", "map_window", "unmap_window", "available", "can_populate", "libc",
+           "transparent_huge_pages", "WINDOW", "PMD"]
 
 WINDOW = 256 << 20  # at most this much of a file is mapped at once
-_PMD = 2 << 20
+PMD = 2 << 20  # a large page-cache page (x86-64, arm64 with 4 KiB pages)
 _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_READ = 22  # Linux 5.14+
 _PROT_NONE, _PROT_READ = 0, 1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
-_state: dict = {"libc": None, "checked": False, "populate": None}
+_state: dict = {"libc": None, "checked": False, "populate": None, "thp": None}
 
 
 def available() -> bool:
@@ -110,6 +111,31 @@ def transparent_huge_pages() -> bool:
     return bool(huge)
 
 
+def map_window(fd: int, offset: int, length: int) -> Tuple[int, int, int]:
+    """Map ``length`` bytes (a multiple of the page) of the file open as ``fd`` from ``offset`` (a multiple
+    of 2 MiB) read-only and shared, at a 2 MiB-aligned address (large page-cache pages are mapped whole
+    only there): ``(address, reserved, span)``; :func:`unmap_window` with ``(reserved, span)`` unmaps it.
+    Raises ``OSError`` when a map cannot be made (nothing is left mapped)."""
+    calls = libc()
+    if calls is None:
+        raise OSError(0, "no C library to map files with")
+    span = length + PMD
+    reserved = calls.mmap(None, span, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)
+    if reserved in (None, _MAP_FAILED):
+        raise OSError(ctypes.get_errno(), "mmap")
+    at = -(-reserved // PMD) * PMD
+    if calls.mmap(at, length, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, offset) != at:
+        err = ctypes.get_errno()
+        calls.munmap(reserved, span)
+        raise OSError(err, "mmap")
+    return at, reserved, span
+
+
+def unmap_window(reserved: int, span: int) -> None:
+    """Unmap a window of :func:`map_window` (the file's map lies inside the reservation: both go)."""
+    libc().munmap(reserved, span)
+
+
 def copy_runs(fd: int, offsets: np.ndarray, run_bytes: int, dest: np.ndarray, *, populate: bool = True,
               huge: bool = True) -> Optional[int]:
     """Copy run ``i`` (``run_bytes`` from file offset ``offsets[i]``, ascending and disjoint, all inside
@@ -126,18 +152,15 @@ def copy_runs(fd: int, offsets: np.ndarray, run_bytes: int, dest: np.ndarray, *,
     huge = huge and transparent_huge_pages()
     i = 0
     while i < n:
-        base = int(offsets[i]) // _PMD * _PMD
+        base = int(offsets[i]) // PMD * PMD
         j = max(i + 1, int(np.searchsorted(offsets, base + WINDOW - rb, side="right")))
         end = int(offsets[j - 1]) + rb
         length = -(-(end - base) // _PAGE) * _PAGE
-        span = length + _PMD
-        reserved = calls.mmap(None, span, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)
-        if reserved in (None, _MAP_FAILED):
+        try:
+            at, reserved, span = map_window(fd, base, length)
+        except OSError:
             return None
         try:
-            at = -(-reserved // _PMD) * _PMD  # 2 MiB-aligned, as the window's start in the file
-            if calls.mmap(at, length, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, base) != at:
-                return None
             if huge:
                 calls.madvise(at, length, mmap.MADV_HUGEPAGE)  # a hint: without it the copy still works
             if populate:
@@ -161,6 +184,6 @@ def copy_runs(fd: int, offsets: np.ndarray, run_bytes: int, dest: np.ndarray, *,
                     dest[k] = src[r:r + rb]
             del src
         finally:
-            calls.munmap(reserved, span)  # the file's map lies inside the reservation: both go
+            unmap_window(reserved, span)
         i = j
     return n * rb
