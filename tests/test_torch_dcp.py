@@ -449,6 +449,23 @@ def test_stager_reuses_buffers_only_when_released() -> None:
     del ticket2
 
 
+def test_staging_for_another_process_is_shared_and_never_reused() -> None:
+    """DCP's PROCESS checkpointer sends the staged copy by file descriptor: ``shared`` staging makes its
+    buffers in shared memory (sent as they are, not copied again) and new ones each time, even once
+    released (this process cannot tell when the checkpoint process is done reading them)."""
+    from shardckpt.torch._staging import HostStager
+
+    stager = HostStager()
+    sd = {"w": torch.arange(6.0), "b": [torch.ones(2, dtype=torch.bfloat16)]}
+    first, ticket = stager.stage(sd, shared=True)
+    assert first["w"].is_shared() and first["b"][0].is_shared() and torch.equal(first["w"], sd["w"])
+    stager.release(ticket)
+    second, _ = stager.stage(sd, shared=True)
+    assert second["w"].is_shared() and second["w"].data_ptr() != first["w"].data_ptr()
+    plain, _ = HostStager().stage(sd)
+    assert not plain["w"].is_shared()
+
+
 def test_released_staging_buffers_are_dropped_and_made_again() -> None:
     """``release_staging_buffers`` drops the kept buffers, so their memory returns; the next staging
     allocates new ones with the right values, and a copy a save still writes is left alone."""

@@ -26,8 +26,10 @@ DCP's call sequence, and what each step does here::
                            read and where it goes: only that part's byte runs are read
                            (BundleReader.read_piece_region), straight into the
                            destination tensor's memory when it is a CPU tensor of the
-                           stored dtype (else into a temporary of that one item, then
-                           copy_, which casts as DCP's own reader does). Whole chunks
+                           stored dtype; a CUDA tensor of the stored dtype is read into a
+                           page-locked buffer of torch's cache, then copied on the calling
+                           thread's stream; else into a temporary of that one item, then
+                           copy_, which casts as DCP's own reader does. Whole chunks
                            (a load onto the saved layout) go through the reader's read
                            pump: 2 MiB pieces, each checksummed right after it lands
                            (no second pass over the chunk). A part of a chunk cannot be
@@ -174,12 +176,13 @@ class TFBundleReader(StorageReader):
                 tensor_items.append(item)
         self._announce(bundle, tensor_items)
         done_items: List[Tuple[ReadItem, torch.Tensor]] = []
+        streams = _caller_streams()
         with bundle.session(defer=True) as session:  # whole-chunk checksums complete when the block ends
             if self._workers == 1 or len(tensor_items) <= 1:
-                done_items = [self._read_item(bundle, session, item, planner) for item in tensor_items]
+                done_items = [self._read_item(bundle, session, item, planner, streams) for item in tensor_items]
             else:
                 with ThreadPoolExecutor(self._workers, thread_name_prefix="shardckpt-dcp-read") as pool:
-                    done_items = list(pool.map(lambda it: self._read_item(bundle, session, it, planner),
+                    done_items = list(pool.map(lambda it: self._read_item(bundle, session, it, planner, streams),
                                                tensor_items))
         for item, target in done_items:  # every byte is in place and checked
             planner.commit_tensor(item, target)
@@ -291,8 +294,8 @@ class TFBundleReader(StorageReader):
             reads.append((piece, None if local == tuple((0, b - a) for a, b in piece.box) else local))
         bundle.prefetch_pieces(reads)
 
-    def _read_item(self, bundle: BundleReader, session: ReadSession, item: ReadItem, planner: LoadPlanner
-                   ) -> Tuple[ReadItem, torch.Tensor]:
+    def _read_item(self, bundle: BundleReader, session: ReadSession, item: ReadItem, planner: LoadPlanner,
+                   streams: Dict[int, Any]) -> Tuple[ReadItem, torch.Tensor]:
         fqn = item.storage_index.fqn
         stored = self._tensors.get(fqn)
         if stored is None:
@@ -311,6 +314,15 @@ class TFBundleReader(StorageReader):
             view = numpy_view(target, stored.dtype, contiguous=False)  # the destination's own memory
             bundle.read_piece_region(piece, local, view, verify=self._verify, session=session)
             return item, target
+        if target.device.type == "cuda" and target.dtype == torch_dtype and streams:
+            # read and checked into a page-locked buffer of torch's cache, then copied on the caller's stream
+            host = torch.empty(tuple(target.shape), dtype=torch_dtype, pin_memory=True)
+            bundle.read_piece_region(piece, local, numpy_view(host, stored.dtype), verify=self._verify)
+            stream = streams[target.device.index or 0]
+            with torch.cuda.stream(stream):
+                target.copy_(host, non_blocking=True)
+            stream.synchronize()  # before the buffer goes back to the cache
+            return item, target
         # another device or dtype: through a temporary of this item only, read and checked now, then copy_
         temp = bundle.read_piece_region(piece, local, None, verify=self._verify)
         source = torch.from_numpy(temp.view(_CARRIERS[temp.dtype.itemsize]) if temp.dtype.kind == "V" else temp)
@@ -318,6 +330,14 @@ class TFBundleReader(StorageReader):
             source = source.view(torch_dtype)
         target.copy_(source)
         return item, target
+
+
+def _caller_streams() -> Dict[int, Any]:
+    """The calling thread's current CUDA stream of each device (none when CUDA was never initialized:
+    then no destination is on a GPU)."""
+    if not torch.cuda.is_initialized():
+        return {}
+    return {i: torch.cuda.current_stream(i) for i in range(torch.cuda.device_count())}
 
 
 def threads_per_rank() -> int:

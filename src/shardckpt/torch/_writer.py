@@ -31,7 +31,10 @@ prefix readable and untouched. No ``.metadata`` pickle, no pickle at all: the re
 rebuilds DCP's ``Metadata`` from the index.
 
 CPU tensors are written from their own memory (NumPy views, no copy); tensors on
-other devices are copied to host when their shard is written. For
+other devices are copied to host when their shard is written: a CUDA tensor into a
+page-locked buffer of torch's pinned-memory cache (:func:`._staging.pinned_copy`, one
+shard at a time, the buffers reused by the next shards and saves), others with
+``.to("cpu")``. For
 ``dcp.async_save`` the writer is also DCP's ``AsyncStager``: ``stage`` copies the
 state dict into reusable (pinned, for CUDA) host buffers (:mod:`._staging`), and the
 background write runs on a clone of the coordinator made during ``stage``. With the
@@ -39,9 +42,10 @@ PROCESS checkpointer DCP pickles the writer (in memory) to its checkpoint proces
 the coordinators and the stager stay behind (``__getstate__``), and the checkpoint
 process makes its own world coordinator in ``write_data`` (its torch.distributed world
 is the gloo default group DCP initialized there, the same ranks). The staged copy
-travels in shared memory, and this process cannot tell when the checkpoint process is
-done with it, so with that checkpointer each staging gets new buffers (the old ones are
-freed with DCP's request) instead of reusing them.
+is made in shared memory, so it travels by file descriptor without another copy; this
+process cannot tell when the checkpoint process is done with it, so with that
+checkpointer each staging gets new buffers (the old ones are freed with DCP's request)
+instead of reusing them.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ from ..sharding.shardable import ShardableTensor
 from ..storage.location import Location
 from ._dtypes import numpy_view, to_bundle_dtype
 from ._objects import encode_object
-from ._staging import default_stager
+from ._staging import default_stager, pinned_copy
 
 __all__ = ["TFBundleWriter"]
 
@@ -243,7 +247,7 @@ class TFBundleWriter(StorageWriter):
         coordinator = self._coordinator
         if not alone and not in_process and coordinator is not None and coordinator.size > 1:
             self._background = default_context().background(coordinator)  # collective the first time
-        staged, self._ticket = self._stager.stage(state_dict)
+        staged, self._ticket = self._stager.stage(state_dict, shared=in_process)
         return staged
 
     def synchronize_staging(self) -> None:
@@ -356,6 +360,11 @@ class TFBundleWriter(StorageWriter):
                                        f"says {list(sizes)}", path=self._path, key=fqn)
         if tensor.device.type == "cpu":
             value: Any = numpy_view(tensor, dtype)  # the tensor's own memory
+        elif tensor.device.type == "cuda":  # on the caller's stream, after the work queued there
+            caller = torch.cuda.current_stream(tensor.device)
+
+            def value(t: torch.Tensor = tensor, stream: Any = caller) -> np.ndarray:
+                return numpy_view(pinned_copy(t, stream), dtype)
         else:
             def value(t: torch.Tensor = tensor) -> np.ndarray:  # copied to host when its shard is written
                 return numpy_view(t.detach().to("cpu"), dtype)
