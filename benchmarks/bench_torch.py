@@ -51,7 +51,7 @@ from typing import Any, Callable, Dict, List
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import fmt_size, parse_size, reset_peak_rss, status_bytes  # noqa: E402
+from common import cache_files, fmt_size, parse_size, reset_peak_rss, status_bytes  # noqa: E402
 
 SYSTEMS = ("shardckpt", "dcp")
 RESHARD_SYSTEMS = ("shardckpt", "shardckpt+calls", "dcp")  # +calls: TFBundleReader(map_reads=False)
@@ -185,17 +185,6 @@ def _release_staging(system: str) -> None:
     gc.collect()
 
 
-def _cache(folder: Path) -> None:
-    """Read the files under ``folder`` into the page cache where memory pressure pushed parts out (at
-    4 GiB of state on a 24 GiB machine, the files a save just wrote do not always stay cached)."""
-    for path in folder.rglob("*"):
-        if path.is_file():
-            with open(path, "rb", buffering=0) as f:
-                buf = bytearray(16 << 20)
-                while f.readinto(buf):
-                    pass
-
-
 def _uncache(folder: Path) -> None:
     """Drop the page-cache copies of the (written, synced) files under ``folder`` (``POSIX_FADV_DONTNEED``)."""
     for path in folder.rglob("*"):
@@ -293,7 +282,7 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
                     sd, storage_writer=_writer(system, path))))
                 target = _zeros_like(sd)
                 if rank == 0:
-                    _cache(path)  # the method: both systems' files are read from the page cache
+                    cache_files(path)  # the method: both systems' files are read from the page cache
                 dist.barrier()
                 before = _io("read_bytes")
                 with _PeakRSS() as mem:

@@ -51,7 +51,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from common import fmt_size, parse_size, status_bytes  # noqa: E402
+from common import cache_files, fmt_size, parse_size, status_bytes  # noqa: E402
 
 SYSTEMS = ("shardckpt", "dcp", "dcp-cached")
 VOCAB = 50257
@@ -192,15 +192,6 @@ def _release(system: str, cached: Dict[str, Any], device: str) -> None:
         torch._C._host_emptyCache()  # torch's pinned-memory cache keeps what DCP's staging freed
 
 
-def _cache(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            with open(path, "rb", buffering=0) as f:
-                buf = bytearray(16 << 20)
-                while f.readinto(buf):
-                    pass
-
-
 def _same(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
     return all(torch.equal(x.view(torch.uint8) if x.dim() else x.reshape(1).view(torch.uint8),
                            y.view(torch.uint8) if y.dim() else y.reshape(1).view(torch.uint8))
@@ -222,7 +213,7 @@ def run_system(system: str, state: Dict[str, Any], target: Dict[str, Any], root:
         path = folder / "sync"
         seconds, _ = _timed(lambda: dcp.save(state, storage_writer=_writer(system, path, cached)))
         _put(rec, "save MiB/s", nbytes / seconds / 2**20)
-        _cache(folder)
+        cache_files(folder)
         _zeroed(target)
         _sync(device)
         def load() -> None:
