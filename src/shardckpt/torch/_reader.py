@@ -79,6 +79,7 @@ from ..storage.local import LocalFileSystem, local_fs
 from ..storage.registry import get_fs
 from ._dtypes import numpy_view, to_torch_dtype
 from ._objects import decode_object, is_object_entry
+from ._staging import copy_on
 
 __all__ = ["TFBundleReader", "KeyMap"]
 
@@ -318,10 +319,7 @@ class TFBundleReader(StorageReader):
             # read and checked into a page-locked buffer of torch's cache, then copied on the caller's stream
             host = torch.empty(tuple(target.shape), dtype=torch_dtype, pin_memory=True)
             bundle.read_piece_region(piece, local, numpy_view(host, stored.dtype), verify=self._verify)
-            stream = streams[target.device.index or 0]
-            with torch.cuda.stream(stream):
-                target.copy_(host, non_blocking=True)
-            stream.synchronize()  # before the buffer goes back to the cache
+            copy_on(streams[target.device.index or 0], target, host)
             return item, target
         # another device or dtype: through a temporary of this item only, read and checked now, then copy_
         temp = bundle.read_piece_region(piece, local, None, verify=self._verify)

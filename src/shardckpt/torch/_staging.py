@@ -32,7 +32,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["HostStager", "default_stager", "pinned_copy", "release_staging_buffers"]
+__all__ = ["HostStager", "copy_on", "default_stager", "pinned_copy", "release_staging_buffers"]
 
 _Slot = Tuple[Any, ...]
 
@@ -76,12 +76,6 @@ class HostStager:
             self._buffers = {}
 
 
-def _local(value: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
 def _new_buffer(like: torch.Tensor, *, shared: bool) -> torch.Tensor:
     """A host tensor shaped like ``like``; in shared memory when ``shared``; page-locked when ``like`` is on CUDA."""
     buf = torch.empty(tuple(like.shape), dtype=like.dtype, device="cpu")
@@ -101,7 +95,7 @@ def _copy(value: Any, path: _Slot, buffers: Dict[_Slot, torch.Tensor], streams: 
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, torch.Tensor):
-        local = _local(value)
+        local = value.to_local() if isinstance(value, DTensor) else value
         key = path + (tuple(local.shape), local.dtype, local.device.type)
         buf = buffers.get(key)
         if buf is None:
@@ -132,10 +126,16 @@ def pinned_copy(tensor: torch.Tensor, stream: Any) -> torch.Tensor:
     pageable memory runs at a small fraction of the bus's speed (1.9 GB/s against 53 GB/s
     on an H200 host, ``benchmarks/bench_torch_cuda.py``)."""
     host = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, pin_memory=True)
-    with torch.cuda.stream(stream):
-        host.copy_(tensor.detach(), non_blocking=True)
-    stream.synchronize()
+    copy_on(stream, host, tensor.detach())
     return host
+
+
+def copy_on(stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` between host and GPU as a non-blocking copy on ``stream`` (after the work
+    queued there), complete on return (so a page-locked end may go back to torch's cache)."""
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+    stream.synchronize()
 
 
 _LOCK = threading.Lock()
