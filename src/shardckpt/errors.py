@@ -30,6 +30,7 @@ __all__ = [
     "StorageError",
     "AsyncSaveError",
     "AbortedError",
+    "MissingExtraError",
     "describe",
 ]
 
@@ -118,4 +119,12 @@ class AbortedError(StorageError):
 
     TensorFlow reports concurrency conflicts as ``Aborted``. Nothing of this save was
     committed; what is at the prefix is the other save's checkpoint (or the previous one).
+    """
+
+
+class MissingExtraError(ShardckptError, ImportError):
+    """A part of shardckpt needs an optional dependency that is not installed.
+
+    The message names the extra that installs it (``pip install '.[torch]'`` from a
+    checkout of shardckpt); see :func:`shardckpt._extras.require`.
     """

@@ -48,6 +48,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
+from .._extras import install_hint
 from ..errors import InvalidArgumentError
 from .coordinator import CoordinationError, CoordinationTimeout, check_timeout, decode, encode
 from .engine import EngineCoordinator
@@ -63,7 +64,7 @@ def _client() -> Any:
         import jax
         from jax._src import distributed
     except ImportError as e:  # pragma: no cover - exercised only without jax
-        raise CoordinationError(f"the JAX coordinator needs JAX (pip install 'shardckpt[jax]'): {e}") from e
+        raise CoordinationError(f"the JAX coordinator needs JAX ({install_hint('jax')}): {e}") from e
     client = distributed.global_state.client
     if client is None:
         raise CoordinationError("JAX's distributed runtime is not initialized: call jax.distributed.initialize() "

@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .._extras import install_hint
 from ..errors import InvalidArgumentError
 from .coordinator import CoordinationError, CoordinationTimeout, check_timeout, decode, encode
 from .engine import EngineCoordinator
@@ -50,7 +51,7 @@ def _import_mpi():
         from mpi4py import MPI
     except ImportError as e:  # pragma: no cover - exercised only without mpi4py
         raise CoordinationError(f"the MPI coordinator needs mpi4py and an MPI library "
-                                f"(pip install 'shardckpt[mpi]'): {e}") from e
+                                f"({install_hint('mpi')}): {e}") from e
     return MPI
 
 

@@ -49,6 +49,7 @@ import time
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
+from .._extras import install_hint
 from ..errors import InvalidArgumentError
 from .coordinator import CoordinationError, CoordinationTimeout, check_timeout, decode, encode
 from .engine import EngineCoordinator
@@ -66,7 +67,7 @@ def _import_dist():
         import torch
         import torch.distributed as dist
     except ImportError as e:  # pragma: no cover - exercised only without torch
-        raise CoordinationError(f"the torch coordinator needs PyTorch (pip install 'shardckpt[torch]'): {e}") from e
+        raise CoordinationError(f"the torch coordinator needs PyTorch ({install_hint('torch')}): {e}") from e
     if not dist.is_available():  # pragma: no cover
         raise CoordinationError("this PyTorch build has no torch.distributed")
     return torch, dist

@@ -19,8 +19,15 @@
   (numbering, retention, ``latest_checkpoint``, ``restore_or_initialize``).
 
 Keys are the leaves' pytree paths (``params/dense/kernel``); the files are a
-TensorFlow checkpoint (``tf.train.load_checkpoint`` reads them).
+TensorFlow checkpoint (``tf.train.load_checkpoint`` reads them). Without the ``[jax]``
+extra, importing this module raises :class:`~shardckpt.errors.MissingExtraError` (an
+``ImportError``) that says so.
 """
+
+# ruff: noqa: E402  (the extra is checked before the modules that import it)
+from .._extras import require
+
+require("jax", extra="jax", what="shardckpt.jax", needs="JAX")
 
 from ._checkpoint import PyTreeCheckpoint
 from ._restore import DEFAULT_MEMORY_BUDGET, restore

@@ -15,8 +15,14 @@ items into region reads (:mod:`shardckpt.format.bundle_reader`).
 :class:`TFBundleLoadPlanner` plans resharded loads in time linear in the chunks read.
 ``dcp.async_save`` keeps its staged copy's host buffers for the next save;
 :func:`release_staging_buffers` frees them.
-Needs the ``[torch]`` extra.
+Needs the ``[torch]`` extra; without it, importing this module raises
+:class:`~shardckpt.errors.MissingExtraError` (an ``ImportError``) that says so.
 """
+
+# ruff: noqa: E402  (the extra is checked before the modules that import it)
+from .._extras import require
+
+require("torch.distributed.checkpoint", extra="torch", what="shardckpt.torch", needs="PyTorch")
 
 from ._planner import TFBundleLoadPlanner, read_items_for_chunks
 from ._reader import KeyMap, TFBundleReader
