@@ -19,6 +19,7 @@ from typing import Any, Iterator, List, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 
 PUBLIC_MODULES = ["shardckpt", "shardckpt.dtensor", "shardckpt.io", "shardckpt.distributed", "shardckpt.storage",
+                  "shardckpt.torch", "shardckpt.jax", "shardckpt.convert",
                   "shardckpt.errors"]
 
 
@@ -113,7 +114,8 @@ def test_api_reference_builds_without_warnings(tmp_path: Path) -> None:
     assert done.returncode == 0, log
     assert "warning" not in log.lower(), log
     pages = {p.name for p in (out / "shardckpt").iterdir()}
-    assert {"dtensor.html", "io.html", "errors.html", "storage.html", "distributed.html"} <= pages
+    assert {"dtensor.html", "io.html", "errors.html", "storage.html", "distributed.html",
+            "torch.html", "jax.html", "convert.html"} <= pages
     dtensor = (out / "shardckpt" / "dtensor.html").read_text()
     assert "relayout" in dtensor and "name_based_restore" in dtensor
     assert (out / "differences-from-tensorflow.md").exists()

@@ -54,6 +54,7 @@ class ConvertResult:
     seconds: float = 0.0
 
     def as_dict(self) -> Dict[str, object]:
+        """The result as a plain dict (what ``shardckpt convert --json`` prints)."""
         return dict(self.__dict__)
 
 
@@ -73,6 +74,11 @@ def open_source(path: str, fmt: Optional[str] = None, *, trust_pickle: bool = Fa
 
 def make_sink(path: str, fmt: str, *, max_shard_size: Optional[int] = None,
               extra_files: Optional[Dict[str, bytes]] = None) -> Sink:
+    """The writer of format ``fmt`` (``tf``, ``safetensors``, ``hf``, ``npz``, ``dcp``) at ``path``.
+
+    ``max_shard_size`` splits outputs that have shards (HF folders); ``extra_files`` are
+    written beside the output (an HF folder's ``config.json``, ...).
+    """
     if fmt == "tf":
         return TFSink(path, max_shard_size)
     if fmt == "safetensors":

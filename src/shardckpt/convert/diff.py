@@ -46,9 +46,11 @@ class DiffResult:
 
     @property
     def equal(self) -> bool:
+        """True when both sides hold the same keys and every tensor compared equal."""
         return not self.only_a and not self.only_b and all(t.equal for t in self.tensors)
 
     def as_dict(self) -> Dict[str, Any]:
+        """The comparison as a plain dict (what ``shardckpt diff --json`` prints)."""
         return {"a": self.a, "b": self.b, "equal": self.equal, "only_a": self.only_a, "only_b": self.only_b,
                 "tensors": [t.__dict__ for t in self.tensors]}
 
