@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from typing import Any, List, Tuple
 
 import numpy as np
 import pytest
+from helpers.forking import fork_and_check
 
 from shardckpt import save_tensors
 from shardckpt.format.bundle_reader import BundleReader
@@ -122,38 +122,31 @@ def test_a_refused_hint_turns_write_behind_off_and_the_save_still_succeeds(tmp_p
     np.testing.assert_array_equal(BundleReader(prefix).read("a"), np.arange(5 << 20, dtype=np.float32))
 
 
-@linux_only
-def test_a_forked_child_starts_write_behind_afresh(tmp_path):
+def _parent_hints_write_behind(folder: str) -> None:
     data = np.arange(1 << 20, dtype=np.uint8)
-    path = str(tmp_path / "parent")
+    path = folder + "/parent"
     fd = local_fs.open_write(path)
     local_fs.write_all(fd, memoryview(data), path)
     local_fs.start_writeback(fd, 0, data.nbytes, path)  # the helper thread exists now
     local_fs.close(fd)
-    pid = os.fork()
-    if pid == 0:  # the child: its requests must run (the parent's helper thread is not here)
-        code = 1
-        try:
-            child = str(tmp_path / "child")
-            cfd = local_fs.open_write(child)
-            local_fs.write_all(cfd, memoryview(data), child)
-            local_fs.start_writeback(cfd, 0, data.nbytes, child)
-            local_fs.fsync(cfd, child)
-            local_fs.close(cfd)
-            code = 0
-        finally:
-            os._exit(code)
-    deadline = 30.0
-    while deadline > 0:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.1)
-        deadline -= 0.1
-    else:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child hung on write-behind")
-    assert os.WEXITSTATUS(status) == 0
+
+
+def _child_hints_write_behind(folder: str) -> int:
+    # the child's requests must run (the parent's helper thread is not here)
+    data = np.arange(1 << 20, dtype=np.uint8)
+    child = folder + "/child"
+    cfd = local_fs.open_write(child)
+    local_fs.write_all(cfd, memoryview(data), child)
+    local_fs.start_writeback(cfd, 0, data.nbytes, child)
+    local_fs.fsync(cfd, child)
+    local_fs.close(cfd)
+    return 0
+
+
+@linux_only
+def test_a_forked_child_starts_write_behind_afresh(tmp_path):
+    code = fork_and_check(_parent_hints_write_behind, _child_hints_write_behind, str(tmp_path), timeout=30)
+    assert code != 124, "the forked child hung on write-behind"
+    assert code == 0
     with open(str(tmp_path / "child"), "rb") as f:
-        assert f.read() == data.tobytes()
+        assert f.read() == np.arange(1 << 20, dtype=np.uint8).tobytes()
