@@ -14,6 +14,10 @@ A checkpoint written by an incremental save also shows, per data file, whether i
 was written by that save or linked / copied from the previous checkpoint (and from
 which file), and the bytes actually written.
 
+``--map FILE.svg`` (or ``FILE.html``) draws where every stored slice of the largest tensors
+lies, coloured by data file, holes and overlaps in red (:mod:`shardckpt.cli.shard_map`);
+``--keys REGEX`` chooses the tensors drawn.
+
 ``--json`` prints the same information as one JSON document. Values are included
 when the tensor has at most ``--limit`` elements; strings as base64 plus UTF-8
 (``null`` where not UTF-8), flattened row-major.
@@ -42,6 +46,7 @@ from ..format.bundle_reader import BundleReader
 from ..format.ordered_code import is_slice_key
 from ..saving.incremental import data_file_origins
 from ..storage.registry import get_fs
+from . import shard_map
 from ._layout import DataFile, TensorLayout, data_files, open_bundle, tensor_layout
 from ._text import error_text, human_size, key_text, render_table, shape_text
 from ._values import format_stats, format_values, json_number, numeric_stats, string_stats, strings_json, values_json
@@ -81,6 +86,9 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
     parser.add_argument("--tree", action="store_true", help="show the key hierarchy (split at '/') with sizes")
     parser.add_argument("--limit", metavar="N", type=_non_negative, default=DEFAULT_LIMIT,
                         help=f"show all values of tensors with at most N elements (default {DEFAULT_LIMIT})")
+    parser.add_argument("--map", metavar="FILE", help="draw the shard map of the tensors into FILE (.svg or .html)")
+    parser.add_argument("--keys", metavar="REGEX", help=f"with --map: draw the tensors whose name matches REGEX "
+                        f"(default: the {shard_map.DEFAULT_TENSORS} largest)")
     parser.set_defaults(func=run)
 
 
@@ -117,6 +125,12 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(tree_json(root), indent=2) if args.json else render_tree(root))
             return 1 if any(isinstance(r, BadTensor) for r in rows) else 0
         files = data_files(reader)
+        if getattr(args, "map", None):
+            chosen = shard_map.choose_tensors([r for r in rows if isinstance(r, TensorLayout)], args.keys)
+            counts = shard_map.write_map(args.map, reader.prefix, chosen, files)
+            print(f"shard map of {counts['tensors']} tensors ({counts['pieces']} pieces) written to {args.map}"
+                  + (f"; {counts['with_problems']} with holes or overlaps" if counts["with_problems"] else ""))
+            return 1 if any(isinstance(r, BadTensor) for r in rows) else 0
         origins = data_file_origins(reader.prefix, get_fs(reader.prefix))
         print(json.dumps(listing_json(reader.prefix, files, rows, origins), indent=2) if args.json
               else render_listing(reader.prefix, files, rows, origins))
