@@ -158,3 +158,38 @@ def test_inspect_tree_of_an_hf_folder(tmp_path: Path, capsys: pytest.CaptureFixt
     text = capsys.readouterr().out
     assert text.splitlines()[0] == "3 tensors, 152 bytes (152 B)"
     assert "bert.encoder.layer.  2 tensors  128 B" in text and "cls.bias  float64[3]  24 B" in text
+
+
+def test_diff_is_bit_for_bit_by_default_and_by_value_on_request(tmp_path: Path) -> None:
+    quiet_nan = np.array([np.nan], np.float32)
+    other_nan = quiet_nan.view(np.uint32) | np.uint32(1)  # the same NaN, another payload
+    a, b = str(tmp_path / "a" / "ckpt"), str(tmp_path / "b" / "ckpt")
+    shardckpt.save_tensors(a, {"z": np.array([0.0, 1.0], np.float32), "n": quiet_nan, "same": np.arange(3)})
+    shardckpt.save_tensors(b, {"z": np.array([-0.0, 1.0], np.float32), "n": other_nan.view(np.float32),
+                               "same": np.arange(3)})
+    bits = {t.name: t for t in diff(a, b).tensors}
+    assert not bits["z"].equal and bits["z"].mismatched == 1 and bits["z"].bits_only and bits["z"].max_abs == 0
+    assert not bits["n"].equal and bits["n"].bits_only
+    assert bits["same"].equal
+    assert diff(a, b, numeric=True).equal
+    assert diff(a, b, atol=1e-9).equal  # a tolerance compares values
+
+
+def test_cli_diff_exit_status_is_diffs_0_same_1_different_2_trouble(tmp_path: Path) -> None:
+    a, b, c = (str(tmp_path / n / "ckpt") for n in "abc")
+    shardckpt.save_tensors(a, {"z": np.array([0.0, 1.0], np.float32)})
+    shardckpt.save_tensors(b, {"z": np.array([-0.0, 1.0], np.float32)})
+    shardckpt.save_tensors(c, {"z": np.array([0.0, 1.0], np.float32)})
+    assert run_cli("diff", a, c).returncode == 0
+    different = run_cli("diff", a, b)
+    assert different.returncode == 1 and "bits only" in different.stdout and "bit for bit" in different.stdout
+    assert run_cli("diff", a, b, "--numeric").returncode == 0
+    assert run_cli("diff", a, b, "--tolerance", "0").returncode == 1  # a zero tolerance is still bits
+    missing = run_cli("diff", a, str(tmp_path / "nowhere" / "ckpt"))
+    assert missing.returncode == 2 and missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr
+    bad_regex = run_cli("diff", a, c, "--keys", "(")
+    assert bad_regex.returncode == 2 and "not a regular expression" in bad_regex.stderr
+    assert "Traceback" not in bad_regex.stderr
+    garbage = tmp_path / "garbage.index"
+    garbage.write_bytes(b"\x00" * 100)
+    assert run_cli("diff", a, str(tmp_path / "garbage")).returncode == 2

@@ -1,8 +1,10 @@
 """Entry point of the ``shardckpt`` command: argument parsing and error handling.
 
 Exit status: 0 success, 1 a problem with the checkpoint (or a failed check),
-2 bad command-line usage. Errors from :mod:`shardckpt.errors` (and operating-system
-errors) are printed as ``error: <message>`` on stderr, never as a traceback.
+2 bad command-line usage. A command may state its own status for an error
+(``trouble_status``: ``diff`` follows ``diff``/``cmp``: 1 means "different", 2 "trouble").
+Errors from :mod:`shardckpt.errors` (and operating-system errors) are printed as
+``error: <message>`` on stderr, never as a traceback.
 """
 
 from __future__ import annotations
@@ -44,18 +46,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    trouble = int(getattr(args, "trouble_status", 1))
     try:
         return int(args.func(args))
     except ShardckptError as exc:
         print(f"error: {error_text(exc)}", file=sys.stderr)
-        return 1
+        return trouble
     except BrokenPipeError:  # e.g. `shardckpt inspect ... | head`
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        return 1
+        return trouble
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return trouble
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -1,12 +1,21 @@
 """``diff``: compare two checkpoints of any formats, one tensor pair at a time.
 
 For each name: present on one side only, a different dtype or shape, or the
-largest absolute and relative difference of the values. Values are compared in
-chunks of :data:`_CHUNK` elements (as float64, complex128 for complex), so memory
-stays at one tensor per side plus a chunk. Two values are equal within tolerance
-when ``|a - b| <= atol + rtol * |b|`` elementwise (NumPy's ``allclose`` rule); NaNs
-equal NaNs at the same places, infinities must match exactly. Integers, booleans
-and strings compare exactly unless a tolerance is given (strings: always exactly).
+elements that differ. Two comparisons:
+
+* **bit for bit** (the default): two tensors are equal when every element has the same
+  bytes, so ``0.0`` and ``-0.0`` differ, and so do NaNs with other payloads — what a
+  checkpoint round trip must preserve. For a numeric tensor that differs, the largest
+  absolute and relative difference of the values are reported too (zero when only the
+  bits differ).
+* **by value** (``numeric=True``, or any tolerance): elements are equal when
+  ``|a - b| <= atol + rtol * |b|`` (NumPy's ``allclose`` rule); NaNs equal NaNs at the
+  same places, infinities must match exactly. Integers and booleans compare exactly
+  unless a tolerance is given; strings always compare exactly.
+
+Values are compared in chunks of :data:`_CHUNK` elements (as float64, complex128 for
+complex), so memory stays at one tensor per side plus a chunk. A ``keys`` pattern that
+is not a regular expression raises :class:`~shardckpt.errors.InvalidArgumentError`.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from ..errors import InvalidArgumentError
 from ..format.strings import as_bytes_elements
 from .api import open_source
 from .model import NO_PROGRESS, Progress
@@ -34,6 +44,7 @@ class TensorDiff:
     max_rel: Optional[float] = None
     mismatched: int = 0
     problem: str = ""
+    bits_only: bool = False  #: bitwise comparison: every differing element has the same value (``-0.0``, NaN payloads)
 
 
 @dataclass
@@ -79,11 +90,38 @@ def _compare_numeric(a: np.ndarray, b: np.ndarray, atol: float, rtol: float, out
     out.equal = bad == 0
 
 
+def _compare_bits(a: np.ndarray, b: np.ndarray, out: TensorDiff) -> None:
+    """Element-wise byte equality; for numeric dtypes also the value differences of what differs."""
+    n = a.size
+    width = a.dtype.itemsize
+    fa = np.ascontiguousarray(a).reshape(-1).view(np.uint8).reshape(n, width)
+    fb = np.ascontiguousarray(b).reshape(-1).view(np.uint8).reshape(n, width)
+    bad = 0
+    for start in range(0, n, _CHUNK):
+        bad += int(np.count_nonzero((fa[start:start + _CHUNK] != fb[start:start + _CHUNK]).any(axis=1)))
+    out.mismatched, out.equal = bad, bad == 0
+    if bad and a.dtype.kind not in "bOSU":  # numbers (bfloat16, float8 included): how far apart the values are
+        values = TensorDiff(out.name, True)
+        try:
+            _compare_numeric(a, b, 0.0, 0.0, values)
+        except (TypeError, ValueError):  # a dtype NumPy cannot widen: bytes only
+            return
+        out.max_abs, out.max_rel = values.max_abs, values.max_rel
+        out.bits_only = values.mismatched == 0
+
+
 def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, keys: Optional[str] = None,
          a_format: Optional[str] = None, b_format: Optional[str] = None, trust_pickle: bool = False,
-         progress: Progress = NO_PROGRESS) -> DiffResult:
-    """Compare the checkpoints at ``a`` and ``b`` (see the module docstring)."""
-    pattern = re.compile(keys) if keys else None
+         numeric: bool = False, progress: Progress = NO_PROGRESS) -> DiffResult:
+    """Compare the checkpoints at ``a`` and ``b`` (see the module docstring).
+
+    Bit for bit unless ``numeric`` is true or a tolerance (``atol``, ``rtol``) is given.
+    """
+    try:
+        pattern = re.compile(keys) if keys else None
+    except re.error as exc:
+        raise InvalidArgumentError(f"keys {keys!r} is not a regular expression: {exc}") from None
+    by_value = numeric or atol != 0 or rtol != 0
     result = DiffResult(a, b)
     with open_source(a, a_format, trust_pickle=trust_pickle) as sa, \
             open_source(b, b_format, trust_pickle=trust_pickle) as sb:
@@ -103,7 +141,9 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, keys: Optional
                 td.problem = f"{x.dtype.name}{list(x.shape)} vs {y.dtype.name}{list(y.shape)}"
                 continue
             va, vb = sa.read(name), sb.read(name)
-            if x.dtype.is_string or x.dtype.is_variant:
+            if not by_value and not (x.dtype.is_string or x.dtype.is_variant):
+                _compare_bits(va, vb, td)
+            elif x.dtype.is_string or x.dtype.is_variant:
                 ea, eb = as_bytes_elements(va), as_bytes_elements(vb)
                 td.mismatched = sum(p != q for p, q in zip(ea, eb))
                 td.equal = td.mismatched == 0
