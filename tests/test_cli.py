@@ -522,6 +522,22 @@ def test_demo_other_client_counts(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert "1. 2 clients" in out and "2. 4 clients" in out and "all checks passed" in out
 
 
+@pytest.mark.parametrize("argv", [["--clients", "3"], ["--clients", "0"], ["--resume-clients", "8"]])
+def test_demo_refuses_client_counts_that_do_not_share_the_mesh(capsys: pytest.CaptureFixture[str],
+                                                               argv: List[str]) -> None:
+    rc, out, err = run(capsys, "demo", *argv)
+    assert rc == 2 and "invalid choice" in err and "Traceback" not in out + err
+    assert "choose from 1, 2, 4" in err
+
+
+def test_demo_without_dir_removes_its_temporary_folder(tmp_path: Path) -> None:
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "shardckpt.cli.main", "demo", "--clients", "2",
+                           "--resume-clients", "1"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "removed " in proc.stdout and list(tmp_path.iterdir()) == []
+
+
 # -- the installed console script ------------------------------------------------------------------
 
 def script(*argv: str) -> "subprocess.CompletedProcess[str]":

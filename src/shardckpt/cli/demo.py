@@ -8,13 +8,17 @@
 3. The final checkpoint is inspected and verified; its values are compared with a
    replay of the training on full arrays.
 
-Clients are coordinated by the standard library alone (no torch or MPI needed).
+Clients are coordinated by the standard library alone (no torch or MPI needed). The
+first mesh has 8 devices and the second 4, so ``--clients`` is one of 1, 2, 4, 8 and
+``--resume-clients`` one of 1, 2, 4. Without ``--dir`` the demo works in a new temporary
+folder, removes it when every check passed, and keeps it (saying where) when one failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 import time
 from typing import Any, Dict, List
@@ -31,6 +35,8 @@ from .verify import render_report, verify_bundle
 __all__ = ["add_parser", "run", "run_story"]
 
 KEY = "model/{}/.ATTRIBUTES/VARIABLE_VALUE"
+FIRST_CLIENTS = (1, 2, 4, 8)  #: client counts that share the first mesh's 8 devices evenly
+RESUME_CLIENTS = (1, 2, 4)  #: client counts that share the second mesh's 4 devices evenly
 
 
 def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -38,8 +44,10 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
                                                 "resume on another mesh, verify",
                                    description=__doc__.split("\n\n")[1] if __doc__ else None)
     parser.add_argument("--dir", metavar="D", help="directory to write into (default: a new temporary directory)")
-    parser.add_argument("--clients", type=int, default=4, help="clients of the first run (default 4)")
-    parser.add_argument("--resume-clients", type=int, default=2, help="clients of the resumed run (default 2)")
+    parser.add_argument("--clients", type=int, default=4, choices=FIRST_CLIENTS,
+                        help="clients of the first run, sharing its 8 devices (default 4)")
+    parser.add_argument("--resume-clients", type=int, default=2, choices=RESUME_CLIENTS,
+                        help="clients of the resumed run, sharing its 4 devices (default 2)")
     parser.set_defaults(func=run)
 
 
@@ -94,5 +102,17 @@ def run_story(directory: str, clients: int = 4, resume_clients: int = 2) -> bool
 
 
 def run(args: argparse.Namespace) -> int:
-    directory = args.dir if args.dir is not None else tempfile.mkdtemp(prefix="shardckpt-demo-")
-    return 0 if run_story(directory, args.clients, args.resume_clients) else 1
+    """Run ``demo``; returns the exit status."""
+    if args.dir is not None:
+        return 0 if run_story(args.dir, args.clients, args.resume_clients) else 1
+    directory = tempfile.mkdtemp(prefix="shardckpt-demo-")
+    ok = False
+    try:
+        ok = run_story(directory, args.clients, args.resume_clients)
+    finally:
+        if ok:
+            shutil.rmtree(directory, ignore_errors=True)
+            print(f"removed {directory} (use --dir to keep the checkpoints)")
+        else:
+            print(f"the checkpoints and client reports are left in {directory}")
+    return 0 if ok else 1
