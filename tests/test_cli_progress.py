@@ -136,3 +136,47 @@ def test_items_unit_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="unit"):
         with progress_bar("inspect", None, unit="tensors"):
             pass
+
+
+def test_bars_count_bytes_in_binary_units_as_the_results_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PROGRESS_ENV, "always")
+    drawn = io.StringIO()
+    with progress_bar("convert", 3 << 20, stream=drawn) as advance:
+        advance("a", 3 << 20)
+        time.sleep(0.2)
+    text = drawn.getvalue()
+    assert "MiB" in text and " MB" not in text and "MB/s" not in text, text
+
+
+_NO_RICH = r"""
+import importlib.abc, sys
+class NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "rich" or name.startswith("rich."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NotInstalled())
+from shardckpt.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_always_without_rich_says_to_install_the_cli_extra(prefix: str) -> None:
+    done = subprocess.run([sys.executable, "-c", _NO_RICH, "verify", prefix], capture_output=True, timeout=120,
+                          env=_env("always"))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.decode().count("pip install '.[cli]'") == 1, done.stderr
+    assert done.stdout == run_piped("verify", prefix).stdout
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "convert", "diff", "demo"])
+def test_help_is_plain_text_without_restructuredtext_markup(command: str) -> None:
+    done = subprocess.run(_cli(command, "--help"), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    assert "``" not in done.stdout and ":func:" not in done.stdout and ":mod:" not in done.stdout, done.stdout
+
+
+def test_checkpoint_options_repr_shows_every_option() -> None:
+    text = repr(shardckpt.CheckpointOptions(timeout=12.5, async_staging_bytes=1 << 20, funnel_inflight_bytes=7))
+    for part in ("timeout=12.5", "async_staging_bytes=1048576", "funnel_inflight_bytes=7", "trust_versions=False",
+                 "io_device=None", "enable_async=False", "incremental=False"):
+        assert part in text, text

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+import re
+from typing import Optional, Sequence, Union
 
 from ..errors import ShardckptError, describe
 from ..format.ordered_code import decode_tensor_name_slice, is_slice_key
@@ -87,3 +88,19 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: S
                 cells.append(cell.ljust(widths[i]))
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
+
+
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain_text(text: str) -> str:
+    r"""``text`` with reST markup taken out (``\`\`x\`\``` and ``:func:`x``` become ``x``), for ``--help``."""
+    return _LITERAL.sub(r"\1", _ROLE.sub(lambda m: m.group(1).rsplit(".", 1)[-1], text))
+
+
+def description_of(doc: Optional[str]) -> Optional[str]:
+    """A command's ``--help`` description: the second paragraph of its module docstring, as plain text."""
+    if not doc or "\n\n" not in doc:
+        return None
+    return plain_text(doc.split("\n\n")[1])

@@ -19,6 +19,7 @@ from ..convert import Rules, convert, parse_size
 from ..convert.detect import FORMATS
 from ..convert.presets import PRESETS
 from ..convert.select import load_name_map
+from ._text import description_of
 from .progress import progress_bar
 
 __all__ = ["add_parser", "run"]
@@ -27,7 +28,7 @@ __all__ = ["add_parser", "run"]
 def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Register the ``convert`` subcommand."""
     p = subparsers.add_parser("convert", help="convert a checkpoint to another format (tf, safetensors, hf, npz, dcp)",
-                              description=__doc__.split("\n\n")[1] if __doc__ else None)
+                              description=description_of(__doc__))
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
     p.add_argument("--from", dest="src_format", choices=FORMATS, help="format of SRC (default: detected)")

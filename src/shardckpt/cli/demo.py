@@ -28,6 +28,7 @@ import numpy as np
 from ..checkpoint.reader import load_checkpoint
 from ..checkpoint.state import latest_checkpoint
 from ._layout import data_files, open_bundle
+from ._text import description_of
 from .demo_clients import WEIGHTS, expected, launch
 from .inspect import list_tensors, render_listing
 from .verify import render_report, verify_bundle
@@ -42,7 +43,7 @@ RESUME_CLIENTS = (1, 2, 4)  #: client counts that share the second mesh's 4 devi
 def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     parser = subparsers.add_parser("demo", help="train a sharded model on several local clients, checkpoint, "
                                                 "resume on another mesh, verify",
-                                   description=__doc__.split("\n\n")[1] if __doc__ else None)
+                                   description=description_of(__doc__))
     parser.add_argument("--dir", metavar="D", help="directory to write into (default: a new temporary directory)")
     parser.add_argument("--clients", type=int, default=4, choices=FIRST_CLIENTS,
                         help="clients of the first run, sharing its 8 devices (default 4)")

@@ -16,7 +16,7 @@ import json
 
 from ..convert import diff
 from ..convert.detect import FORMATS
-from ._text import render_table
+from ._text import description_of, render_table
 from .progress import progress_bar
 
 __all__ = ["add_parser", "run", "SAME", "DIFFERENT", "TROUBLE"]
@@ -27,7 +27,7 @@ SAME, DIFFERENT, TROUBLE = 0, 1, 2  #: exit statuses, as diff(1) and cmp(1) have
 def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Register the ``diff`` subcommand."""
     p = subparsers.add_parser("diff", help="compare two checkpoints (any formats); exit 0 same, 1 different, 2 trouble",
-                              description=__doc__.split("\n\n")[1] if __doc__ else None)
+                              description=description_of(__doc__))
     p.add_argument("a", metavar="A")
     p.add_argument("b", metavar="B")
     p.add_argument("--numeric", action="store_true",

@@ -48,7 +48,7 @@ from ..saving.incremental import data_file_origins
 from ..storage.registry import get_fs
 from . import shard_map
 from ._layout import DataFile, TensorLayout, data_files, open_bundle, tensor_layout
-from ._text import error_text, human_size, key_text, render_table, shape_text
+from ._text import description_of, error_text, human_size, key_text, render_table, shape_text
 from ._values import format_stats, format_values, json_number, numeric_stats, string_stats, strings_json, values_json
 from .progress import Advance, progress_bar
 from .tree import build_tree, render_tree, tree_json
@@ -78,7 +78,7 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
     """Register the ``inspect`` subcommand."""
     parser = subparsers.add_parser(
         "inspect", help="list a checkpoint's tensors, or show one tensor's values",
-        description=__doc__.split("\n\n")[1] if __doc__ else None)
+        description=description_of(__doc__))
     parser.add_argument("path", metavar="PATH", help="checkpoint prefix, checkpoint directory or SavedModel directory "
                         "(with --tree also .safetensors, a Hugging Face folder or .npz)")
     parser.add_argument("--key", metavar="K", help="show this tensor's values and statistics")

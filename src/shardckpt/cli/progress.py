@@ -11,7 +11,10 @@ is never on stdout, so what a command prints there stays machine-readable.
 The ``SHARDCKPT_PROGRESS`` environment variable overrides the terminal check:
 ``never`` draws no bar even on a terminal, ``always`` draws one (with terminal control
 sequences) whatever stderr is; ``auto`` (the default, also for unknown values) draws
-one only on a terminal. ``--json`` always turns the bar off.
+one only on a terminal. ``--json`` always turns the bar off. ``always`` without ``rich``
+prints one line on stderr saying to install the ``[cli]`` extra, then nothing more.
+
+Sizes and speeds use binary units (KiB, MiB, GiB), as every result the commands print.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Callable, Iterator, Optional, TextIO
+from typing import Any, Callable, Iterator, Optional, TextIO
+
+from .._extras import install_hint
+from ._text import human_size
 
 __all__ = ["progress_bar", "Advance", "use_rich", "progress_mode", "PROGRESS_ENV"]
 
@@ -35,8 +41,12 @@ def progress_mode() -> str:
     return value if value in ("always", "never") else "auto"
 
 
+_TOLD_NO_RICH = False
+
+
 def use_rich(stream: Optional[TextIO] = None) -> bool:
     """Whether a live bar is drawn on ``stream`` (default stderr): see the module docstring."""
+    global _TOLD_NO_RICH
     stream = stream or sys.stderr
     mode = progress_mode()
     if mode == "never":
@@ -44,8 +54,15 @@ def use_rich(stream: Optional[TextIO] = None) -> bool:
     try:
         if mode == "auto" and not stream.isatty():
             return False
+    except (AttributeError, ValueError):
+        return False
+    try:
         import rich.progress  # noqa: F401
-    except (ImportError, AttributeError, ValueError):
+    except ImportError:
+        if mode == "always" and not _TOLD_NO_RICH:
+            _TOLD_NO_RICH = True
+            print(f"{PROGRESS_ENV}=always draws no bar: progress bars need rich ({install_hint('cli')})",
+                  file=stream, flush=True)
         return False
     return True
 
@@ -72,11 +89,19 @@ def progress_bar(description: str, total: Optional[int], *, enabled: bool = True
             ProgressColumn,
             TextColumn,
             TimeRemainingColumn,
-            TransferSpeedColumn,
         )
 
-        amounts: tuple[ProgressColumn, ...] = ((DownloadColumn(), TransferSpeedColumn()) if unit == "bytes"
-                                               else (MofNCompleteColumn(),))
+        class BinarySpeedColumn(ProgressColumn):
+            """Throughput in binary units (``MiB/s``), as the commands' results print sizes."""
+
+            def render(self, task: Any) -> Any:
+                from rich.text import Text
+
+                speed = task.finished_speed or task.speed
+                return Text("?" if speed is None else f"{human_size(int(speed))}/s", style="progress.data.speed")
+
+        amounts: tuple[ProgressColumn, ...] = ((DownloadColumn(binary_units=True), BinarySpeedColumn())
+                                               if unit == "bytes" else (MofNCompleteColumn(),))
         columns = (TextColumn("[bold]{task.description}"), BarColumn(), *amounts, TimeRemainingColumn(),
                    TextColumn("{task.fields[item]}", style="dim"))
         console = Console(file=stream, force_terminal=True if progress_mode() == "always" else None)

@@ -27,7 +27,7 @@ from ..format.bundle_reader import BundleReader
 from ..format.ordered_code import decode_tensor_name_slice
 from ..format.tiling import check_tiling
 from ._layout import TensorLayout, data_files, open_bundle, tensor_layout
-from ._text import bare_message, error_text, human_size, key_text, piece_key_text
+from ._text import bare_message, description_of, error_text, human_size, key_text, piece_key_text
 from .progress import Advance, progress_bar
 
 __all__ = ["add_parser", "run", "Problem", "VerifyReport", "verify_bundle", "render_report", "report_json"]
@@ -68,7 +68,7 @@ class VerifyReport:
 def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Register the ``verify`` subcommand."""
     parser = subparsers.add_parser("verify", help="check every stored tensor's size and checksum",
-                                   description=__doc__.split("\n\n")[1] if __doc__ else None)
+                                   description=description_of(__doc__))
     parser.add_argument("path", metavar="PATH", help="checkpoint prefix, checkpoint directory or SavedModel directory")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.set_defaults(func=run)

@@ -124,17 +124,20 @@ class CheckpointOptions:
             else:
                 cb()
 
+    def _values(self) -> Dict[str, Any]:
+        """Every option by its keyword, in the constructor's order."""
+        return dict(io_device=self.io_device, enable_async=self.enable_async,
+                    write_callbacks=self.write_callbacks, sharding_callback=self.sharding_callback,
+                    skip_slot_variables=self.skip_slot_variables, async_staging_bytes=self.async_staging_bytes,
+                    timeout=self.timeout, incremental=self.incremental, trust_versions=self.trust_versions,
+                    funnel_inflight_bytes=self.funnel_inflight_bytes)
+
     def replace(self, **changes: Any) -> "CheckpointOptions":
         """A copy with some options changed."""
-        values: Dict[str, Any] = dict(io_device=self.io_device, enable_async=self.enable_async,
-                      write_callbacks=self.write_callbacks, sharding_callback=self.sharding_callback,
-                      skip_slot_variables=self.skip_slot_variables, async_staging_bytes=self.async_staging_bytes,
-                      timeout=self.timeout, incremental=self.incremental, trust_versions=self.trust_versions,
-                      funnel_inflight_bytes=self.funnel_inflight_bytes)
+        values = self._values()
         values.update(changes)
         return CheckpointOptions(**values)
 
     def __repr__(self) -> str:
-        return (f"CheckpointOptions(io_device={self.io_device!r}, enable_async={self.enable_async}, "
-                f"write_callbacks={self.write_callbacks!r}, sharding_callback={self.sharding_callback!r}, "
-                f"skip_slot_variables={self.skip_slot_variables}, incremental={self.incremental})")
+        """Every option, ``timeout`` and the staging and funnel budgets included."""
+        return "CheckpointOptions(" + ", ".join(f"{k}={v!r}" for k, v in self._values().items()) + ")"
