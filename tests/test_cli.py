@@ -576,3 +576,19 @@ def test_console_script_demo(tmp_path: Path) -> None:
     proc = script("demo", "--dir", str(tmp_path / "d"))
     assert proc.returncode == 0, proc.stderr
     assert "all checks passed" in proc.stdout
+
+
+def test_inspect_and_verify_of_another_format_say_what_it_is(capsys: pytest.CaptureFixture[str],
+                                                             tmp_path: Path) -> None:
+    from shardckpt.convert import convert
+
+    src = str(tmp_path / "tf" / "ckpt")
+    shardckpt.save_tensors(src, {"a": np.ones(3, np.float32)})
+    outs = {"safetensors file": str(tmp_path / "m.safetensors"), "NumPy .npz archive": str(tmp_path / "m.npz"),
+            "Hugging Face folder": str(tmp_path / "hf")}
+    for what, path in outs.items():
+        convert(src, path, dst_format="hf" if what.startswith("Hugging") else None)
+        for command in ("inspect", "verify"):
+            rc, out, err = run(capsys, command, path)
+            assert rc == 1 and f"this is a {what}" in err and "inspect --tree" in err, err
+            assert ".index file is missing" not in err

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from ..checkpoint.reader import resolve_prefix
+from ..errors import InvalidArgumentError
 from ..format.bundle_reader import BundleReader
 from ..format.dtypes import DType
 from ..format.tensor_slice import Box, TensorSlice
@@ -84,8 +85,25 @@ class DataFile:
 
 
 def open_bundle(path: str) -> BundleReader:
-    """Open the checkpoint at ``path`` (a prefix, a checkpoint directory or a SavedModel directory)."""
+    """Open the checkpoint at ``path`` (a prefix, a checkpoint directory or a SavedModel directory).
+
+    A path that holds another format (a ``.safetensors`` file, a Hugging Face folder, an
+    ``.npz``, a DCP folder) raises :class:`~shardckpt.errors.InvalidArgumentError` saying
+    what it is and which commands read it, instead of "the .index file is missing".
+    """
+    from ..convert.detect import source_format
+
+    fmt = source_format(path)
+    if fmt != "tf":
+        raise InvalidArgumentError(
+            f"this is a {_FORMAT_NAMES.get(fmt, fmt)}, not a TensorFlow checkpoint: `shardckpt inspect --tree` "
+            f"lists its tensors, `shardckpt diff` compares it, `shardckpt convert PATH OUT --to tf` makes a "
+            f"TensorFlow checkpoint of it", path=path)
     return BundleReader(resolve_prefix(path))
+
+
+_FORMAT_NAMES = {"safetensors": "safetensors file", "hf": "Hugging Face folder", "npz": "NumPy .npz archive",
+                 "dcp": "PyTorch DCP folder"}
 
 
 def tensor_layout(reader: BundleReader, key: bytes) -> TensorLayout:
