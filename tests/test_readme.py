@@ -242,3 +242,27 @@ def test_readme_runs_as_written(tmp_path: Path, s3_server: object) -> None:
     assert out.count("== README line") == len(steps)
     ran = {s["kind"] for s in steps}
     assert ran == {"python", "launch", "shell"}, ran
+
+
+def test_readme_install_commands_name_the_checkout_and_real_extras() -> None:
+    """The install lines are not run (they would take minutes); what they ask for must exist as written.
+
+    shardckpt is installed from its checkout, so ``pip install`` names ``.`` (with extras that
+    ``pyproject.toml`` defines), never a package index name; the environment a block activates
+    is the one the two set-up commands create.
+    """
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    text = README.read_text()
+    installs = re.findall(r"pip install\s+(?:-q\s+)?(\S+)", text)
+    assert installs, "the README shows no install command"
+    for target in installs:
+        target = target.strip("'\"`")
+        m = re.fullmatch(r"\.(?:\[([\w,]+)\])?", target)
+        assert m, f"README installs {target!r}: shardckpt is installed from its checkout ('.' or '.[extra]')"
+        for extra in (m.group(1) or "").split(","):
+            assert not extra or extra in extras, f"README names the extra [{extra}], pyproject has {sorted(extras)}"
+    for activate in re.findall(r"source\s+(\S+)", text):
+        assert activate == ".venv/bin/activate", activate
+    assert "python3 -m venv .venv" in text and "bash scripts/test.sh" in text
