@@ -48,6 +48,7 @@ from typing import Any, Dict, List
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import common as C  # noqa: E402
 from common import MIB, Probe, emit, fmt_size, median, parse_result, parse_size  # noqa: E402
 
 COUNT = 16
@@ -198,7 +199,8 @@ def main() -> None:
     parser.add_argument("--system", help=argparse.SUPPRESS)
     parser.add_argument("--op", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    # smoke: 8 rows per array (the least the meshes divide)
+    args = C.parse_args(parser, size="512KiB", repeats=1)
     args.size = parse_size(str(args.size))
     if args.worker:
         worker(args)
@@ -237,9 +239,10 @@ def main() -> None:
             "reshard_peak_extra": median([x["reshard"]["peak_extra"] or 0 for x in results]),
         }
     ours, theirs = table["shardckpt"], table["orbax"]
+    result = {"size": args.size, "repeats": args.repeats, "processes": args.processes, "table": table, "runs": runs}
     if args.json:
-        print(json.dumps({"size": args.size, "repeats": args.repeats, "processes": args.processes, "table": table},
-                         indent=1))
+        print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
+        C.write_results("jax", result)
         return
     size = args.size
     base = table.get("baseline")
@@ -259,6 +262,8 @@ def main() -> None:
         a, b = ours[key], theirs[key]
         print(f"{label:28}{fmt_size(a):>14}{fmt_size(b):>14}{(b / a if a else float('nan')):>7.2f}x"
               + (f"{fmt_size(base[key]):>14}" if base else ""))
+    C.write_results("jax", result)
+
 
 if __name__ == "__main__":
     main()
