@@ -21,7 +21,8 @@ slowed down (``update after`` vs the same update alone): a system that defers it
 (copy-on-write, or copying in the background) pays it there.
 
     .venv/bin/python benchmarks/bench_async.py                           # 1 GiB and 4 GiB, 3 repeats
-    .venv/bin/python benchmarks/bench_async.py --sizes 64MiB --repeats 1 # smoke test (~1 min)
+    .venv/bin/python benchmarks/bench_async.py --sizes 64MiB --repeats 1 # a quick look (~1 min)
+    .venv/bin/python benchmarks/bench_async.py --smoke                   # smoke run (what the suite runs)
 
 Results: a table and ratios on stdout, everything in ``benchmarks/results/async-<time>.json``.
 """

@@ -4,7 +4,8 @@ SaveV2 / RestoreV2 and the raw disk, in one run, as ratios.
 Run with the project's interpreter (see README.md)::
 
     .venv/bin/python benchmarks/bench_bundle.py                  # 1 GiB states, 5 repeats
-    .venv/bin/python benchmarks/bench_bundle.py --size 64MiB --repeats 1   # smoke test
+    .venv/bin/python benchmarks/bench_bundle.py --size 64MiB --repeats 1   # a quick look
+    .venv/bin/python benchmarks/bench_bundle.py --smoke                    # smoke run (what the suite runs)
 
 Every measurement runs in its own fresh process (``--worker SYSTEM``, printing one
 JSON line); systems are interleaved across repeats and medians reported. TensorFlow

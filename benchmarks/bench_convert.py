@@ -4,7 +4,8 @@ beside the same conversions done with TensorFlow / PyTorch and the ``safetensors
 Run with the project's interpreter (see README.md)::
 
     .venv/bin/python benchmarks/bench_convert.py                          # 1 GiB, 3 repeats
-    .venv/bin/python benchmarks/bench_convert.py --size 256MiB --repeats 1  # smoke test
+    .venv/bin/python benchmarks/bench_convert.py --size 256MiB --repeats 1  # a quick look
+    .venv/bin/python benchmarks/bench_convert.py --smoke                    # smoke run (what the suite runs)
 
 The source is the 485-tensor ``transformer`` state of ``common.py`` (float32), saved as a
 TF checkpoint twice: ``plain`` (one data file) and ``sliced`` (``MaxShardSizePolicy`` of

@@ -26,7 +26,8 @@ same mesh shape with the transposed layout ``[y, x]``. Each client counts the by
 (``LocalFileSystem.pread_into``) against the bytes of its distinct local pieces (target <= 1.1).
 
     .venv/bin/python benchmarks/bench_dtensor.py                          # 1 GiB, 5 repeats
-    .venv/bin/python benchmarks/bench_dtensor.py --size 64MiB --repeats 1 # smoke test
+    .venv/bin/python benchmarks/bench_dtensor.py --size 64MiB --repeats 1 # a quick look
+    .venv/bin/python benchmarks/bench_dtensor.py --smoke                  # smoke run (what the suite runs)
 
 Systems alternate (A B, B A, ...) across repeats; medians are reported. Ratios are
 shardckpt / DCP throughput: above 1, shardckpt is faster.

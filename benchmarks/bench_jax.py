@@ -21,7 +21,8 @@ process; per system and repeat:
 Medians over ``--repeats``; ratios are Orbax time / shardckpt time (> 1: shardckpt faster).
 
     .venv/bin/python benchmarks/bench_jax.py --size 256MiB --repeats 3
-    .venv/bin/python benchmarks/bench_jax.py --size 64MiB --repeats 1     # smoke test
+    .venv/bin/python benchmarks/bench_jax.py --size 64MiB --repeats 1     # a quick look
+    .venv/bin/python benchmarks/bench_jax.py --smoke                      # smoke run (what the suite runs)
 
 ``--processes 2`` runs every worker as 2 processes of 4 CPU devices each over
 ``jax.distributed.initialize`` on loopback (the same global mesh); each phase counts

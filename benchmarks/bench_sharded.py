@@ -6,7 +6,8 @@ committed), and the raw baseline writes the same bytes from N threads into N fil
 (and fsyncs them). Ratios > 1 mean shardckpt is faster.
 
     .venv/bin/python benchmarks/bench_sharded.py                        # 1 GiB and 4 GiB, 1/2/4 shards
-    .venv/bin/python benchmarks/bench_sharded.py --sizes 64MiB --repeats 1   # smoke test
+    .venv/bin/python benchmarks/bench_sharded.py --sizes 64MiB --repeats 1   # a quick look
+    .venv/bin/python benchmarks/bench_sharded.py --smoke                     # smoke run (what the suite runs)
 
 Each measurement runs in a fresh process; systems are interleaved; medians reported.
 """
