@@ -21,7 +21,8 @@ slowed down (``update after`` vs the same update alone): a system that defers it
 (copy-on-write, or copying in the background) pays it there.
 
     .venv/bin/python benchmarks/bench_async.py                           # 1 GiB and 4 GiB, 3 repeats
-    .venv/bin/python benchmarks/bench_async.py --sizes 64MiB --repeats 1 # smoke test (~1 min)
+    .venv/bin/python benchmarks/bench_async.py --sizes 64MiB --repeats 1 # a quick look (~1 min)
+    .venv/bin/python benchmarks/bench_async.py --smoke                   # smoke run (what the suite runs)
 
 Results: a table and ratios on stdout, everything in ``benchmarks/results/async-<time>.json``.
 """
@@ -133,7 +134,7 @@ def w_numpy_copy(spec: C.Spec, nbytes: int, work: str) -> Dict[str, Any]:
 
     copy()  # first call (also warms the code path)
     second = _phase(copy, 0, arrays + dst)
-    assert np.array_equal(dst[-1], arrays[-1])
+    assert all(np.array_equal(d, a) for d, a in zip(dst, arrays)), "numpy_copy copied wrong values"
     return {"block_s": second["seconds"], "commit_s": second["seconds"], "peak_extra": second["peak_extra"],
             "cpu_s": second["cpu_s"]}
 
@@ -152,10 +153,9 @@ def _shardckpt_state(spec: C.Spec) -> Any:
 def _shardckpt_check(prefix: str, spec: C.Spec) -> bool:
     import shardckpt
 
-    with shardckpt.load_checkpoint(prefix) as reader:
-        idx = [0, len(spec) - 1]
-        got = [reader.get_tensor(f"model/tensors/{i}/.ATTRIBUTES/VARIABLE_VALUE") for i in idx]
-    return C.verify(spec, got, indices=idx)
+    with shardckpt.load_checkpoint(prefix) as reader:  # every tensor, one at a time
+        return all(C.verify(spec, [reader.get_tensor(f"model/tensors/{i}/.ATTRIBUTES/VARIABLE_VALUE")], indices=[i])
+                   for i in range(len(spec)))
 
 
 def w_shardckpt_sync(spec: C.Spec, nbytes: int, work: str) -> Dict[str, Any]:
@@ -237,8 +237,8 @@ def w_tf_async(spec: C.Spec, nbytes: int, work: str) -> Dict[str, Any]:
     _settle()
     second = warm_and(timed, nbytes)
     reader = tf.train.load_checkpoint(os.path.join(work, "ckpt-2"))
-    got = [reader.get_tensor(f"tensors/{i}/.ATTRIBUTES/VARIABLE_VALUE") for i in (0, len(spec) - 1)]
-    ok = C.verify(spec, got, indices=[0, len(spec) - 1])
+    ok = all(C.verify(spec, [reader.get_tensor(f"tensors/{i}/.ATTRIBUTES/VARIABLE_VALUE")], indices=[i])
+             for i in range(len(spec)))
     _remove(os.path.join(work, "ckpt-2*"))
     _settle()
     C.prime_free_memory(nbytes)
@@ -265,9 +265,10 @@ def w_dcp_async(spec: C.Spec, nbytes: int, work: str) -> Dict[str, Any]:
     _remove(os.path.join(work, "dcp-1"))
     _settle()
     second = _phase(timed, 2 * nbytes, arrays)  # DCP's default stager copies into fresh memory each call
-    loaded = {f"tensor_{i:03d}": torch.empty(spec[i][1], dtype=torch.float32) for i in (0, len(spec) - 1)}
+    loaded = {f"tensor_{i:03d}": torch.empty(shape, dtype=torch.float32) for i, (_, shape) in enumerate(spec)}
     dcp.load(loaded, checkpoint_id=os.path.join(work, "dcp-2"))
-    ok = C.verify(spec, [t.numpy() for t in loaded.values()], indices=[0, len(spec) - 1])
+    ok = C.verify(spec, [t.numpy() for t in loaded.values()])
+    del loaded
     _remove(os.path.join(work, "dcp-2"))
     _settle()
 
@@ -287,11 +288,6 @@ def w_dcp_async(spec: C.Spec, nbytes: int, work: str) -> Dict[str, Any]:
 # =====================================================================================
 # Driver
 # =====================================================================================
-def tf_python(args: argparse.Namespace) -> Optional[str]:
-    path = args.tf_python or os.environ.get("SHARDCKPT_TF_PYTHON") or os.path.join(REPO, ".venv-tf", "bin", "python")
-    return path if os.path.exists(path) else None
-
-
 def spawn(args: argparse.Namespace, system: str, size: str, tf: Optional[str]) -> Dict[str, Any]:
     work = os.path.join(args.dir, f"async-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
@@ -393,11 +389,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--tf-python", help="TensorFlow interpreter (default $SHARDCKPT_TF_PYTHON or .venv-tf)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--name", default="async", help="results file stem")
-    args = p.parse_args(argv)
+    args = C.parse_args(p, argv, sizes="2MiB", repeats=1, timeout=300)
     if args.worker:
         run_worker(args)
         return
-    tf = tf_python(args)
+    tf = C.tf_python(args.tf_python, REPO, required=args.smoke)
     systems = [s for s in args.systems.split(",") if s]
     if tf is None and "tf_async" in systems:
         log("TensorFlow interpreter not found (set SHARDCKPT_TF_PYTHON): skipping tf_async")
@@ -420,14 +416,15 @@ def main(argv: Optional[List[str]] = None) -> None:
                     f"{r['commit_s'] * 1e3:8.1f} ms, peak extra {C.fmt_size(r['peak_extra'] or 0)}")
     summary = summarize(runs, sizes)
     print_report(summary)
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    out = os.path.join(HERE, "results", f"{args.name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out = C.results_path(args.name)
     meta = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv, "sizes": sizes, "repeats": args.repeats,
             "dir": args.dir, "python": sys.executable, "tf_python": tf, "cpus": os.cpu_count(),
             "platform": platform.platform(), "numpy": np.__version__}
     with open(out, "w") as f:
         json.dump({"meta": meta, **summary, "runs": runs, "failures": failures}, f, indent=1)
     print(f"\nresults: {out}")
+    C.finish(wrong=[f"[{r['repeat'] + 1}] {r['size']} {r['system']}" for r in runs if not r.get("values_ok", True)],
+             failed=[f"[{f['repeat'] + 1}] {f['size']} {f['system']}" for f in failures])
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ SaveV2 / RestoreV2 and the raw disk, in one run, as ratios.
 Run with the project's interpreter (see README.md)::
 
     .venv/bin/python benchmarks/bench_bundle.py                  # 1 GiB states, 5 repeats
-    .venv/bin/python benchmarks/bench_bundle.py --size 64MiB --repeats 1   # smoke test
+    .venv/bin/python benchmarks/bench_bundle.py --size 64MiB --repeats 1   # a quick look
+    .venv/bin/python benchmarks/bench_bundle.py --smoke                    # smoke run (what the suite runs)
 
 Every measurement runs in its own fresh process (``--worker SYSTEM``, printing one
 JSON line); systems are interleaved across repeats and medians reported. TensorFlow
@@ -93,8 +94,10 @@ class Ctx:
         C.prime_free_memory(self.primed)
         C.warm(arrays)
 
-    def timed_save(self, figure: str, arrays: List[np.ndarray], save: Callable[[str], object]) -> Dict:
-        """Rehearse ``save`` once in full (untimed) and delete what it wrote, then time it.
+    def timed_save(self, figure: str, arrays: List[np.ndarray], save: Callable[[str], object],
+                   read_back: Callable[[str], List[np.ndarray]]) -> Dict:
+        """Rehearse ``save`` once in full (untimed) and delete what it wrote, then time it; after
+        timing, ``read_back(prefix)`` reads what it wrote, checked value for value (``ok``).
 
         The timed save is the second of a long-lived process, as in training, where
         checkpoints are saved periodically: first-call costs are paid and the page
@@ -108,7 +111,8 @@ class Ctx:
         self.before_timing(arrays, 1)
         p = C.Probe().start()
         save(self.prefix)
-        return {figure: p.sample()}
+        fig = p.sample()
+        return {figure: dict(fig, ok=C.verify(self.spec, read_back(self.prefix)))}
 
     def warmup_dir(self) -> str:
         path = os.path.join(self.args.dir, "warmup")
@@ -130,15 +134,21 @@ def _write_raw(path: str, arrays: List[np.ndarray], fsync: bool) -> None:
         os.close(fd)
 
 
+def _file_groups(arrays: List[np.ndarray], files: int) -> List[List[int]]:
+    """Indices of ``arrays`` in ``files`` groups of about equal bytes (largest tensors first)."""
+    groups: List[List[int]] = [[] for _ in range(files)]
+    sizes = [0] * files
+    for i in sorted(range(len(arrays)), key=lambda i: -arrays[i].nbytes):
+        g = sizes.index(min(sizes))
+        groups[g].append(i)
+        sizes[g] += arrays[i].nbytes
+    return groups
+
+
 def _write_raw_parallel(path: str, arrays: List[np.ndarray], files: int) -> None:
     """The same bytes as ``files`` files of about equal bytes (largest tensors first), written and
     fsynced by one thread each, then the folder fsynced: the parallel raw baseline of a durable save."""
-    groups: List[List[np.ndarray]] = [[] for _ in range(files)]
-    sizes = [0] * files
-    for a in sorted(arrays, key=lambda a: -a.nbytes):
-        g = sizes.index(min(sizes))
-        groups[g].append(a)
-        sizes[g] += a.nbytes
+    groups = [[arrays[i] for i in g] for g in _file_groups(arrays, files)]
     with ThreadPoolExecutor(max_workers=files) as pool:
         list(pool.map(lambda ig: _write_raw(f"{path}-{ig[0]}", ig[1], True), enumerate(groups)))
     fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
@@ -160,16 +170,31 @@ def _read_raw(path: str, arrays: List[np.ndarray]) -> None:
                 done += n
 
 
+def _read_raw_back(ctx: Ctx, path: str) -> List[np.ndarray]:
+    dest = C.alloc(ctx.spec)
+    _read_raw(path, dest)
+    return dest
+
+
+def _read_raw_parallel_back(ctx: Ctx, path: str) -> List[np.ndarray]:
+    dest = C.alloc(ctx.spec)
+    for f, group in enumerate(_file_groups(dest, ctx.args.raw_files)):
+        _read_raw(f"{path}-{f}", [dest[i] for i in group])
+    return dest
+
+
 def w_raw_write(ctx: Ctx, fsync: bool = False) -> Dict:
     arrays = C.make_state(ctx.spec)
     return ctx.timed_save("raw_write_fsync" if fsync else "raw_write", arrays,
-                          lambda prefix: _write_raw(prefix + ".raw", arrays, fsync))
+                          lambda prefix: _write_raw(prefix + ".raw", arrays, fsync),
+                          lambda prefix: _read_raw_back(ctx, prefix + ".raw"))
 
 
 def w_raw_write_parallel(ctx: Ctx) -> Dict:
     arrays = C.make_state(ctx.spec)
     return ctx.timed_save("raw_write_fsync_parallel", arrays,
-                          lambda prefix: _write_raw_parallel(prefix + ".raw", arrays, ctx.args.raw_files))
+                          lambda prefix: _write_raw_parallel(prefix + ".raw", arrays, ctx.args.raw_files),
+                          lambda prefix: _read_raw_parallel_back(ctx, prefix + ".raw"))
 
 
 def w_raw_read(ctx: Ctx) -> Dict:
@@ -187,11 +212,17 @@ def _sc_warmup(ctx: Ctx) -> None:
     restore_v2(prefix, ["w"], [""], [np.float32])
 
 
+def _restore_v2_back(ctx: Ctx, prefix: str, names: Optional[List[str]] = None) -> List[np.ndarray]:
+    from shardckpt.io import restore_v2
+    return restore_v2(prefix, names or ctx.names, [""] * ctx.n, [np.float32] * ctx.n)
+
+
 def w_shardckpt_save(ctx: Ctx, fsync: bool = False) -> Dict:
     from shardckpt.io import save_v2
     arrays = C.make_state(ctx.spec)
     return ctx.timed_save("shardckpt_save_fsync" if fsync else "shardckpt_save", arrays,
-                          lambda prefix: save_v2(prefix, ctx.names, [""] * ctx.n, arrays, fsync=fsync))
+                          lambda prefix: save_v2(prefix, ctx.names, [""] * ctx.n, arrays, fsync=fsync),
+                          lambda prefix: _restore_v2_back(ctx, prefix))
 
 
 def w_shardckpt_write(ctx: Ctx) -> Dict:
@@ -201,7 +232,9 @@ def w_shardckpt_write(ctx: Ctx) -> Dict:
     model = shardckpt.Module()
     model.tensors = [shardckpt.Variable(a) for a in arrays]
     ckpt = shardckpt.Checkpoint(model=model)
-    return ctx.timed_save("shardckpt_write_fsync", arrays, lambda prefix: ckpt.write(prefix))
+    keys = [f"model/tensors/{i}/.ATTRIBUTES/VARIABLE_VALUE" for i in range(ctx.n)]
+    return ctx.timed_save("shardckpt_write_fsync", arrays, lambda prefix: ckpt.write(prefix),
+                          lambda prefix: _restore_v2_back(ctx, prefix, keys))
 
 
 def w_shardckpt_restore(ctx: Ctx) -> Dict:
@@ -244,7 +277,9 @@ def w_tf_save(ctx: Ctx) -> Dict:
     tensors = [tf.constant(a) for a in C.make_state(ctx.spec)]  # the state, in TF's memory
     views = [np.asarray(memoryview(t)) for t in tensors]  # to warm them (numpy() would copy)
     return ctx.timed_save("tf_save", views, lambda prefix: tf.raw_ops.SaveV2(
-        prefix=prefix, tensor_names=ctx.names, shape_and_slices=[""] * ctx.n, tensors=tensors))
+        prefix=prefix, tensor_names=ctx.names, shape_and_slices=[""] * ctx.n, tensors=tensors),
+        lambda prefix: [t.numpy() for t in tf.raw_ops.RestoreV2(
+            prefix=prefix, tensor_names=ctx.names, shape_and_slices=[""] * ctx.n, dtypes=[tf.float32] * ctx.n)])
 
 
 def w_tf_restore(ctx: Ctx) -> Dict:
@@ -339,15 +374,10 @@ def run_worker(args: argparse.Namespace) -> None:
 # =====================================================================================
 # Driver
 # =====================================================================================
-def tf_python(args: argparse.Namespace) -> Optional[str]:
-    path = args.tf_python or os.environ.get("SHARDCKPT_TF_PYTHON") or os.path.join(REPO, ".venv-tf", "bin", "python")
-    return path if os.path.exists(path) else None
-
-
 class Driver:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.tf = tf_python(args)
+        self.tf = C.tf_python(args.tf_python, REPO, required=args.smoke)
         self.work = os.path.join(args.dir, f"run-{os.getpid()}")
         self.runs: List[Dict] = []
         self.failures: List[Dict] = []
@@ -580,7 +610,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--state", default="uniform", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    # smoke: uniform state only (the transformer's differs in shapes, not in phases), no cold figures
+    # (dropping the page cache of a machine the suite shares)
+    args = C.parse_args(ap, argv, size="2MiB", repeats=1, states="uniform", cold=False, one_tensor_size="2MiB",
+                        timeout=300)
 
     if args.worker:
         run_worker(args)
@@ -593,14 +626,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     summary = summarize(result["runs"])
     one = summarize(result["one_tensor_runs"]).get("uniform", {})
     result.update(summary=summary, ratios=ratios(summary), one_tensor=one)
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    path = os.path.join(HERE, "results", f"{args.name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    path = C.results_path(args.name)
     with open(path, "w") as f:
         json.dump(result, f, indent=1, sort_keys=True)
     print_report(summary, result["ratios"], one, result["meta"])
     if result["failures"]:
         print(f"\n{len(result['failures'])} measurement(s) FAILED; see 'failures' in the results file")
     print(f"\nresults: {path}")
+    C.finish(wrong=[f"[{r['repeat'] + 1}] {r['state']} {name}" for r in result["runs"] + result["one_tensor_runs"]
+                    for name, fig in r["figures"].items() if not fig.get("ok", True)],
+             failed=[f["label"] for f in result["failures"]])
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ beside the same conversions done with TensorFlow / PyTorch and the ``safetensors
 Run with the project's interpreter (see README.md)::
 
     .venv/bin/python benchmarks/bench_convert.py                          # 1 GiB, 3 repeats
-    .venv/bin/python benchmarks/bench_convert.py --size 256MiB --repeats 1  # smoke test
+    .venv/bin/python benchmarks/bench_convert.py --size 256MiB --repeats 1  # a quick look
+    .venv/bin/python benchmarks/bench_convert.py --smoke                    # smoke run (what the suite runs)
 
 The source is the 485-tensor ``transformer`` state of ``common.py`` (float32), saved as a
 TF checkpoint twice: ``plain`` (one data file) and ``sliced`` (``MaxShardSizePolicy`` of
@@ -32,12 +33,10 @@ extra tensor of that size, and the peak is compared with twice it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
 import sys
-import time
 from typing import Dict, List, Optional
 
 import common as C
@@ -154,18 +153,61 @@ def w_torch_dcp_safetensors(p: Dict[str, str], args: argparse.Namespace) -> None
         os.fsync(f.fileno())
 
 
+def _same_files(written: str, sources: List[str]) -> bool:
+    """Whether ``written`` holds the bytes of ``sources``, one after the other."""
+    with open(written, "rb") as out:
+        for path in sources:
+            with open(path, "rb") as src:
+                while True:
+                    chunk = src.read(16 << 20)
+                    if not chunk:
+                        break
+                    if out.read(len(chunk)) != chunk:
+                        return False
+        return not out.read(1)
+
+
+def _output_tensors(system: str, p: Dict[str, str]) -> Dict[str, np.ndarray]:
+    """The tensors a conversion wrote, by name (safetensors files, an HF folder or a TF checkpoint)."""
+    if system == "sc_safetensors_tf":
+        import shardckpt
+
+        prefix = os.path.join(p["out"], "tf", "ckpt")
+        with shardckpt.load_checkpoint(prefix) as reader:
+            return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()}
+    from safetensors.numpy import load_file
+
+    out: Dict[str, np.ndarray] = {}
+    for root, _, files in os.walk(p["out"]):
+        for name in sorted(files):
+            if name.endswith(".safetensors"):
+                out.update(load_file(os.path.join(root, name)))
+    return out
+
+
+def check_output(system: str, p: Dict[str, str], spec: C.Spec) -> bool:
+    """Whether the conversion wrote every tensor of the state with exactly its values (after timing)."""
+    if system == "raw_copy":
+        return _same_files(os.path.join(p["out"], "raw.bin"), data_files(p["tf"]))
+    got = _output_tensors(system, p)
+    if sorted(got) != sorted(name for name, _ in spec):
+        return False
+    return all(C.verify(spec, [got[name]], indices=[i]) for i, (name, _) in enumerate(spec))
+
+
 def run_worker(args: argparse.Namespace) -> None:
     p = paths(args, args.layout)
     shutil.rmtree(p["out"], ignore_errors=True)
     os.makedirs(p["out"])
     system = args.worker
+    import safetensors.numpy  # noqa: F401  (imports outside the timed phase; the check reads with it)
     if system == "tf_safetensors":
-        import safetensors.numpy  # noqa: F401  (imports outside the timed phase)
         import tensorflow  # noqa: F401
     elif system != "raw_copy":
-        import torch  # noqa: F401
-        import torch.distributed.checkpoint  # noqa: F401
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: F401
+        if SYSTEMS[system][1] == "dcp":  # the other conversions import no torch
+            import torch  # noqa: F401
+            import torch.distributed.checkpoint  # noqa: F401
+            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: F401
 
         import shardckpt.convert  # noqa: F401
     os.sync()  # no earlier step's write-back competes with this one's
@@ -188,17 +230,13 @@ def run_worker(args: argparse.Namespace) -> None:
         convert(p["st"], os.path.join(p["out"], "tf", "ckpt"), dst_format="tf")
     fig = probe.sample()
     written = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(p["out"]) for f in fs)
+    ok = check_output(system, p, spec_of(args))
     shutil.rmtree(p["out"], ignore_errors=True)
     C.emit({"system": system, "layout": args.layout, "bytes": C.spec_bytes(spec_of(args)), "written": written,
-            **fig})
+            "ok": ok, **fig})
 
 
 # -- driver -------------------------------------------------------------------------------
-def tf_python(args: argparse.Namespace) -> Optional[str]:
-    path = args.tf_python or os.environ.get("SHARDCKPT_TF_PYTHON") or os.path.join(REPO, ".venv-tf", "bin", "python")
-    return path if os.path.isfile(path) else None
-
-
 def spawn(args: argparse.Namespace, interp: str, extra: List[str]) -> Dict:
     cmd = [interp, os.path.abspath(__file__), "--size", str(args.size), "--largest", str(args.largest or 0),
            "--dir", args.dir, *extra]
@@ -224,14 +262,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--setup", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--layout", default="plain", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    # smoke: a 2 MiB tensor beside a 2 MiB transformer, so that the sliced layout (shards of 1 MiB) slices it
+    args = C.parse_args(ap, argv, size="4MiB", largest="2MiB", repeats=1, timeout=300)
     if args.setup:
         setup(args, args.layout)
         return
     if args.worker:
         run_worker(args)
         return
-    tf = tf_python(args)
+    tf = C.tf_python(args.tf_python, REPO, required=args.smoke)
     runs: List[Dict] = []
     failures: List[Dict] = []
     for layout in args.layouts:
@@ -257,7 +296,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                 secs = C.median([r["seconds"] for r in mine])
                 peak = C.median([r["peak_extra"] or 0 for r in mine])
                 summary[f"{layout}/{system}"] = {"seconds": secs, "gb_s": mine[0]["bytes"] / secs / 1e9,
-                                                  "peak_extra": peak, "runs": len(mine)}
+                                                  "peak_extra": peak, "runs": len(mine),
+                                                  "values_ok": all(r["ok"] for r in mine)}
     for key, s in summary.items():
         raw = summary.get(key.split("/")[0] + "/raw_copy") or summary.get("plain/raw_copy")
         s["vs_raw_copy"] = raw["seconds"] / s["seconds"] if raw else None
@@ -268,15 +308,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     for key, s in summary.items():
         vs = "-" if s["vs_raw_copy"] is None else f"{s['vs_raw_copy']:.2f}"
         print(f"{key:34} {s['seconds']:8.2f} {s['gb_s']:6.2f} {vs:>7} {C.fmt_size(s['peak_extra']):>11} "
-              f"{s['peak_extra'] / largest:8.2f}")
+              f"{s['peak_extra'] / largest:8.2f}" + ("" if s["values_ok"] else "  WRONG VALUES"))
     for f in failures:
         print("FAILED", f)
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    path = os.path.join(HERE, "results", f"convert-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    with open(path, "w") as fh:
-        json.dump({"summary": summary, "runs": runs, "failures": failures, "largest": largest,
-                   "tensors": len(spec)}, fh, indent=1, sort_keys=True)
-    print(f"results: {path}")
+    for layout in args.layouts:
+        shutil.rmtree(os.path.join(args.dir, layout), ignore_errors=True)
+    C.write_results("convert", {"summary": summary, "runs": runs, "failures": failures, "largest": largest,
+                                "tensors": len(spec)}, sort_keys=True)
+    C.finish(wrong=[f"{r['layout']}/{r['system']}" for r in runs if not r["ok"]],
+             failed=[f"{f.get('layout', '')}/{f['system']}: {f['error'][-300:]}" for f in failures])
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ same mesh shape with the transposed layout ``[y, x]``. Each client counts the by
 (``LocalFileSystem.pread_into``) against the bytes of its distinct local pieces (target <= 1.1).
 
     .venv/bin/python benchmarks/bench_dtensor.py                          # 1 GiB, 5 repeats
-    .venv/bin/python benchmarks/bench_dtensor.py --size 64MiB --repeats 1 # smoke test
+    .venv/bin/python benchmarks/bench_dtensor.py --size 64MiB --repeats 1 # a quick look
+    .venv/bin/python benchmarks/bench_dtensor.py --smoke                  # smoke run (what the suite runs)
 
 Systems alternate (A B, B A, ...) across repeats; medians are reported. Ratios are
 shardckpt / DCP throughput: above 1, shardckpt is faster.
@@ -41,7 +42,6 @@ import platform
 import shutil
 import subprocess
 import sys
-import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import common as C
@@ -339,7 +339,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                         "with write-behind hints): the floor")
     p.add_argument("--base-src", metavar="DIR",
                    help="also time shardckpt from another revision's src folder (column 'base'), in the same run")
-    args = p.parse_args(argv)
+    # smoke: 8 rows per tensor (the least the 2x4 mesh divides), the pairs on one client, the resharded
+    # restore on its 4 and 2
+    args = C.parse_args(p, argv, size="2MiB", clients="1", repeats=1)
     if args.worker:
         run_worker(args)
         return
@@ -438,8 +440,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                   f"{c['read_ratio']:>14.3f}")
     if failures:
         print(f"\n{len(failures)} measurement(s) failed (see the results file)")
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    out = os.path.join(HERE, "results", f"{args.name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out = C.results_path(args.name)
     with open(out, "w") as f:
         json.dump({"rows": rows, "reshard": reshard_summary, "runs": runs,
                    "reshard_runs": [{"save": s, "restore": r} for s, r in reshards], "failures": failures,
@@ -449,6 +450,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                                "python": platform.python_version()}}, f, indent=1)
     shutil.rmtree(args.dir + "-results", ignore_errors=True)
     print(f"\nresults: {out}")
+    C.finish(wrong=[f"rep {r['repeat']} {r['worker']} {r['op']} x{r['clients']}" for r in runs if not r["values_ok"]]
+             + [f"reshard {r['op']} x{r['clients']}" for pair in reshards for r in pair if not r["values_ok"]],
+             failed=failures)
 
 
 if __name__ == "__main__":

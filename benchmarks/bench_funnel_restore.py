@@ -33,6 +33,10 @@ from typing import Any, Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import common as C  # noqa: E402
+
 TENSORS, COLS = 64, 1024
 
 
@@ -100,7 +104,7 @@ def main() -> None:
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = C.parse_args(p, clients="2", size="1MiB", repeats="1", budget="64KiB")
     if args.worker:
         worker(_bytes(args.size), args.repeats, _bytes(args.budget), args.folder)
         return
@@ -119,13 +123,14 @@ def main() -> None:
         sys.exit(f"benchmark failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     r = json.loads(lines[-1][7:])
     mb = r["bytes"] / 1e6
-    print(f"{r['clients']} clients, {mb:.0f} MB, budget {r['budget'] >> 20} MiB (medians of {args.repeats})")
+    print(f"{r['clients']} clients, {mb:.0f} MB, budget {C.fmt_size(r['budget'])} (medians of {args.repeats})")
     print(f"{'restore':<22} {'s':>7} {'MB/s':>7} {'vs direct':>9}")
     for tag in ("", "_resharded"):
         base = r["median_s"]["direct" + tag]
         for name in ("direct", "funnelled"):
             t = r["median_s"][name + tag]
             print(f"{name + tag:<22} {t:>7.3f} {mb / t:>7.0f} {base / t:>9.2f}")
+    C.write_results("funnel-restore", dict(r, repeats=args.repeats))
 
 
 if __name__ == "__main__":

@@ -456,7 +456,7 @@ def main() -> None:
     ap.add_argument("--prime", type=float, default=2.5,
                     help="before each save, this many times the state's bytes of memory are touched and freed")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary folder)")
-    args = ap.parse_args()
+    args = C.parse_args(ap, size="4MiB", tensors=16, fractions="0.25", rounds=1, restore_rounds=1)
     systems = [s for s in args.systems.split(",") if s and not (s == "dcp" and args.no_dcp)]
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
@@ -484,8 +484,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     load_after = _loadavg()
     print(f"load average {load_before} before, {load_after} after")
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    path = os.path.join(HERE, "results", f"incremental-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    path = C.results_path("incremental")
     with open(path, "w") as fh:
         json.dump({"size": C.spec_bytes(spec), "tensors": len(spec), "rounds": args.rounds, "change": args.change,
                    "systems": systems, "machine": platform.platform(), "cpus": os.cpu_count(), "rows": rows,

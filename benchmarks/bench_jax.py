@@ -21,7 +21,8 @@ process; per system and repeat:
 Medians over ``--repeats``; ratios are Orbax time / shardckpt time (> 1: shardckpt faster).
 
     .venv/bin/python benchmarks/bench_jax.py --size 256MiB --repeats 3
-    .venv/bin/python benchmarks/bench_jax.py --size 64MiB --repeats 1     # smoke test
+    .venv/bin/python benchmarks/bench_jax.py --size 64MiB --repeats 1     # a quick look
+    .venv/bin/python benchmarks/bench_jax.py --smoke                      # smoke run (what the suite runs)
 
 ``--processes 2`` runs every worker as 2 processes of 4 CPU devices each over
 ``jax.distributed.initialize`` on loopback (the same global mesh); each phase counts
@@ -48,6 +49,7 @@ from typing import Any, Dict, List
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import common as C  # noqa: E402
 from common import MIB, Probe, emit, fmt_size, median, parse_result, parse_size  # noqa: E402
 
 COUNT = 16
@@ -198,7 +200,8 @@ def main() -> None:
     parser.add_argument("--system", help=argparse.SUPPRESS)
     parser.add_argument("--op", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    # smoke: 8 rows per array (the least the meshes divide)
+    args = C.parse_args(parser, size="512KiB", repeats=1)
     args.size = parse_size(str(args.size))
     if args.worker:
         worker(args)
@@ -237,9 +240,10 @@ def main() -> None:
             "reshard_peak_extra": median([x["reshard"]["peak_extra"] or 0 for x in results]),
         }
     ours, theirs = table["shardckpt"], table["orbax"]
+    result = {"size": args.size, "repeats": args.repeats, "processes": args.processes, "table": table, "runs": runs}
     if args.json:
-        print(json.dumps({"size": args.size, "repeats": args.repeats, "processes": args.processes, "table": table},
-                         indent=1))
+        print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
+        C.write_results("jax", result)
         return
     size = args.size
     base = table.get("baseline")
@@ -259,6 +263,8 @@ def main() -> None:
         a, b = ours[key], theirs[key]
         print(f"{label:28}{fmt_size(a):>14}{fmt_size(b):>14}{(b / a if a else float('nan')):>7.2f}x"
               + (f"{fmt_size(base[key]):>14}" if base else ""))
+    C.write_results("jax", result)
+
 
 if __name__ == "__main__":
     main()

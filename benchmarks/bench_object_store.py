@@ -38,6 +38,7 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -51,6 +52,7 @@ from typing import Any, Dict
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
 from common import fmt_size, parse_size  # noqa: E402
 
 
@@ -86,10 +88,14 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=64)
     ap.add_argument("--shards", type=int, default=4, help="data files of the checkpoint")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    args = ap.parse_args()
+    ap.add_argument("--dir", default=None, help="folder for the local copies of the data files (default: /tmp)")
+    ap.add_argument("--out", default=None, help="folder of the results file (default: benchmarks/results, or "
+                                                  f"${C.RESULTS_ENV})")
+    # smoke: tensors of 2 MiB (large entries: they start at the page phase, the data files hold padding)
+    args = C.parse_args(ap, size="8MiB", tensors=4, repeat=1)
     nbytes = parse_size(args.size)
 
+    local_dir = ""
     proc, endpoint = start_moto()
     os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint})
@@ -111,7 +117,7 @@ def main() -> None:
             sharding_callback=shardckpt.MaxShardSizePolicy(max(1, total // args.shards)))
 
         # local copies of the same data files, for the plain s3fs put
-        local_dir = tempfile.mkdtemp(prefix="bench-os-")
+        local_dir = tempfile.mkdtemp(prefix="bench-os-", dir=args.dir)
         shardckpt.save_tensors(os.path.join(local_dir, "ck"), tensors, policy)
         local_files = sorted(os.path.join(local_dir, n) for n in os.listdir(local_dir) if ".data-" in n)
         num_files = len(local_files)
@@ -160,7 +166,11 @@ def main() -> None:
             t0 = time.perf_counter()
             got = s3.cat(remote)
             down_plain.append(time.perf_counter() - t0)
-            assert sum(len(v) for v in got.values()) == total
+            downloaded = {os.path.basename(k): v for k, v in got.items()}
+            assert sorted(downloaded) == sorted(map(os.path.basename, local_files)), sorted(downloaded)
+            for path in local_files:  # the data objects' own bytes (padding included), not the tensors'
+                with open(path, "rb") as f:
+                    assert downloaded[os.path.basename(path)] == f.read(), f"plain download of {path} differs"
 
             ckpt_prefix = f"s3://{bucket}/{uuid.uuid4().hex[:8]}/ckpt"
             shardckpt.Checkpoint(model=source).write(ckpt_prefix, policy)
@@ -284,14 +294,17 @@ def main() -> None:
               f"{store.read_latency * 1e3:.0f} ms, {store.read_bandwidth / 1e6:.0f} MB/s -> "
               f"{fmt_size(store.gap_limit())}). moto reads a whole object for every ranged GET, so a "
               f"request's cost there grows with the object's size.")
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"object-store-{args.size}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        folder = args.out or C.results_dir()
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"object-store-{args.size}-{time.strftime('%Y%m%d-%H%M%S')}.json")
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
         print(f"results: {path}")
     finally:
         proc.terminate()
         proc.wait(10)
+        if local_dir:
+            shutil.rmtree(local_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--size", type=C.parse_size, default=C.GIB)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--dir", default=os.path.join("/tmp", "shardckpt-bench-cpu"))
-    args = ap.parse_args()
+    args = C.parse_args(ap, size="4MiB", repeats=1)
 
     import shardckpt
     from shardckpt.format.bundle_reader import BundleReader
@@ -104,6 +104,9 @@ def main() -> None:
     for _ in range(args.repeats):
         raws.append(_timed(raw))
         restores.append(_timed(restore))
+    for a in dest:  # the values checked: one more restore into zeroed arrays (raw reads wrote them too)
+        a.fill(0)
+    restore()
     ok = C.verify(spec, dest)
     load = open("/proc/loadavg").read().split()[:3]
 
@@ -119,6 +122,15 @@ def main() -> None:
     print(f"  restore_tensors, checksummed      {med(restores, 0):7.3f} s wall  {med(restores, 1):7.3f} s CPU")
     print(f"  ratio (raw / restore)             {med(raws, 0) / med(restores, 0):7.2f} wall  "
           f"{med(raws, 1) / med(restores, 1):7.2f} CPU (the wall ratio with one free core)")
+    C.write_results("restore-cpu", {
+        "state": args.state, "tensors": n, "bytes": C.spec_bytes(spec), "repeats": args.repeats, "load": load,
+        "values_ok": ok, "plan_s_per_tensor": statistics.median(plan) / n, "check_s": statistics.median(check),
+        "raw_s": med(raws, 0), "raw_cpu_s": med(raws, 1), "restore_s": med(restores, 0),
+        "restore_cpu_s": med(restores, 1), "runs": {"plan": plan, "check": check, "raw": raws, "restore": restores}})
+    for name in os.listdir(args.dir):
+        if name.startswith(os.path.basename(prefix) + "."):
+            os.remove(os.path.join(args.dir, name))
+    C.finish(wrong=[] if ok else [f"restore_tensors into arrays from {prefix}"])
 
 
 if __name__ == "__main__":

@@ -230,7 +230,10 @@ def main() -> None:
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--worker", nargs=2, type=int, help=argparse.SUPPRESS)
     p.add_argument("--json", help="also write the results to this file")
-    args = p.parse_args()
+    args = C.parse_args(p, clients="1,8", tensors="100")
+    if args.smoke and not args.json:
+        args.json = C.results_path("scale")
+    failed: List[str] = []
     if args.worker:
         folder = tempfile.mkdtemp(dir=args.dir, prefix="scale-")
         try:
@@ -253,6 +256,7 @@ def main() -> None:
                                    "--dir", args.dir], capture_output=True, text=True, env=env, timeout=3600)
             if proc.returncode != 0:
                 print(f"{n:>7} {t:>7} FAILED:\n{proc.stderr[-2000:]}")
+                failed.append(f"{n} clients x {t} tensors")
                 continue
             r = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
             rows.append(r)
@@ -270,6 +274,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    C.finish(failed=failed)
 
 
 if __name__ == "__main__":

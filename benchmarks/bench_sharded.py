@@ -6,7 +6,8 @@ committed), and the raw baseline writes the same bytes from N threads into N fil
 (and fsyncs them). Ratios > 1 mean shardckpt is faster.
 
     .venv/bin/python benchmarks/bench_sharded.py                        # 1 GiB and 4 GiB, 1/2/4 shards
-    .venv/bin/python benchmarks/bench_sharded.py --sizes 64MiB --repeats 1   # smoke test
+    .venv/bin/python benchmarks/bench_sharded.py --sizes 64MiB --repeats 1   # a quick look
+    .venv/bin/python benchmarks/bench_sharded.py --smoke                     # smoke run (what the suite runs)
 
 Each measurement runs in a fresh process; systems are interleaved; medians reported.
 """
@@ -14,12 +15,10 @@ Each measurement runs in a fresh process; systems are interleaved; medians repor
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
 
@@ -101,6 +100,10 @@ def run_worker(args: argparse.Namespace) -> None:
     else:
         w_shardckpt(path, arrays, names, args.shards, fsync)
     result = probe.sample()
+    if args.worker == "shardckpt":  # what the save wrote, checked after timing
+        import shardckpt
+
+        result["ok"] = C.verify(spec, shardckpt.restore_tensors(path, names))
     result.update(worker=args.worker, shards=args.shards, fsync=fsync, bytes=nbytes, state=args.state,
                   gbps=nbytes / 1e9 / result["seconds"])
     C.emit(result)
@@ -133,7 +136,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--state", default="uniform", choices=["uniform", "transformer"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default="/tmp/shardckpt-bench")
-    args = p.parse_args(argv)
+    args = C.parse_args(p, argv, sizes="4MiB", shard_counts="1,4", no_fsync_too=True, repeats=1)
     if args.worker:
         run_worker(args)
         return
@@ -148,7 +151,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                         r["size"] = size
                         runs.append(r)
                         print(f"  {size} fsync={int(fsync)} shards={shards} {worker:9s} rep {rep}: "
-                              f"{r['gbps']:.2f} GB/s, peak extra {C.fmt_size(r['peak_extra'] or 0)}", flush=True)
+                              f"{r['gbps']:.2f} GB/s, peak extra {C.fmt_size(r['peak_extra'] or 0)}"
+                              + ("" if r.get("ok", True) else "  WRONG VALUES"), flush=True)
     rows = []
     print(f"\n{'size':>6} {'fsync':>5} {'shards':>6} {'raw GB/s':>9} {'shardckpt GB/s':>14} {'ratio':>6} "
           f"{'peak extra':>11} {'% of state':>10}")
@@ -165,11 +169,10 @@ def main(argv: Optional[List[str]] = None) -> None:
                                  ratio=sc / raw, peak_extra=peak, peak_fraction=frac))
                 print(f"{size:>6} {int(fsync):>5} {shards:>6} {raw:>9.2f} {sc:>14.2f} {sc / raw:>6.2f} "
                       f"{C.fmt_size(peak):>11} {100 * frac:>9.1f}%")
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    out = os.path.join(HERE, "results", f"sharded-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    with open(out, "w") as f:
-        json.dump({"rows": rows, "runs": runs, "argv": sys.argv}, f, indent=1)
-    print(f"\nresults: {out}")
+    print()
+    C.write_results("sharded", {"rows": rows, "runs": runs, "argv": sys.argv})
+    C.finish(wrong=[f"{r['size']} fsync={int(r['fsync'])} shards={r['shards']} {r['worker']} save"
+                    for r in runs if not r.get("ok", True)])
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from typing import Any, Callable, Dict, List
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import common as C  # noqa: E402
 from common import cache_files, fmt_size, parse_size, reset_peak_rss, status_bytes  # noqa: E402
 
 SYSTEMS = ("shardckpt", "dcp")
@@ -250,6 +251,18 @@ def _check_resharded(sd: Dict[str, Any], target: Dict[str, Any], rank: int, syst
         assert torch.equal(got, full[:, rank * cols // 2:(rank + 1) * cols // 2]), (system, i)
 
 
+def _check_same(sd: Dict[str, Any], target: Dict[str, Any], system: str) -> None:
+    """The values loaded onto the saved layout are the saved ones (this rank's part, bit for bit)."""
+    import torch
+
+    for key, value in sd.items():
+        got = target[key]
+        if hasattr(value, "to_local"):
+            assert torch.equal(got.to_local(), value.to_local()), (system, key)
+        else:
+            assert got == value, (system, key, got)
+
+
 def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
     import torch
     import torch.distributed as dist
@@ -290,6 +303,7 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
                         target, storage_reader=_reader(system, path), planner=_planner(system))))
                 peaks.append(max(_gather(mem.extra)))
                 disk.append(sum(_gather(_io("read_bytes") - before)))
+                _check_same(sd, target, system)
                 for kept, apath in ((False, folder / system / f"async{rep}"), (True, folder / system / f"again{rep}")):
                     if rank == 0:
                         shutil.rmtree(apath, ignore_errors=True)
@@ -410,7 +424,8 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/shardckpt-bench-torch")
     ap.add_argument("--json", default=None, help="write the raw figures here")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    # smoke: 24 rows per tensor (the least: divisible by 2, 3 and 4; 6 MiB)
+    args = C.parse_args(ap, size="6MiB", repeats=1)
     size = parse_size(args.size)
     folder = Path(args.dir)
     if args.worker:
@@ -423,7 +438,7 @@ def main() -> None:
         two = _launch("two", 2, folder, size, args.repeats)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    planning = _planning(max(3, args.repeats))
+    planning = _planning(1 if args.smoke else max(3, args.repeats))
     nbytes = four["bytes"]
     med = statistics.median
     rows = []
@@ -470,8 +485,10 @@ def main() -> None:
     print(f"{'':62} {'shardckpt':>11} {'DCP':>11}        ratio")
     for what, ours, theirs, unit, ratio in rows:
         print(f"{what:62} {ours:11.3f} {theirs:11.3f} {unit:6} {ratio:6.2f}x")
+    result = {"size": nbytes, "repeats": args.repeats, "rows": rows, "four": four, "two": two, "planning": planning}
     if args.json:
-        Path(args.json).write_text(json.dumps({"four": four, "two": two, "planning": planning}, indent=1))
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    C.write_results("torch", result)
 
 
 if __name__ == "__main__":

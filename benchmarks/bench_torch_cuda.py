@@ -51,7 +51,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from common import cache_files, fmt_size, parse_size, status_bytes  # noqa: E402
+from common import cache_files, fmt_size, parse_args, parse_size, status_bytes, write_results  # noqa: E402
 
 SYSTEMS = ("shardckpt", "dcp", "dcp-cached")
 VOCAB = 50257
@@ -305,7 +305,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary folder)")
     parser.add_argument("--json", default=None, help="write the raw figures here")
-    args = parser.parse_args()
+    # smoke: the CPU path (the steps, not the figures), one layer of width 16 beside the embedding (~8 MB)
+    args = parse_args(parser, size="1MiB", hidden="16", repeats="1", device="cpu")
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: run with --device cpu for a smoke run")
@@ -339,6 +340,7 @@ def main() -> None:
     _table(records)
     if args.json:
         Path(args.json).write_text(json.dumps({"info": info, "records": records}, indent=1))
+    write_results("torch-cuda", {"info": info, "records": records})
     exact = [v for rec in records.values() for k, vs in rec.items() if "bit-exact" in k for v in vs]
     if not exact or min(exact) < 1:
         sys.exit("a checkpoint did not load back bit for bit")

@@ -7,6 +7,7 @@ shardckpt installed; its workers see only this folder on ``sys.path``).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -14,7 +15,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -265,3 +266,65 @@ def median(values: Sequence[float]) -> float:
     s = sorted(values)
     n = len(s)
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+# -- smoke runs, results files and the verdict ------------------------------------------
+RESULTS_ENV = "SHARDCKPT_BENCH_RESULTS"  # where results files go instead of benchmarks/results
+SMOKE_HELP = ("the smallest run: smallest sizes, one repeat, every phase and every value check, in "
+              "seconds (what tests/test_benchmarks_smoke.py runs; the figures mean nothing)")
+
+
+def parse_args(ap: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None,
+               **smoke: Any) -> argparse.Namespace:
+    """Add ``--smoke`` to ``ap`` and parse ``argv``; with ``--smoke`` the options default to ``smoke``
+    (strings are parsed as on the command line) and options given explicitly still win."""
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    known, _ = ap.parse_known_args(argv)
+    if known.smoke:
+        ap.set_defaults(**smoke)
+    return ap.parse_args(argv)
+
+
+def results_dir() -> str:
+    """The folder of results files: ``$SHARDCKPT_BENCH_RESULTS``, else ``benchmarks/results`` (created)."""
+    folder = os.environ.get(RESULTS_ENV) or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+def results_path(stem: str) -> str:
+    """``<results_dir()>/<stem>-<time>.json``."""
+    return os.path.join(results_dir(), f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+
+
+def write_results(stem: str, result: Any, **dump: Any) -> str:
+    """Write ``result`` as JSON to :func:`results_path` and print where it went; returns the path."""
+    path = results_path(stem)
+    with open(path, "w") as f:
+        json.dump(result, f, **({"indent": 1} | dump))
+    print(f"results: {path}")
+    return path
+
+
+def finish(wrong: Sequence[str] = (), failed: Sequence[str] = ()) -> None:
+    """End a run whose report is printed and saved: exit non-zero when a measurement restored or
+    converted values that are not exactly the state's (``wrong``: a fast wrong answer is no speed)
+    or failed (``failed``), naming each."""
+    for what in wrong:
+        print(f"WRONG VALUES: {what}", file=sys.stderr)
+    for what in failed:
+        print(f"FAILED: {what}", file=sys.stderr)
+    if wrong or failed:
+        sys.exit(f"{len(wrong)} measurement(s) with wrong values, {len(failed)} failed")
+
+
+def tf_python(explicit: Optional[str], repo: str, required: bool) -> Optional[str]:
+    """The TensorFlow interpreter: ``explicit``, else ``$SHARDCKPT_TF_PYTHON``, else ``<repo>/.venv-tf``;
+    None where it does not exist, unless ``required`` (a smoke run exercises every system): then exit."""
+    path = explicit or os.environ.get("SHARDCKPT_TF_PYTHON") or os.path.join(repo, ".venv-tf", "bin", "python")
+    if os.path.isfile(path):
+        return path
+    if required:
+        sys.exit(f"TensorFlow interpreter {path} not found (set SHARDCKPT_TF_PYTHON or --tf-python): "
+                 "a smoke run exercises every system")
+    return None

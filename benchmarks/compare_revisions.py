@@ -7,6 +7,10 @@ medians per revision and the ratio new/base are printed (a ratio > 1 of a time i
 slowdown). The base revision is checked out into a temporary ``git worktree``.
 
     .venv/bin/python benchmarks/compare_revisions.py --base 6415933 --size 256MiB --repeats 5
+    .venv/bin/python benchmarks/compare_revisions.py --base-src /tmp/base/src   # an unpacked tree instead
+    .venv/bin/python benchmarks/compare_revisions.py --smoke   # every case, 1 MiB, once, this tree against itself
+
+A worker that reports values read back wrong (``ok`` / ``values_ok`` false) makes the run exit non-zero.
 """
 
 from __future__ import annotations
@@ -82,26 +86,47 @@ def numeric(result: Dict, prefix: str = "") -> Dict[str, float]:
     return out
 
 
+def wrong_values(result: Dict, prefix: str = "") -> List[str]:
+    """The value checks (``ok`` / ``values_ok``) of a worker's result that failed, nested keys joined with dots."""
+    out: List[str] = []
+    for k, v in result.items():
+        if isinstance(v, dict):
+            out += wrong_values(v, f"{prefix}{k}.")
+        elif k in ("ok", "values_ok") and v is False:
+            out.append(f"{prefix}{k}")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", required=True, help="git revision to compare against")
+    p.add_argument("--base", help="git revision to compare against (checked out into a temporary worktree)")
+    p.add_argument("--base-src", help="or: the base revision's src folder, already on disk")
     p.add_argument("--size", default="256MiB")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--cases", default="", help="comma list of case numbers (default: all)")
-    args = p.parse_args()
-    base_tree = tempfile.mkdtemp(prefix="shardckpt-base-")
-    subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", "-q", base_tree, args.base], check=True)
+    args = C.parse_args(p, size="1MiB", repeats=1, base_src=os.path.join(REPO, "src"))
+    if bool(args.base) == bool(args.base_src) and not (args.smoke and args.base):
+        p.error("give one of --base REV and --base-src DIR")
+    base_tree = ""
+    if args.base:
+        base_tree = tempfile.mkdtemp(prefix="shardckpt-base-")
+        subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", "-q", base_tree, args.base], check=True)
+    base_src = os.path.join(base_tree, "src") if args.base else os.path.abspath(args.base_src)
     chosen = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
+    wrong: List[str] = []
     try:
-        print(f"base {args.base} vs working tree, size {args.size}, {args.repeats} repeats each, alternating")
+        print(f"base {args.base or base_src} vs working tree, size {args.size}, {args.repeats} repeats each, "
+              "alternating")
         for label, script, template, metrics in chosen:
             results: Dict[str, List[Dict[str, float]]] = {"base": [], "new": []}
             for _ in range(args.repeats):
-                for which, src in (("base", os.path.join(base_tree, "src")), ("new", os.path.join(REPO, "src"))):
+                for which, src in (("base", base_src), ("new", os.path.join(REPO, "src"))):
                     work = os.path.join(args.dir, f"compare-{os.getpid()}")
                     argv = [a.format(size=args.size, dir=work) for a in template]
-                    results[which].append(numeric(run(script, argv, src, work)))
+                    result = run(script, argv, src, work)
+                    wrong += [f"{label}, {which}: {w}" for w in wrong_values(result)]
+                    results[which].append(numeric(result))
             keys = sorted(set(results["base"][0]) & set(results["new"][0]))
             if metrics:
                 keys = [k for k in keys if any(k.endswith(m) for m in metrics)]
@@ -112,7 +137,9 @@ def main() -> None:
                 ratio = n / b if b else float("nan")
                 print(f"  {key:28s} base {b:10.4f}  new {n:10.4f}  new/base {ratio:6.3f}")
     finally:
-        subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", base_tree], check=False)
+        if base_tree:
+            subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", base_tree], check=False)
+    C.finish(wrong=wrong)
 
 
 if __name__ == "__main__":
