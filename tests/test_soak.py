@@ -10,7 +10,11 @@ clients, and read back here with every checksum verified), never be older than a
 reported committed, every leftover of a dead save must be gone after the next committed
 save, a job with one killed client must end by itself, and a final uninterrupted run must
 leave nothing but the state file and the kept checkpoints.
-The second test shows that the checks catch a torn, stale or missing checkpoint.
+The S3 test runs the same on the test S3 server (moto): one process per job, killed during
+uploads, the index PUT, the state file and retention deletions; every leftover object (an old
+checkpoint whose deletion a kill cut short included) must be gone after the next committed save.
+The seed of the random moments is printed; ``SHARDCKPT_SOAK_SEED=<seed>`` replays it.
+The last test shows that the checks catch a torn, stale or missing checkpoint.
 """
 
 from __future__ import annotations

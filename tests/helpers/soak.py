@@ -460,32 +460,14 @@ class ConfigSoak:
 # -- the whole soak -----------------------------------------------------------------------
 
 def start_s3_server(root: str) -> Tuple[subprocess.Popen, str]:
-    """Start moto's S3 server on a free loopback port, point this process (and the jobs it starts, through
-    the environment) at it, create a bucket; return the server and an ``s3://`` folder for the configs."""
-    import socket
-    import urllib.request
+    """Start moto's S3 server, point this process (and the jobs it starts, through the environment) at it,
+    create a bucket; return the server and an ``s3://`` folder for the configs."""
     import uuid
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    endpoint = f"http://127.0.0.1:{port}"
-    log = open(os.path.join(root, "moto.log"), "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(endpoint + "/moto-api/", timeout=2).read()
-            break
-        except Exception:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"moto server did not start (exit code {proc.poll()}); see {log.name}") from None
-            time.sleep(0.2)
-    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-                       "AWS_ENDPOINT_URL": endpoint})
+    import s3_moto  # tests/helpers
+
+    proc, endpoint = s3_moto.start_moto(open(os.path.join(root, "moto.log"), "wb"))
+    os.environ.update(s3_moto.client_env(endpoint))
     import shardckpt.storage as storage
 
     storage.reset()
