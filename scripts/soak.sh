@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Kill -9 soak of CheckpointManager saves (issue 16): local, mpiexec and torchrun clients, sync and async,
+# Kill -9 soak of CheckpointManager saves (issue 16): local, mpiexec and torchrun clients, S3, sync and async,
 # and clients that disagree on a save or skip one.
 #
 #   scripts/soak.sh [--trials 200] [--clients 4] [--saves 4] [--seed S] [--dir D] [--json FILE]
 #                   [--configs local-sync,local-async,mpi-sync,mpi-async,torch-sync,torch-async,
-#                              mpi-disagree,torch-disagree,mpi-skip,torch-skip]
+#                              mpi-disagree,torch-disagree,mpi-skip,torch-skip,s3-sync,s3-async]
 #                                                                (the default: all; comma-separated, no spaces)
+#
+# s3-* configs save to a moto S3 server the driver starts (one process per job). The seed is printed
+# first; SHARDCKPT_SOAK_SEED=S (or --seed S) replays a run's random moments.
 #
 # Every trial resumes from latest_checkpoint (checking every restored value on every client),
 # saves on, and is SIGKILLed at a random moment (the local process, one random client, or the

@@ -46,14 +46,6 @@ class S3Server:
         return "s3://" + "/".join((self.bucket,) + parts)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     """Start ``python -m moto.server`` on a free loopback port, create a bucket, point S3 clients at it.
@@ -64,28 +56,14 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     """
     import os
     import subprocess
-    import sys
-    import time
-    import urllib.request
 
-    port = _free_port()
-    endpoint = f"http://127.0.0.1:{port}"
+    from helpers.s3_moto import client_env, start_moto
+
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
+    proc, endpoint = start_moto(log)
+    env = client_env(endpoint)
     saved = {k: os.environ.get(k) for k in env}
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                urllib.request.urlopen(endpoint + "/moto-api/", timeout=2).read()
-                break
-            except Exception:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"moto server did not start (exit code {proc.poll()})") from None
-                time.sleep(0.2)
         os.environ.update(env)
         import shardckpt.storage as storage
 

@@ -141,7 +141,10 @@ def _run_helper_to_end(prefix: str, generation: int) -> float:
 def test_sigkill_at_random_moments_leaves_exactly_one_complete_generation(tmp_path: Path) -> None:
     test_started = time.perf_counter()
     prefix = str(tmp_path / "ckpt" / "model")
-    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    # The random kill moments (fractions of each save's measured length) replay with SHARDCKPT_KILL_SEED=<seed>.
+    seed = int(os.environ.get("SHARDCKPT_KILL_SEED") or int.from_bytes(os.urandom(4), "little"))
+    print(f"\nkill seed {seed} (replay: SHARDCKPT_KILL_SEED={seed})", flush=True)
+    rng = random.Random(seed)
 
     # Generation 0, in process.
     save_loop.save(prefix, 0)
@@ -175,13 +178,13 @@ def test_sigkill_at_random_moments_leaves_exactly_one_complete_generation(tmp_pa
         _, err = proc.communicate(timeout=60)
         now = _committed_generation(prefix)  # reads, verifies, and is one generation exactly
         assert now in (committed, generation), f"generation {now} at the prefix, expected {committed} " \
-                                                f"or {generation}"
+                                                f"or {generation} (kill seed {seed})"
         if proc.returncode == 0:
             completed += 1
             assert now == generation
             _assert_clean(prefix)  # a save that ran to its end cleaned up after the dead ones
         else:
-            assert proc.returncode == -9, f"helper failed by itself (rc {proc.returncode}):\n{err}"
+            assert proc.returncode == -9, f"helper failed by itself (rc {proc.returncode}, kill seed {seed}):\n{err}"
             names = _siblings(prefix)
             n = _num_shards(prefix)
             if now == generation:
@@ -202,7 +205,7 @@ def test_sigkill_at_random_moments_leaves_exactly_one_complete_generation(tmp_pa
     _assert_clean(prefix)
 
     runtime = time.perf_counter() - test_started
-    print(f"\nSIGKILL trials: {trials}; killed before commit: {killed_before} "
+    print(f"\nSIGKILL trials: {trials} (kill seed {seed}); killed before commit: {killed_before} "
           f"(with new data files already renamed: {new_data_visible_before_commit}); "
           f"killed after commit: {killed_after} (before cleanup finished: {leftovers_after_commit}); "
           f"finished before the kill: {completed}; shard counts seen: {sorted(set(shard_counts))}; "

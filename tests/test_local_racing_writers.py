@@ -34,8 +34,10 @@ import numpy as np
 import pytest
 
 import shardckpt
-from shardckpt.errors import ShardckptError
+from shardckpt.errors import CheckpointReplacedError, DataLossError, ShardckptError
+from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.storage.local import local_fs
+from shardckpt.storage.wrappers import FileSystemWrapper
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
 WRITER = HELPERS / "local_race_writer.py"
@@ -91,11 +93,15 @@ def _own_files(prefix: str) -> Set[str]:
 
 
 class _Reader(threading.Thread):
-    """Reads ``check()`` in a loop until stopped; collects what it saw and every wrong answer."""
+    """Reads ``check()`` in a loop until stopped; collects what it saw and every wrong answer.
 
-    def __init__(self, check) -> None:
+    ``allowed``: the errors a read may raise (the checkpoint changed under it); any other, and a
+    ``DataLossError`` always (the files are healthy), is a wrong answer."""
+
+    def __init__(self, check, allowed: Tuple[type, ...] = (ShardckptError,)) -> None:
         super().__init__(daemon=True)
         self.check = check
+        self.allowed = allowed
         self.stop = threading.Event()
         self.seen: Dict[object, int] = {}
         self.errors: Dict[str, int] = {}
@@ -107,6 +113,9 @@ class _Reader(threading.Thread):
                 got = self.check()
                 self.seen[got] = self.seen.get(got, 0) + 1
             except ShardckptError as exc:  # the checkpoint changed under the reader: a clear error is fine
+                damage = isinstance(exc, DataLossError) and not isinstance(exc, CheckpointReplacedError)
+                if damage or not isinstance(exc, self.allowed):  # healthy files: damage is a reader's mistake
+                    self.wrong.append(f"{type(exc).__name__}: {exc}")
                 self.errors[type(exc).__name__] = self.errors.get(type(exc).__name__, 0) + 1
             except AssertionError as exc:  # wrong values, a mix, a missing key: never
                 self.wrong.append(str(exc))
@@ -119,7 +128,8 @@ def test_two_processes_racing_on_one_prefix_leave_one_whole_checkpoint_and_the_l
         tmp_path: Path) -> None:
     prefix = str(tmp_path / "model")
     count = 6
-    reader = _Reader(lambda: _generation_of(prefix) if os.path.exists(prefix + ".index") else None)
+    reader = _Reader(lambda: _generation_of(prefix) if os.path.exists(prefix + ".index") else None,
+                     allowed=(CheckpointReplacedError,))
     writers = [_start("prefix", prefix, w, count) for w in (1, 2)]
     reader.start()
     outputs = [_finish(p) for p in writers]
@@ -334,3 +344,75 @@ def test_a_deletion_marker_of_a_checkpoint_named_again_removes_only_the_marker(t
     manager.save(checkpoint_number=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "checkpoint", "ckpt-1.data-00000-of-00001", "ckpt-1.index", "ckpt-2.data-00000-of-00001", "ckpt-2.index"]
+
+
+# -- a reader opening the prefix while writers replace it ---------------------------------------
+
+class _ReplacedWhileOpening(FileSystemWrapper):
+    """The local disk, where each read of the index (a reader opening it) is followed by the next of
+    ``meanwhile``: what racing writers did at that moment."""
+
+    def __init__(self, meanwhile: list) -> None:
+        super().__init__(local_fs)
+        self.meanwhile = list(meanwhile)
+
+    def read_bytes(self, path: str) -> bytes:
+        data = self.inner.read_bytes(path)
+        if path.endswith(".index") and self.meanwhile:
+            self.meanwhile.pop(0)()
+        return data
+
+
+def _shards(prefix: str) -> int:
+    with BundleReader(prefix) as reader:
+        return reader.num_shards
+
+
+@pytest.mark.parametrize("then", ["nothing", "another-save-renames-its-data-in"])
+def test_a_reader_whose_first_open_saw_an_index_replaced_reads_the_new_checkpoint_whole(
+        tmp_path: Path, then: str) -> None:
+    """Issue 24, section 6: the reader reads the index of generation A; the prefix is overwritten by B
+    (another shard count) before it checks that index again, so it opens again, on B's index. That
+    second open must pair B's index with B's data files: it used the data file names of A's shard count
+    (cached by the first attempt), so it raised NotFoundError or, when a third save had meanwhile
+    renamed its data files in under A's names (before its own commit), "checksum does not match" on
+    healthy files."""
+    prefix = str(tmp_path / "model")
+    options = shardckpt.CheckpointOptions(sharding_callback=shardckpt.MaxShardSizePolicy(local_race_writer.MAX_SHARD))
+    shardckpt.save_tensors(prefix, values(1, 1), options)
+    count_a = _shards(prefix)
+    other = str(tmp_path / "other" / "model")
+    shardckpt.save_tensors(other, values(3, 1), options)  # A's shard count, other bytes
+    assert _shards(other) == count_a
+
+    def overwrite() -> None:  # B commits (its commit removes A's data files)
+        shardckpt.save_tensors(prefix, values(2, 2), options)
+        assert _shards(prefix) != count_a
+
+    def rename_in() -> None:  # a third writer's data files, under A's names, not committed yet
+        for i in range(count_a):
+            name = f"model.data-{i:05d}-of-{count_a:05d}"
+            os.link(os.path.join(os.path.dirname(other), name), tmp_path / name)
+
+    meanwhile = [overwrite] + ([rename_in] if then != "nothing" else [])
+    with BundleReader(prefix, fs=_ReplacedWhileOpening(meanwhile)) as bundle:
+        got = {name: bundle.read(name) for name in values(2, 2)}
+    assert int(got["tag"][0]) == 2 and int(got["tag"][1]) == 2
+    for name, value in values(2, 2).items():
+        if value.dtype == object:
+            assert [bytes(x) for x in got[name].ravel()] == [bytes(x) for x in value.ravel()]
+        else:
+            np.testing.assert_array_equal(got[name], value)
+
+
+def test_a_data_file_deleted_after_the_index_was_opened_is_a_replaced_checkpoint(tmp_path: Path) -> None:
+    """The prefix overwritten (another shard count) between opening the index and reading a data file:
+    the file the index named is gone, and the reader says the checkpoint was replaced (not that a file of
+    the checkpoint is missing)."""
+    prefix = str(tmp_path / "model")
+    options = shardckpt.CheckpointOptions(sharding_callback=shardckpt.MaxShardSizePolicy(local_race_writer.MAX_SHARD))
+    shardckpt.save_tensors(prefix, values(1, 1), options)
+    with BundleReader(prefix) as bundle:
+        shardckpt.save_tensors(prefix, values(2, 2), options)
+        with pytest.raises(CheckpointReplacedError, match="deleted after the index was opened"):
+            bundle.read("a")

@@ -10,7 +10,11 @@ clients, and read back here with every checksum verified), never be older than a
 reported committed, every leftover of a dead save must be gone after the next committed
 save, a job with one killed client must end by itself, and a final uninterrupted run must
 leave nothing but the state file and the kept checkpoints.
-The second test shows that the checks catch a torn, stale or missing checkpoint.
+The S3 test runs the same on the test S3 server (moto): one process per job, killed during
+uploads, the index PUT, the state file and retention deletions; every leftover object (an old
+checkpoint whose deletion a kill cut short included) must be gone after the next committed save.
+The seed of the random moments is printed; ``SHARDCKPT_SOAK_SEED=<seed>`` replays it.
+The last test shows that the checks catch a torn, stale or missing checkpoint.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
 if str(HELPERS) not in sys.path:
@@ -37,9 +42,14 @@ def _ended(cmd: list) -> "soak._Job":
     return job
 
 
+def _replayable(table: str, seed: int) -> str:
+    return f"{table}\nseed {seed}: replay with SHARDCKPT_SOAK_SEED={seed}"
+
+
 def test_short_kill_soak_leaves_a_whole_latest_checkpoint_every_time(tmp_path: Path) -> None:
-    stats = soak.soak(12, CONFIGS, clients=2, saves=3, root=str(tmp_path), log=False)
-    table = soak.summary(stats)
+    seed = soak.draw_seed()  # printed by soak(); SHARDCKPT_SOAK_SEED replays it
+    stats = soak.soak(12, CONFIGS, clients=2, saves=3, seed=seed, root=str(tmp_path), log=False)
+    table = _replayable(soak.summary(stats), seed)
     print("\n" + table)
     assert soak.ok(stats), table
     assert sum(s.trials for s in stats.values()) == 12
@@ -50,6 +60,21 @@ def test_short_kill_soak_leaves_a_whole_latest_checkpoint_every_time(tmp_path: P
     assert sum(s.commits_reported for s in stats.values()) >= 12, table  # the runs saved, not only started
     killed = sum(s.killed_whole_job + s.killed_one_client for s in stats.values())
     assert killed >= 6, table  # most trials were killed mid-run, not after their end
+
+
+def test_short_s3_kill_soak_leaves_a_whole_latest_checkpoint_and_no_leftover_objects(s3_server: Any,
+                                                                                     tmp_path: Path) -> None:
+    """The same on the test S3 server (moto): kills during uploads, the index PUT, the state file and the
+    retention deletions (a deletion cut short leaves a ``.deleting`` marker the next save finishes)."""
+    seed = soak.draw_seed()
+    stats = soak.soak(6, ["s3-sync", "s3-async"], clients=1, saves=3, seed=seed, root=str(tmp_path), log=False,
+                      s3_root=s3_server.url(f"soak-{seed}"))
+    table = _replayable(soak.summary(stats), seed)
+    print("\n" + table)
+    assert soak.ok(stats), table
+    assert {name: s.trials for name, s in stats.items()} == {"s3-sync": 3, "s3-async": 3}
+    assert sum(s.commits_reported for s in stats.values()) >= 6, table
+    assert sum(s.killed_whole_job for s in stats.values()) >= 3, table
 
 
 def test_the_soak_checks_catch_torn_stale_and_missing_checkpoints(tmp_path: Path) -> None:

@@ -19,13 +19,17 @@ class FaultProxy:
     """An HTTP proxy in front of the S3 server that answers some requests with an error."""
 
     def __init__(self, upstream: str, status: int = 503, code: str = "ServiceUnavailable",
-                 match: Optional[Callable[[str, str], bool]] = None, reset: bool = False) -> None:
+                 match: Optional[Callable[[str, str], bool]] = None, reset: bool = False,
+                 before_fail: Optional[Callable[[str, str], None]] = None) -> None:
         host, port = upstream.replace("http://", "").split(":")
         self.upstream = (host, int(port))
         self.status = status
         self.code = code
         self.match = match or (lambda method, path: True)
         self.reset = reset  # fail by closing the connection without a reply (a reset)
+        #: called with (method, path) of each failed request before it is answered (e.g. to SIGKILL the
+        #: client process right then: the request is never applied, and the client never learns more)
+        self.before_fail = before_fail
         self.requests: List[str] = []  # "METHOD path" of every request seen
         self.remaining = 0
         self.failed = 0
@@ -61,6 +65,8 @@ class FaultProxy:
                         proxy.failed += 1
                     else:
                         proxy.passed += 1
+                if fail and proxy.before_fail is not None:
+                    proxy.before_fail(self.command, self.path)
                 if fail and proxy.reset:
                     self.close_connection = True
                     self.connection.shutdown(2)
@@ -124,8 +130,6 @@ class configured:
 
     def __exit__(self, *_: Any) -> None:
         configure("s3")
-
-
 
 
 class LostReplies:

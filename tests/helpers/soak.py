@@ -4,7 +4,9 @@
                                  [--clients 4] [--saves 4] [--seed S] [--dir D] [--json]
 
 Each *config* is a launcher (``local``: one process; ``torch``: ``torchrun --standalone``
-with ``--clients`` processes over gloo; ``mpi``: ``mpiexec -n --clients``) and a mode
+with ``--clients`` processes over gloo; ``mpi``: ``mpiexec -n --clients``; ``s3``: one process
+saving to a folder on an S3-protocol server, moto's, started by the driver, with ``stale_after`` 0
+since one writer at a time means every upload it did not commit is a dead save's) and a mode
 (``sync`` / ``async`` saves; ``disagree``: sync saves, every third first tried with one
 client disagreeing on a tensor's shape, which must fail everywhere and commit nothing; ``skip``:
 sync saves numbered by generation, every third skipped by one client, which goes on to the next:
@@ -23,7 +25,8 @@ process of the job left, it checks the directory:
   ``N`` (``ckpt-N``) bit-exactly in every value, every entry's CRC32C verifies, and so does every
   checkpoint the state file lists. Anything else counts as *corrupt* or *missing*;
 * **leftovers**: what dead saves left (temporary folders, ``.tempstate`` files, data files no
-  index uses, checkpoints the state file does not name) is recorded; once a later trial of the
+  index uses, checkpoints the state file does not name, among them an old checkpoint whose
+  retention deletion a kill cut short, and ``.deleting`` markers) is recorded; once a later trial of the
   config has committed a save, every one of them must be gone (else *not cleaned*);
 * **hangs**: a job with one killed client must end by itself within the coordination
   timeout plus a margin (else a *hang*; the job is then killed). Clients still alive after
@@ -64,10 +67,10 @@ import soak_worker  # noqa: E402  (tests/helpers)
 from launchers import clean_env, tool  # noqa: E402
 
 ALL_CONFIGS = ("local-sync", "local-async", "mpi-sync", "mpi-async", "torch-sync", "torch-async", "mpi-disagree",
-               "torch-disagree", "mpi-skip", "torch-skip")
+               "torch-disagree", "mpi-skip", "torch-skip", "s3-sync", "s3-async")
 START_LIMIT = 180.0  # seconds for a job to reach READY (torch imports on a busy machine)
 HANG_LIMIT = soak_worker.TIMEOUT + 60.0  # a job with a dead client must end by itself within this
-FIRST_WINDOW = {"local": 0.5, "mpi": 2.0, "torch": 2.0}  # seconds, before any save was timed
+FIRST_WINDOW = {"local": 0.5, "mpi": 2.0, "torch": 2.0, "s3": 2.0}  # seconds, before any save was timed
 _PREFIX = re.compile(r"ckpt-(\d+)")
 
 
@@ -97,7 +100,7 @@ class ConfigStats:
 
 def _command(launcher: str, clients: int, directory: str, mode: str, saves: int) -> List[str]:
     args = [str(WORKER), directory, mode, str(saves)]
-    if launcher == "local":
+    if launcher in ("local", "s3"):
         return [sys.executable] + args
     if launcher == "torch":
         return [str(tool("torchrun")), "--standalone", f"--nproc-per-node={clients}"] + args
@@ -134,9 +137,10 @@ def _session_members(session: int) -> List[int]:
 class _Job:
     """A launched run, its own process group, its stdout lines with arrival times."""
 
-    def __init__(self, cmd: List[str]) -> None:
+    def __init__(self, cmd: List[str], env: Optional[Dict[str, str]] = None) -> None:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=clean_env(), cwd=str(HERE.parent.parent), start_new_session=True)
+                                     env={**clean_env(), **(env or {})}, cwd=str(HERE.parent.parent),
+                                     start_new_session=True)
         self.lines: List[Tuple[float, str]] = []
         self.survivors = 0
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -240,43 +244,53 @@ def check_checkpoint(prefix: str, mode: str = "sync") -> Optional[str]:
 def _files_of(prefix: str) -> Set[str]:
     """Names of the index and the data files the index at ``prefix`` uses."""
     from shardckpt.format.merge import read_index_header
-    from shardckpt.storage.local import local_fs
+    from shardckpt.storage import get_fs
 
-    base = os.path.basename(prefix)
-    n = int(read_index_header(prefix, local_fs).num_shards)
+    fs = get_fs(prefix)
+    base = fs.basename(prefix)
+    n = int(read_index_header(prefix, fs).num_shards)
     return {f"{base}.index"} | {f"{base}.data-{i:05d}-of-{n:05d}" for i in range(n)}
 
 
-def _identity(path: str) -> Tuple[str, int, int]:
-    st = os.stat(path)
-    return (os.path.basename(path), st.st_ino, st.st_mtime_ns)
+def _listing(directory: str) -> Dict[Tuple[str, object, object], Tuple[str, int]]:
+    """Everything in a config's directory: identity -> (name, bytes). A local entry's identity is
+    (name, inode, mtime); an object's (name, ETag, mtime): a name written again is another leftover."""
+    if "://" in directory:  # an object store
+        from shardckpt.storage import get_fs
+
+        details = get_fs(directory).list_details(directory)  # type: ignore[attr-defined]
+        return {(name, str(info.get("etag")), info.get("mtime")): (name, int(info.get("size") or 0))
+                for name, info in details.items()}
+    found: Dict[Tuple[str, object, object], Tuple[str, int]] = {}
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if os.path.isdir(path):
+            size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+        else:
+            size = os.path.getsize(path)
+        st = os.stat(path)
+        found[(name, st.st_ino, st.st_mtime_ns)] = (name, size)
+    return found
 
 
-def inspect_directory(directory: str) -> Tuple[Optional[str], List[str], Dict[Tuple[str, int, int], int]]:
-    """(latest, kept checkpoints, leftovers: identity -> bytes) of a config's directory.
+def inspect_directory(directory: str) -> Tuple[Optional[str], List[str], Dict[Tuple[str, object, object], int]]:
+    """(latest, kept checkpoints, leftovers: identity -> bytes) of a config's directory (a local folder, or
+    an ``s3://`` one).
 
     Raises whatever reading the state file raises (a broken state file is a failure).
     """
     import shardckpt
+    from shardckpt.storage import get_fs
 
     state = shardckpt.get_checkpoint_state(directory)
     latest = shardckpt.latest_checkpoint(directory)
     kept = list(state.all_model_checkpoint_paths) if state is not None else []
     wanted = {"checkpoint"}
     for prefix in kept:
-        if os.path.exists(prefix + ".index"):
+        if get_fs(prefix).exists(prefix + ".index"):
             wanted |= _files_of(prefix)
-    leftovers: Dict[Tuple[str, int, int], int] = {}
-    for name in sorted(os.listdir(directory)):
-        if name in wanted:
-            continue
-        path = os.path.join(directory, name)
-        if os.path.isdir(path):
-            size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-        else:
-            size = os.path.getsize(path)
-        leftovers[_identity(path)] = size
-    return latest, kept, leftovers
+    return latest, kept, {identity: size for identity, (name, size) in _listing(directory).items()
+                          if name not in wanted}
 
 
 # -- one config ---------------------------------------------------------------------------
@@ -285,21 +299,28 @@ class ConfigSoak:
     """Trials of one config in its own directory."""
 
     def __init__(self, name: str, root: str, clients: int, saves: int, rng: random.Random,
-                 log: bool = False) -> None:
+                 log: bool = False, s3_root: Optional[str] = None) -> None:
         self.name = name
         self.log = log
         self.launcher, self.mode = name.split("-")
         self.clients = clients
         self.saves = saves
         self.rng = rng
-        self.directory = os.path.join(root, name)
-        os.makedirs(self.directory, exist_ok=True)
+        self.env: Dict[str, str] = {}
+        if self.launcher == "s3":  # a folder on the S3 server the environment points at (AWS_ENDPOINT_URL)
+            if s3_root is None:
+                raise ValueError(f"config {name} needs an S3 folder (s3_root)")
+            self.directory = f"{s3_root.rstrip('/')}/{name}"
+            self.env = {"SHARDCKPT_SOAK_STALE_AFTER": "0"}  # one writer at a time: every dead upload is stale
+        else:
+            self.directory = os.path.join(root, name)
+            os.makedirs(self.directory, exist_ok=True)
         self.stats = ConfigStats()
         self.window = FIRST_WINDOW[self.launcher]  # until a run shows how long its saves take
         self.windows: List[float] = []  # extrapolated from killed runs
         self.whole_windows: List[float] = []  # measured on runs that ended by themselves
         self.newest_reported = 0  # the newest generation any run reported committed
-        self.pending_leftovers: Dict[Tuple[str, int, int], int] = {}
+        self.pending_leftovers: Dict[Tuple[str, object, object], int] = {}
 
     def _fail(self, what: str) -> None:
         self.stats.failures.append(what)
@@ -311,7 +332,7 @@ class ConfigSoak:
 
     def run_to_end(self) -> None:
         """One run without a kill (the final cleaning run)."""
-        job = _Job(self._cmd())
+        job = _Job(self._cmd(), self.env)
         ready = job.wait_for("READY", START_LIMIT)
         ended = job.end(START_LIMIT)
         if ready is None or not ended or job.proc.returncode != 0:
@@ -321,7 +342,7 @@ class ConfigSoak:
 
     def trial(self) -> None:
         self.stats.trials += 1
-        job = _Job(self._cmd())
+        job = _Job(self._cmd(), self.env)
         ready = job.wait_for("READY", START_LIMIT)
         if ready is None:
             ended = job.end(1.0)
@@ -330,7 +351,7 @@ class ConfigSoak:
             self._after(job, committed_in_run=False)
             return
         time.sleep(self.rng.uniform(0.0, 1.15 * self.window))
-        whole = self.launcher == "local" or self.rng.random() < 0.5
+        whole = self.launcher in ("local", "s3") or self.rng.random() < 0.5  # one process: the whole job
         before = job.committed()
         finished = job.proc.poll() is not None
         if finished:
@@ -438,17 +459,57 @@ class ConfigSoak:
 
 # -- the whole soak -----------------------------------------------------------------------
 
+def start_s3_server(root: str) -> Tuple[subprocess.Popen, str]:
+    """Start moto's S3 server, point this process (and the jobs it starts, through the environment) at it,
+    create a bucket; return the server and an ``s3://`` folder for the configs."""
+    import uuid
+
+    import s3_moto  # tests/helpers
+
+    proc, endpoint = s3_moto.start_moto(open(os.path.join(root, "moto.log"), "wb"))
+    os.environ.update(s3_moto.client_env(endpoint))
+    import shardckpt.storage as storage
+
+    storage.reset()
+    bucket = "shardckpt-soak"
+    storage.get_fs("s3://" + bucket).fs.mkdir(bucket)  # type: ignore[attr-defined]
+    return proc, f"s3://{bucket}/soak-{uuid.uuid4().hex[:8]}"
+
+
+def draw_seed() -> int:
+    """The soak's seed: ``SHARDCKPT_SOAK_SEED`` when set (to replay a run), else a fresh random one."""
+    chosen = os.environ.get("SHARDCKPT_SOAK_SEED")
+    return int(chosen) if chosen else int.from_bytes(os.urandom(4), "little")
+
+
 def soak(trials: int, configs: List[str], clients: int = 4, saves: int = 4, seed: Optional[int] = None,
-         root: Optional[str] = None, log: bool = True) -> Dict[str, ConfigStats]:
+         root: Optional[str] = None, log: bool = True, s3_root: Optional[str] = None) -> Dict[str, ConfigStats]:
     """Run ``trials`` trials round-robin over ``configs`` (a config named twice gets twice the trials); return
-    the stats per config."""
-    seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
+    the stats per config.
+
+    ``s3-*`` configs save into ``s3_root`` (an ``s3://`` folder on the server the environment points at);
+    without one, a moto server is started for the run. ``seed``: :func:`draw_seed` when ``None``; it is
+    printed (also with ``log=False``) so that a run can be replayed with ``--seed`` / ``SHARDCKPT_SOAK_SEED``.
+    """
+    seed = draw_seed() if seed is None else seed
     rng = random.Random(seed)
     root = root or tempfile.mkdtemp(prefix="shardckpt-soak-")
-    if log:
-        print(f"soak: {trials} trials over {', '.join(configs)}; {clients} clients; seed {seed}; in {root}",
-              flush=True)
-    soaks = {name: ConfigSoak(name, root, clients, saves, rng, log) for name in dict.fromkeys(configs)}
+    print(f"soak: {trials} trials over {', '.join(configs)}; {clients} clients; seed {seed} "
+          f"(replay: SHARDCKPT_SOAK_SEED={seed}); in {root}", flush=True)
+    server = None
+    if s3_root is None and any(c.startswith("s3-") for c in configs):
+        server, s3_root = start_s3_server(root)
+    try:
+        return _soak(trials, configs, clients, saves, rng, root, log, s3_root)
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+
+
+def _soak(trials: int, configs: List[str], clients: int, saves: int, rng: random.Random, root: str, log: bool,
+          s3_root: Optional[str]) -> Dict[str, ConfigStats]:
+    soaks = {name: ConfigSoak(name, root, clients, saves, rng, log, s3_root) for name in dict.fromkeys(configs)}
     for s in soaks.values():  # one whole run first: it times the saves, so that the first kill lands inside them
         t0 = time.monotonic()
         s.run_to_end()

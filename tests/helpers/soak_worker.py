@@ -1,6 +1,7 @@
 """One run of the kill soak (tests/helpers/soak.py): resume from the latest checkpoint, check it, save on.
 
-    python soak_worker.py DIR MODE SAVES          (one process: CheckpointManager over Checkpoint)
+    python soak_worker.py DIR MODE SAVES          (one process: CheckpointManager over Checkpoint; DIR may be
+                                                   an s3:// folder, SHARDCKPT_SOAK_STALE_AFTER its stale_after)
     torchrun ... soak_worker.py DIR MODE SAVES    (several clients: CheckpointManager over DTensorCheckpoint)
     mpiexec  ... soak_worker.py DIR MODE SAVES
 
@@ -89,6 +90,10 @@ def _say(rank: int, line: str) -> None:
 def main(argv: list) -> int:
     directory, mode, saves = argv[0], argv[1], int(argv[2])
     import shardckpt
+
+    if os.environ.get("SHARDCKPT_SOAK_STALE_AFTER"):  # an object store (the endpoint comes from AWS_ENDPOINT_URL)
+        shardckpt.storage.configure(directory.split("://", 1)[0],
+                                    stale_after=float(os.environ["SHARDCKPT_SOAK_STALE_AFTER"]))
 
     multi = any(v in os.environ for v in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"))
     options = shardckpt.CheckpointOptions(enable_async=mode == "async", timeout=TIMEOUT if multi else None)

@@ -5,7 +5,8 @@ paths oldest first, their timestamps and ``last_preserved_timestamp``, so either
 library can continue the other's directory. Old checkpoints are deleted only
 after the new one has committed and the state file names it.
 
-On a local disk, at each moment of recording a save (under the folder's ``flock``):
+At each moment of recording a save (locally under the folder's ``flock``; on object stores
+too, where each step is one request):
 an empty ``<old>.deleting`` marker per checkpoint beyond ``max_to_keep``; the state file
 (naming the new checkpoint and the kept ones, never the doomed); the doomed checkpoints
 deleted (index first) and their markers removed; markers a dead process left finished
@@ -193,7 +194,7 @@ class CheckpointManager:
             self._maybe_delete[path] = now
             self._latest_checkpoint = path
             doomed = self._sweep()
-            marked = fs.supports_rename  # local: a marker per doomed checkpoint, so a death below is finished later
+            marked = True  # a marker per doomed checkpoint (every store), so a death below is finished later
             for old in doomed if marked else []:
                 fs.close(fs.open_write(old + DELETING))
             update_checkpoint_state(self._directory, path, list(self._maybe_delete),

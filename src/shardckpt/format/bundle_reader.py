@@ -27,9 +27,13 @@ their own failures.
 The reader sees the checkpoint it opened, or raises
 :class:`~shardckpt.errors.CheckpointReplacedError`: the identity of the index and
 of every data file (inode/size/mtime locally, size and ETag on object stores) is
-recorded when the index is opened; a data file opened later must still have it,
-and reads whose bytes no checksum covers (region reads, ``verify=False``) check
-the file's identity again after reading.
+recorded when the index is opened (an open that finds the index replaced meanwhile
+starts again, data file names included: they follow the shard count of the index
+that is kept); a data file opened later must still have it (one deleted since then
+is a replaced checkpoint too, not a missing file), and reads whose bytes no checksum
+covers (region reads, ``verify=False``) check the file's identity again after reading.
+A checksum that does not match on a file whose identity is unchanged is damage
+(:class:`~shardckpt.errors.DataLossError`).
 
 Every problem with the files is a :mod:`shardckpt.errors` exception naming the
 file and the key; sizes are checked against the files before anything is
@@ -318,6 +322,9 @@ class BundleReader:
                 return False
         self.header = self._parse_header(header_bytes)
         self.num_shards = int(self.header.num_shards)
+        # data file names follow this index's shard count: an earlier attempt's (another index's, when
+        # the prefix was overwritten meanwhile) would pair this index with another checkpoint's files
+        self._paths = {}
         self.big_endian = self.header.endianness == pb.BundleHeaderProto.BIG
         self._entries: Dict[bytes, pb.BundleEntryProto] = {}
         self._shapes: Dict[bytes, Tuple[int, ...]] = {}  # of every entry in _entries
@@ -615,7 +622,13 @@ class BundleReader:
                             raise self._replaced(path, "the data file was missing when the index was opened "
                                                        "and exists now")
                         raise NotFoundError("data file of the checkpoint is missing", path=path)
-                    fd = self._fs.open_read(path)
+                    try:
+                        fd = self._fs.open_read(path)
+                    except NotFoundError:
+                        if known:  # it was there when the index was opened: the prefix was overwritten since
+                            raise self._replaced(path, "the data file was deleted after the index was "
+                                                       "opened") from None
+                        raise
                     pinned = known and self._pin_handle(fd, recorded)  # then the identity costs no request
                     try:
                         now = self._identity(path, fd)
