@@ -6,7 +6,6 @@ checked untouched; counts of bytes and calls come from the real reads.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import warnings
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any, List, Tuple
 import numpy as np
 import pytest
 from helpers.files import random_file
+from helpers.forking import fork_and_check
 
 from shardckpt.errors import DataLossError
 from shardckpt.format.bundle_reader import _scatter_runs
@@ -124,34 +124,39 @@ def test_ring_runs_past_the_end_of_the_file_raise(data: Tuple[str, np.ndarray]) 
         fs.close(fd)
 
 
-def _child_reads(path: str, queue: Any) -> None:
-    raw = np.fromfile(path, dtype=np.uint8)
+def _parent_reads(path: str) -> None:
     fs = LocalFileSystem(map_runs=False)  # the ring (maps would serve these half-dense runs)
-    fd = fs.open_read(path)
-    dest = np.zeros(64 * 4096, dtype=np.uint8)
-    offsets = np.arange(64, dtype=np.int64) * 8192
-    fs.pread_batch(fd, RunBatch(offsets, 4096, memoryview(dest)), path)
-    ring = getattr(uring._local, "ring", None)
-    queue.put((bool(np.array_equal(dest.reshape(64, 4096), raw[:64 * 8192].reshape(64, 8192)[:, :4096])),
-               ring.pid if ring is not None else None, os.getpid()))
-
-
-def test_a_forked_child_reads_through_a_ring_of_its_own(data: Tuple[str, np.ndarray]) -> None:
-    """The parent's ring is never used by a forked child (their rings would be shared memory)."""
-    path, _ = data
-    fs = LocalFileSystem(map_runs=False)
     fd = fs.open_read(path)
     dest = np.zeros(64 * 4096, dtype=np.uint8)
     fs.pread_batch(fd, RunBatch(np.arange(64, dtype=np.int64) * 8192, 4096, memoryview(dest)), path)
     fs.close(fd)
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_child_reads, args=(path, queue))
-    child.start()
-    same, ring_pid, child_pid = queue.get(timeout=60)
-    child.join(60)
-    assert child.exitcode == 0 and same
-    assert ring_pid in (None, child_pid) and (ring_pid is None) == (not uring.available())
+
+
+def _child_reads(path: str) -> int:
+    raw = np.fromfile(path, dtype=np.uint8)
+    fs = LocalFileSystem(map_runs=False)
+    fd = fs.open_read(path)
+    dest = np.zeros(64 * 4096, dtype=np.uint8)
+    offsets = np.arange(64, dtype=np.int64) * 8192
+    fs.pread_batch(fd, RunBatch(offsets, 4096, memoryview(dest)), path)
+    if not np.array_equal(dest.reshape(64, 4096), raw[:64 * 8192].reshape(64, 8192)[:, :4096]):
+        return 2
+    ring = getattr(uring._local, "ring", None)
+    ring_pid = ring.pid if ring is not None else None
+    if ring_pid not in (None, os.getpid()) or (ring_pid is None) != (not uring.available()):
+        return 3  # the parent's ring was used, or no ring where io_uring exists
+    return 0
+
+
+def test_a_forked_child_reads_through_a_ring_of_its_own(data: Tuple[str, np.ndarray]) -> None:
+    """The parent's ring is never used by a forked child (their rings would be shared memory).
+
+    The parent and its fork run in a spawned interpreter (``helpers.forking``): nothing but
+    shardckpt has started threads there."""
+    path, _ = data
+    code = fork_and_check(_parent_reads, _child_reads, path)
+    assert code != 124, "the forked child hung"
+    assert code == 0, {2: "wrong bytes", 3: "the parent's ring (or none)"}.get(code, code)
 
 
 def test_scatter_read_of_one_file_range_into_a_strided_array(data: Tuple[str, np.ndarray],
