@@ -123,7 +123,7 @@ def convert(src: str, dst: str, *, src_format: Optional[str] = None, dst_format:
         metadata = source.metadata()
         extras: Dict[str, np.ndarray] = {}
         if dfmt == "tf":  # string tensors kept in __metadata__ become tensors again
-            extras = string_entries(metadata)
+            extras = string_entries(metadata, source.path)
             metadata = {}
         infos = source.tensors() + [TensorInfo(k, STRING, tuple(v.shape)) for k, v in extras.items()]
         planned, result.left_out = plan(infos, rules)
