@@ -162,7 +162,9 @@ def convert(src: str, dst: str, *, src_format: Optional[str] = None, dst_format:
 
         # A sink that writes each value out before the next fetch, to a local file (an object
         # store's upload may still hold the bytes), gets values read into one reused buffer:
-        # no fresh pages to fault in per tensor, and one tensor's worth of memory.
+        # no fresh pages to fault in per tensor, and one tensor's worth of memory. Its size
+        # comes from declared shapes, which every source has checked against its stored
+        # bytes when it was opened (a hostile index declares nothing it does not hold).
         reuse = sink.consumes_each_value and is_local_path(dst)
         buffer: List[np.ndarray] = []
 

@@ -17,8 +17,9 @@ one ``json.loads``: a record must be an object of exactly ``dtype`` (a string),
 an object of strings, anything else (nesting, other values) is refused where it
 starts, so refusing a hostile header costs the header's bytes and no more. At most
 :data:`MAX_ENTRIES` (2**20) tensors and metadata entries are accepted, a limit
-no real file reaches: the most a header can make the reader keep is then about
-300 MB, what a header of a million real tensors takes. Duplicate names are
+no real file reaches: the most a header can make the reader keep is then what the
+listing of a million tensors takes (about 500 MB; ``json.loads`` of such a header
+took twice that). Duplicate names are
 refused; each tensor's byte range must lie inside the file, match its dtype and
 shape exactly, and not overlap another's. Every problem is a
 :class:`~shardckpt.errors.DataLossError` naming the file (and the tensor).
