@@ -393,3 +393,15 @@ def _claimed(path: Path) -> bool:
     from shardckpt.storage import get_fs
 
     return get_fs(str(path)).claimed(str(path))
+
+
+def test_header_with_more_entries_than_any_real_file_is_refused(tmp_path: Path) -> None:
+    """The stated cap: at most MAX_ENTRIES (2**20) tensors and metadata entries per header, refused as the
+    entry past it is read (what the reader keeps stays bounded however the 100 MB are spent)."""
+    from shardckpt.convert.safetensors import MAX_ENTRIES
+
+    entries = b",".join(b'"%x":""' % i for i in range(MAX_ENTRIES + 1))
+    src = st_file(tmp_path / "x.safetensors", None, raw_header=b'{"__metadata__":{' + entries + b"}}")
+    with pytest.raises(DataLossError, match=f"x.safetensors: header holds more than {MAX_ENTRIES} tensors"):
+        convert(src, str(tmp_path / "o.npz"))
+    assert not (tmp_path / "o.npz").exists()
