@@ -4,8 +4,9 @@ The steps: open the source (listing tensors, reading no values); apply the
 :class:`~shardckpt.convert.select.Rules`; settle string tensors (kept in TF output;
 put in safetensors ``__metadata__`` with ``strings="metadata"``; otherwise left out
 with a warning); let the sink refuse any dtype it cannot hold, naming the tensor,
-**before anything is written**; then stream the values, one tensor at a time, into
-the sink, which commits atomically.
+**before anything is written**; check that the stored bytes of every output justify
+its declared shape (``Source.check_stored``) before any buffer is sized from it; then
+stream the values, one tensor at a time, into the sink, which commits atomically.
 """
 
 from __future__ import annotations
@@ -159,12 +160,14 @@ def convert(src: str, dst: str, *, src_format: Optional[str] = None, dst_format:
         sink.check(out_infos)
         if not out_infos:
             raise InvalidArgumentError("nothing to convert: every tensor was left out", path=src)
+        for p in outputs:  # declared shapes are held by stored bytes before anything is sized from them
+            if p.source.name not in extras:
+                source.check_stored(p.source.name)
 
         # A sink that writes each value out before the next fetch, to a local file (an object
         # store's upload may still hold the bytes), gets values read into one reused buffer:
         # no fresh pages to fault in per tensor, and one tensor's worth of memory. Its size
-        # comes from declared shapes, which every source has checked against its stored
-        # bytes when it was opened (a hostile index declares nothing it does not hold).
+        # comes from declared shapes, each checked against its stored bytes just above.
         reuse = sink.consumes_each_value and is_local_path(dst)
         buffer: List[np.ndarray] = []
 

@@ -5,11 +5,12 @@ may be a prefix, a directory with a ``checkpoint`` state file, or a SavedModel
 directory (its ``variables/variables``). Sliced and partitioned variables are listed
 once under their full key and assembled into whole tensors (each stored slice read
 once, straight into the result); the checksums are verified as the bytes arrive.
-Every entry is checked when the source is opened, before any buffer is sized from
-a shape: each stored piece must hold exactly its shape times its dtype's size (at
-least one byte per element for strings) and lie inside its data file, and a sliced
-tensor's pieces must hold at least its elements, so a declared size is never more
-than the bytes on disk (a hostile index costs no memory).
+Every tensor a conversion writes is checked (:meth:`TFSource.check_stored`) before any
+buffer is sized from its shape: each stored piece must hold exactly its shape times its
+dtype's size (at least one byte per element for strings) and lie inside its data file,
+and a sliced tensor's pieces must hold at least its elements, so a declared size is
+never more than the bytes on disk (a hostile index costs no memory; a damaged tensor
+can still be left out with ``--drop``).
 
 Writing goes through :func:`shardckpt.save_tensors` (atomic commit, the bundle
 format's own rules). Values are lazy: :class:`StreamingShardPolicy`, a
@@ -60,11 +61,11 @@ class TFSource(Source):
             name = key.decode("utf-8", "backslashreplace")
             self.keys[name] = key
             self.infos[name] = TensorInfo(name, self.bundle.dtype(key), tuple(self.bundle.shape(key)))
-            self._check_stored(key)
 
-    def _check_stored(self, key: bytes) -> None:
+    def check_stored(self, name: str) -> None:
         """The bytes on disk justify the declared shape (see the module docstring): the reader's own
-        check of each piece (size against shape x dtype, inside its data file), done at listing time."""
+        check of each piece (size against shape x dtype, inside its data file), before any read."""
+        key = self.keys[name]
         dtype = self.bundle.dtype(key)
         pieces = self.bundle.pieces(key)
         stored = 0
