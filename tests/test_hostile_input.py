@@ -1764,3 +1764,17 @@ def test_convert_can_leave_out_a_tensor_declaring_more_than_it_stores(bundle: Bu
     with NpzSource(out) as src:
         np.testing.assert_array_equal(src.read("i"), I)
         np.testing.assert_array_equal(src.read("t"), T)
+
+
+@pytest.mark.parametrize("target", ["datetime64", "void", "float0"])
+def test_jax_restore_target_of_a_dtype_no_checkpoint_holds(ckdir: Path, target: str) -> None:
+    """The error names the checkpoint and the key (it named neither)."""
+    import jax
+
+    import shardckpt.jax as sj
+
+    leaf = {"datetime64": np.zeros((), "datetime64[s]"), "void": np.zeros((), "V4"),
+            "float0": jax.ShapeDtypeStruct((), jax.dtypes.float0)}[target]
+    prefix = _jax_checkpoint(ckdir)
+    expect(InvalidArgumentError, lambda: sj.restore(prefix, {"i": leaf}), names=[prefix, key_text("i")],
+           match=["dtype mismatch: the checkpoint holds int64", "no TensorFlow equivalent"])

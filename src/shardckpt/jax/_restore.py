@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from ..checkpoint.reader import open_bundle
-from ..errors import InvalidArgumentError, NotFoundError
+from ..errors import InvalidArgumentError, NotFoundError, ShardckptError
 from ..format.bundle_reader import BundleReader
 from ..format.dtypes import as_dtype
 from ..format.tensor_slice import Box
@@ -85,7 +85,11 @@ def _checkpoint_key(reader: BundleReader, key: str, key_map: KeyMap) -> str:
 
 def _check(reader: BundleReader, key: str, shape: Tuple[int, ...], dtype: Any) -> None:
     stored_dtype, stored_shape = reader.dtype(key), tuple(reader.shape(key))
-    want = as_dtype(dtype)
+    try:
+        want = as_dtype(dtype)
+    except ShardckptError as exc:  # a target dtype no checkpoint holds (datetime64, float0, ...)
+        raise InvalidArgumentError(f"dtype mismatch: the checkpoint holds {stored_dtype.name}; {exc.message}",
+                                   path=reader.prefix, key=key) from None
     if stored_dtype.enum != want.enum:
         raise InvalidArgumentError(f"dtype mismatch: the checkpoint holds {stored_dtype.name}, the target has "
                                    f"{want.name}", path=reader.prefix, key=key)
