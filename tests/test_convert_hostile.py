@@ -6,6 +6,7 @@ import json
 import os
 import re
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -373,8 +374,6 @@ def test_the_next_conversion_removes_dead_temporaries_and_spares_live_ones(tmp_p
         for _ in range(1200):
             if flag.exists() or live.poll() is not None:
                 break
-            import time
-
             time.sleep(0.05)
         assert flag.exists(), live.stderr.read() if live.stderr else ""
         (live_temp,) = [n for n in _temporaries(where) if (where / n).is_dir() and _claimed(where / n)]
