@@ -8,8 +8,10 @@ size (512 MiB, 64 MiB largest) keeps the test at a few seconds.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -55,3 +57,83 @@ def test_peak_memory_under_twice_the_largest_tensor(tmp_path: Path, big_checkpoi
     assert grown < 2 * LARGEST, f"peak RSS grew by {grown / MiB:.0f} MiB converting to {fmt}"
     written = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
     assert written > 512 * MiB
+
+
+# -- issue 24: hostile headers are refused with memory proportional to their bytes ----------------------------------
+
+LIMIT = 1 << 30  # address space of the CLI process (importing it takes about 260 MiB)
+RSS_BUDGET = 400 * MiB  # a 100 MB header read whole, plus the interpreter
+TIME_BUDGET_S = 60.0  # wall clock, on a loaded machine (json.loads took 52 s for the 100 MB header unloaded)
+
+CLI = r"""
+import resource, sys
+from shardckpt.cli.main import main
+rc = main(sys.argv[1:])
+print("maxrss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+sys.exit(rc)
+"""
+
+
+def _limited(*argv: str) -> "subprocess.CompletedProcess[str]":
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (LIMIT, LIMIT))
+
+    return subprocess.run([sys.executable, "-c", CLI, *argv], capture_output=True, text=True, timeout=300,
+                          preexec_fn=limit)
+
+
+def _header_of(size: int, head: bytes, unit: bytes, tail: bytes) -> bytes:
+    body = head + unit * ((size - len(head) - len(tail)) // len(unit)) + tail
+    return body + b" " * (-len(body) % 8)
+
+
+HOSTILE_HEADERS = {
+    # 35 M empty lists: 3 GiB and 52 s of json.loads before the nesting check refused them
+    "empty lists": (b'{"a":[', b"[],", b'[]]}', "'a'.*expected an object"),
+    "lists in metadata": (b'{"__metadata__":{"k":[', b"[],", b'[]]}}', "'k'.*nested values are refused"),
+    "a shape of 50 M zeros": (b'{"a":{"dtype":"F32","shape":[', b"0,", b'0],"data_offsets":[0,0]}}',
+                              "'a'.*at most 1024"),
+    "empty objects": (b'{"a":{"dtype":"F32","shape":[{', b"},{", b'}],"data_offsets":[0,0]}}',
+                      "'a'.*nested values are refused"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_HEADERS))
+def test_hostile_100mb_safetensors_header_is_refused_in_bounded_memory(tmp_path: Path, case: str) -> None:
+    """A 100 MB header (the format's limit) built to cost many times its size as Python objects is refused
+    as it is read: exit status 1, an error naming the file and the key, no traceback, under a 1 GiB address
+    space and within a time bound."""
+    from shardckpt.convert.safetensors import MAX_HEADER_BYTES
+
+    head, unit, tail, text = HOSTILE_HEADERS[case]
+    header = _header_of(MAX_HEADER_BYTES, head, unit, tail)
+    src = tmp_path / "x.safetensors"
+    src.write_bytes(len(header).to_bytes(8, "little") + header)
+    del header
+    started = time.perf_counter()
+    out = _limited("convert", str(src), str(tmp_path / "o.npz"))
+    took = time.perf_counter() - started
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert re.search(re.escape(f"error: {src}: key ") + text, out.stderr), out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) < RSS_BUDGET, out.stdout
+    assert took < TIME_BUDGET_S, f"{took:.1f} s"
+    assert not (tmp_path / "o.npz").exists()
+
+
+def test_hostile_64mb_hf_index_is_refused_in_bounded_memory(tmp_path: Path) -> None:
+    """A 64 MB model.safetensors.index.json of empty lists (1.7 GB of json.loads before) is refused as it is
+    read, naming the index and the key, under a 1 GiB address space."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    index = _header_of(64 << 20, b'{"weight_map":{},"metadata":{"x":[', b"[],", b"[]]}}")
+    (folder / "model.safetensors.index.json").write_bytes(index)
+    del index
+    started = time.perf_counter()
+    out = _limited("convert", str(folder), str(tmp_path / "o.npz"))
+    took = time.perf_counter() - started
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert f"error: {folder / 'model.safetensors.index.json'}: key 'x': " in out.stderr, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) < RSS_BUDGET, out.stdout
+    assert took < TIME_BUDGET_S, f"{took:.1f} s"

@@ -1676,3 +1676,105 @@ def test_element_length_beyond_64_bits_is_data_loss(bundle: Bundle, dtype: int) 
     expect(DataLossError, lambda: bundle.read("v"), names=[bundle.data_path, key_text("v")])
     with BundleReader(bundle.prefix) as reader:
         expect(DataLossError, lambda: reader.verify("v"), names=[bundle.data_path, key_text("v")])
+
+
+# ---------------------------------------------------------------------------
+# issue 24, section 4: converting a hostile index costs no memory; Python scalar
+# restore targets take only values they hold exactly
+# ---------------------------------------------------------------------------
+
+def _declare(dims: List[int]) -> Callable[[pb.BundleEntryProto], None]:
+    def edit(e: pb.BundleEntryProto) -> None:
+        del e.shape.dim[:]
+        for d in dims:
+            e.shape.dim.add().size = d
+    return edit
+
+
+@pytest.mark.parametrize("key,dims,where", [
+    ("f", [2 ** 31], "entry holds 48 bytes"),  # 8 GiB of float32 declared for 48 stored bytes
+    ("f", [2 ** 62, 3], "entry holds 48 bytes"),  # NumPy's "Maximum allowed dimension exceeded" escaped
+    ("t", [2 ** 31, 6], "stored slices hold 24 of"),  # a sliced tensor whose slices hold a sliver of it
+], ids=["8GiB", "2**63", "sliced"])
+@pytest.mark.parametrize("fmt", ["safetensors", "npz", "hf", "tf"])
+def test_convert_of_an_index_declaring_more_than_it_stores(bundle: Bundle, ckdir: Path, key: str,
+                                                           dims: List[int], where: str, fmt: str) -> None:
+    """``convert`` sized a reused read buffer from the declared shapes before any check: every entry is now
+    checked (stored size against shape x dtype, inside its data file) when the source is opened."""
+    from shardckpt.convert import convert
+
+    if key == "t":
+        bundle.edit_entry(b"t", _declare(dims))
+        names = [bundle.prefix, key_text("t")]
+    else:
+        bundle.edit_entry(b"f", _declare(dims))
+        names = [bundle.data_path, key_text("f")]
+    out = ckdir / "out"
+    expect(DataLossError, lambda: convert(bundle.prefix, str(out / "o"), dst_format=fmt), names=names, match=[where],
+           mem=True)
+    assert not out.exists() or not [n for n in os.listdir(out) if not n.startswith(".")]
+
+
+def _jax_checkpoint(ckdir: Path) -> str:
+    prefix = str(ckdir / "scalars")
+    save_v2(prefix, ["c", "f", "g", "i", "s", "b"], [""] * 6,
+            [np.array(1 + 2j, np.complex64), np.array(0.75, np.float32), np.array(3.0), np.array(3, np.int64),
+             np.array(b"abc", dtype=object), np.array(True)])
+    return prefix
+
+
+@pytest.mark.parametrize("key,target,text", [
+    ("c", 1, "holds complex64, the target is a Python int"),  # bare TypeError from int()
+    ("c", 1.0, "holds complex64, the target is a Python float"),  # bare TypeError from float()
+    ("c", True, "holds complex64, the target is a Python bool"),  # came back True
+    ("s", 1, "holds string, the target is a Python int"),  # bare ValueError from int(b"abc")
+    ("s", 1.0, "holds string, the target is a Python float"),
+    ("f", False, "holds float32, the target is a Python bool"),  # 0.75 came back True
+    ("i", True, "holds int64, the target is a Python bool"),
+    ("f", 1, "holds 0.75, which a Python int target cannot hold exactly"),  # 0.75 came back 0
+], ids=["complex-int", "complex-float", "complex-bool", "string-int", "string-float", "float-bool", "int-bool",
+        "fraction-int"])
+def test_jax_restore_python_scalar_of_another_dtype(ckdir: Path, key: str, target: object, text: str) -> None:
+    """A Python scalar leaf receiving a stored value it cannot hold exactly: an InvalidArgumentError naming the
+    checkpoint and the key, never a bare TypeError/ValueError and never a silently changed value."""
+    import shardckpt.jax as sj
+
+    prefix = _jax_checkpoint(ckdir)
+    expect(InvalidArgumentError, lambda: sj.restore(prefix, {key: target}), names=[prefix, key_text(key)],
+           match=[text])
+
+
+def test_jax_restore_python_scalars_that_fit(ckdir: Path) -> None:
+    import shardckpt.jax as sj
+
+    prefix = _jax_checkpoint(ckdir)
+    got = sj.restore(prefix, {"g": 0, "i": 0.0, "b": 0, "s": "", "f": 0.0})
+    assert got == {"g": 3, "i": 3.0, "b": 1, "s": "abc", "f": 0.75}
+    assert type(got["g"]) is int and type(got["i"]) is float
+
+
+def test_convert_can_leave_out_a_tensor_declaring_more_than_it_stores(bundle: Bundle, ckdir: Path) -> None:
+    """The check covers what is converted: ``--drop`` still salvages the rest of a damaged checkpoint."""
+    from shardckpt.convert import Rules, convert
+    from shardckpt.convert.npz import NpzSource
+
+    bundle.edit_entry(b"f", _declare([2 ** 31]))
+    out = str(ckdir / "rest.npz")
+    convert(bundle.prefix, out, rules=Rules(drop=["^f$", "^s$"]))
+    with NpzSource(out) as src:
+        np.testing.assert_array_equal(src.read("i"), I)
+        np.testing.assert_array_equal(src.read("t"), T)
+
+
+@pytest.mark.parametrize("target", ["datetime64", "void", "float0"])
+def test_jax_restore_target_of_a_dtype_no_checkpoint_holds(ckdir: Path, target: str) -> None:
+    """The error names the checkpoint and the key (it named neither)."""
+    import jax
+
+    import shardckpt.jax as sj
+
+    leaf = {"datetime64": np.zeros((), "datetime64[s]"), "void": np.zeros((), "V4"),
+            "float0": jax.ShapeDtypeStruct((), jax.dtypes.float0)}[target]
+    prefix = _jax_checkpoint(ckdir)
+    expect(InvalidArgumentError, lambda: sj.restore(prefix, {"i": leaf}), names=[prefix, key_text("i")],
+           match=["dtype mismatch: the checkpoint holds int64", "no TensorFlow equivalent"])

@@ -5,7 +5,9 @@ index whose *contents* come from the input (via ``atheris.FuzzedDataProvider``):
 (shard count, endianness, version), entries with any dtype enum, rank (up to 70), sizes
 (zero, huge, negative), shard ids, offsets, slices (with or without their slice entries),
 checksums that match the data or not; then a data file of fuzzed bytes. The reads are those
-of ``fuzz_bundle.py``. Outcome rule: values, or ``shardckpt.errors``.
+of ``fuzz_bundle.py``, then ``convert`` to ``.npz`` (the converter lists every entry and sizes
+its reused read buffer from the declared shapes: a shape the stored bytes do not justify must
+be refused first). Outcome rule: values, or ``shardckpt.errors``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import atheris
 with atheris.instrument_imports(include=["shardckpt"]):
     import fuzz_bundle
 
+    from shardckpt.convert import convert
     from shardckpt.format import crc
     from shardckpt.format.ordered_code import encode_tensor_name_slice
     from shardckpt.format.protos import tensor_bundle_pb2 as pb
@@ -72,6 +75,10 @@ def test_one_input(data: bytes) -> None:
         name = f"{prefix}.data-{i:05d}-of-{max(1, header.num_shards):05d}"
         _common.write(name, shard)
     _common.allowed(fuzz_bundle._exercise, prefix)
+    out = os.path.join(_common.scratch(), "entries-out.npz")
+    _common.allowed(convert, prefix, out, src_format="tf", dst_format="npz")
+    if os.path.exists(out):
+        os.remove(out)
 
 
 def _located(fdp: atheris.FuzzedDataProvider, entry: pb.BundleEntryProto, shard: bytes) -> pb.BundleEntryProto:

@@ -3,7 +3,9 @@
 The harness opens it (``SafetensorsSource``: header parse and checks), then for every
 tensor (at most 32) reads it whole, reads its first row (``read_rows``) and reads it
 into a buffer the size its header promises (``read_into``, as the converter does);
-finally it converts the file to a tensor bundle. Outcome rule: values, or ``shardckpt.errors``.
+finally it converts the file to a tensor bundle (string tensors kept in ``__metadata__``
+become tensors again) and to ``.npz`` (values read into the converter's reused buffer).
+Outcome rule: values, or ``shardckpt.errors``.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ def test_one_input(data: bytes) -> None:
     shutil.rmtree(out, ignore_errors=True)
     _common.allowed(convert, path, out, src_format="safetensors", dst_format="tf")
     shutil.rmtree(out, ignore_errors=True)
+    npz = os.path.join(folder, "st-out.npz")
+    _common.allowed(convert, path, npz, src_format="safetensors", dst_format="npz")
+    if os.path.exists(npz):
+        os.remove(npz)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,8 @@ def _converters(tmp: str, prefix: str) -> None:
     st = os.path.join(tmp, "x.safetensors")
     convert(prefix, st, dst_format="safetensors")
     _put("safetensors", open(st, "rb").read())
+    convert(prefix, st, dst_format="safetensors", strings="metadata")  # a string tensor in __metadata__
+    _put("safetensors", open(st, "rb").read())
     for name, writer in (("plain.npz", np.savez), ("deflated.npz", np.savez_compressed)):
         path = os.path.join(tmp, name)
         writer(path, **values)

@@ -4,8 +4,9 @@ The steps: open the source (listing tensors, reading no values); apply the
 :class:`~shardckpt.convert.select.Rules`; settle string tensors (kept in TF output;
 put in safetensors ``__metadata__`` with ``strings="metadata"``; otherwise left out
 with a warning); let the sink refuse any dtype it cannot hold, naming the tensor,
-**before anything is written**; then stream the values, one tensor at a time, into
-the sink, which commits atomically.
+**before anything is written**; check that the stored bytes of every output justify
+its declared shape (``Source.check_stored``) before any buffer is sized from it; then
+stream the values, one tensor at a time, into the sink, which commits atomically.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def convert(src: str, dst: str, *, src_format: Optional[str] = None, dst_format:
         metadata = source.metadata()
         extras: Dict[str, np.ndarray] = {}
         if dfmt == "tf":  # string tensors kept in __metadata__ become tensors again
-            extras = string_entries(metadata)
+            extras = string_entries(metadata, source.path)
             metadata = {}
         infos = source.tensors() + [TensorInfo(k, STRING, tuple(v.shape)) for k, v in extras.items()]
         planned, result.left_out = plan(infos, rules)
@@ -165,10 +166,14 @@ def convert(src: str, dst: str, *, src_format: Optional[str] = None, dst_format:
         sink.check(out_infos)
         if not out_infos:
             raise InvalidArgumentError("nothing to convert: every tensor was left out", path=src)
+        for p in outputs:  # declared shapes are held by stored bytes before anything is sized from them
+            if p.source.name not in extras:
+                source.check_stored(p.source.name)
 
         # A sink that writes each value out before the next fetch, to a local file (an object
         # store's upload may still hold the bytes), gets values read into one reused buffer:
-        # no fresh pages to fault in per tensor, and one tensor's worth of memory.
+        # no fresh pages to fault in per tensor, and one tensor's worth of memory. Its size
+        # comes from declared shapes, each checked against its stored bytes just above.
         reuse = sink.consumes_each_value and is_local_path(dst)
         buffer: List[np.ndarray] = []
 

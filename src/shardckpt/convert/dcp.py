@@ -5,30 +5,35 @@ a Python **pickle**: loading it can run arbitrary code, so reading a DCP folder
 requires ``trust_pickle=True`` (``--trust-pickle`` on the command line) and should
 only be done for folders from a trusted source. Values are then loaded one tensor
 at a time with ``torch.distributed.checkpoint.load`` (``no_dist=True``). Non-tensor
-entries (pickled Python objects) are skipped with a warning.
+entries (pickled Python objects) are skipped with a warning. A damaged folder (a
+``.metadata`` that does not unpickle, a data file missing or cut short, a shape no
+array can have) is a :class:`~shardckpt.errors.DataLossError` naming the folder and
+the tensor, whatever torch raised.
 
 Writing uses ``torch.distributed.checkpoint.save`` (``no_dist=True``) into a temporary
-sibling folder that is renamed into place when complete. DCP's API takes the whole
+sibling folder (claimed while the conversion lives; dead conversions' folders are
+removed first, see :mod:`.atomic`) that is renamed into place when complete. DCP's API takes the whole
 state dict at once, so this direction holds every tensor in memory (the other
 destinations stream). Local paths only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import secrets
 import shutil
 import warnings
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
-from ..errors import InvalidArgumentError, NotFoundError, UnsupportedError
+from ..errors import DataLossError, InvalidArgumentError, NotFoundError, ShardckptError, UnsupportedError
 from ..format.dtypes import DType, as_dtype
-from ..storage import is_local_path
+from ..storage import get_fs, is_local_path
+from .atomic import temp_folder
 from .model import NO_PROGRESS, Fetch, Progress, Sink, Source, TensorInfo
-from .safetensors import check_value
+from .safetensors import check_array_shape, check_value
 
 __all__ = ["DCPSource", "DCPSink", "is_dcp_folder", "PICKLE_WARNING"]
 
@@ -54,6 +59,28 @@ def _torch() -> Any:
     except ImportError:
         raise UnsupportedError("PyTorch DCP needs torch: pip install 'shardckpt[torch]'") from None
     return torch
+
+
+@contextlib.contextmanager
+def _torch_errors(path: str, key: Optional[str], what: str) -> Iterator[None]:
+    """What torch raises on a damaged folder (a truncated pickle, a missing or cut data file: its
+    ``CheckpointException`` is not even an ``Exception``) as a :class:`DataLossError` naming it."""
+    torch = _torch()
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except ShardckptError:
+        raise
+    except (Exception, CheckpointException) as exc:
+        if isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)):
+            raise
+        failures = getattr(exc, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
+        inner = next(iter(failures.values())) if isinstance(failures, dict) and failures else exc
+        inner = inner[0] if isinstance(inner, tuple) and inner else inner
+        detail = f"{type(inner).__name__}: {' '.join(str(inner).split())[:300]}"
+        raise DataLossError(f"damaged PyTorch DCP folder: {what}: {detail}",
+                            path=path, key=key) from None
 
 
 def is_dcp_folder(path: str) -> bool:
@@ -103,19 +130,27 @@ class DCPSource(Source):
         if not os.path.isfile(os.path.join(self.path, ".metadata")):
             raise NotFoundError("not a PyTorch DCP folder (no .metadata)", path=path)
         _log.warning(PICKLE_WARNING)
-        metadata = FileSystemReader(self.path).read_metadata()
+        with _torch_errors(self.path, None, "cannot read .metadata"):
+            metadata = FileSystemReader(self.path).read_metadata()
+            items = dict(metadata.state_dict_metadata)
         self.infos: Dict[str, TensorInfo] = {}
         self.torch_dtypes: Dict[str, Any] = {}
         self.cache: Dict[str, np.ndarray] = {}
         inverse = {getattr(torch, v): k for k, v in _TORCH.items()}
-        for name, md in metadata.state_dict_metadata.items():
+        for name, md in items.items():
             if not isinstance(md, TensorStorageMetadata):
                 _log.warning("%s: %s is not a tensor (a pickled object); left out", self.path, name)
                 continue
-            tf_name = inverse.get(md.properties.dtype)
-            if tf_name is None:
-                raise UnsupportedError(f"unsupported torch dtype {md.properties.dtype}", path=path, key=name)
-            self.infos[name] = TensorInfo(name, as_dtype(tf_name), tuple(int(d) for d in md.size))
+            with _torch_errors(self.path, str(name), "damaged .metadata entry"):
+                tf_name = inverse.get(md.properties.dtype)
+                if tf_name is None:
+                    raise UnsupportedError(f"unsupported torch dtype {md.properties.dtype}", path=path, key=name)
+                shape = tuple(int(d) for d in md.size)
+                if any(d < 0 for d in shape):
+                    raise DataLossError(f"negative size in shape {list(shape)}", path=self.path, key=name)
+                dtype = as_dtype(tf_name)
+                check_array_shape(shape, dtype.itemsize or 1, self.path, str(name))
+            self.infos[name] = TensorInfo(name, dtype, shape)
             self.torch_dtypes[name] = md.properties.dtype
 
     def tensors(self) -> List[TensorInfo]:
@@ -145,7 +180,7 @@ class DCPSource(Source):
             batch.append(n)
             total += self.infos[n].nbytes
         holder = {n: torch.empty(self.infos[n].shape, dtype=self.torch_dtypes[n]) for n in batch}
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _torch_errors(self.path, name, "cannot load its values"):
             warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
             dcp.load(holder, storage_reader=dcp.FileSystemReader(self.path), no_dist=True)
         self.cache = {n: to_numpy(holder[n], self.infos[n].dtype) for n in batch}
@@ -169,7 +204,8 @@ class DCPSink(Sink):
         final = _local(self.path).rstrip("/")
         parent = os.path.dirname(os.path.abspath(final))
         os.makedirs(parent, exist_ok=True)
-        temp = os.path.join(parent, f".{os.path.basename(final)}.tmp-{secrets.token_hex(6)}")
+        fs = get_fs(parent)
+        temp, claim = temp_folder(fs, parent, os.path.basename(final))  # dead conversions' folders removed
         try:
             state: Dict[str, Any] = {}
             for i, info in enumerate(infos):
@@ -189,4 +225,6 @@ class DCPSink(Sink):
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
             raise
+        finally:
+            fs.release(claim)
         return [final]

@@ -11,21 +11,34 @@ shard of its own, as ``transformers`` does). The index is written last: a folder
 without its index is not a checkpoint. A folder holding only ``model.safetensors``
 is read as that file. Metadata (e.g. string tensors kept with ``--strings metadata``) is
 written once, in the index's ``metadata``; each shard's ``__metadata__`` is ``{"format": "pt"}``.
+
+Converting into an existing folder (:mod:`.atomic`): the new shards are written in a
+temporary folder beside the old ones, and only at the commit is the old index removed,
+the shards renamed into place and the new index written; a conversion that fails
+before that leaves the previous folder as it was (index included). Shards of the old
+folder that the new index does not name are removed after the commit.
+
+The index is read as a stream (:class:`~shardckpt.convert.jsonscan.JsonScanner`), never
+as one ``json.loads``: at most 64 MiB; ``weight_map`` an object of strings, at most
+:data:`~shardckpt.convert.safetensors.MAX_ENTRIES` (2**20) of them; ``metadata`` and
+any other member strings, numbers, flat lists of them, or objects of those (deeper
+nesting is refused). Refusing a hostile index costs its bytes and no more.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import DataLossError, InvalidArgumentError, NotFoundError
 from ..storage import get_fs
 from .atomic import StagedFiles
+from .jsonscan import JsonScanner
 from .model import NO_PROGRESS, Fetch, Progress, Sink, Source, TensorInfo
-from .safetensors import SafetensorsSink, SafetensorsSource, write_safetensors
+from .safetensors import MAX_ENTRIES, SafetensorsSink, SafetensorsSource, write_safetensors
 
 __all__ = ["HFSource", "HFSink", "INDEX_NAME", "DEFAULT_MAX_SHARD_SIZE", "parse_size"]
 
@@ -55,6 +68,40 @@ def is_hf_folder(path: str) -> bool:
     return fs.isfile(fs.join(path, INDEX_NAME)) or fs.isfile(fs.join(path, SINGLE_NAME))
 
 
+def _read_index(raw: bytes, path: str) -> Tuple[Dict[str, str], Dict[str, str]]:
+    """``(weight_map, metadata)`` of an index file, read as a stream (see the module docstring)."""
+    scanner = JsonScanner(raw, path, "index")
+    weight_map: Optional[Dict[str, str]] = None
+    meta: Dict[str, str] = {}
+    for top in scanner.members():
+        if top == "weight_map":
+            if not scanner.at_object():
+                break
+            weight_map = {}
+            shards: Dict[str, str] = {}
+            for name in scanner.members(top):
+                shard = scanner.scalar(name)
+                if not isinstance(shard, str):
+                    raise DataLossError("index has no weight_map of tensor names to shard files", path=path, key=name)
+                if len(weight_map) >= MAX_ENTRIES:
+                    raise DataLossError(f"weight_map names more than {MAX_ENTRIES} tensors", path=path)
+                weight_map[name] = shards.setdefault(shard, shard)  # one string per shard file
+        elif top == "metadata" and scanner.at_object():
+            for key in scanner.members(top):
+                value = scanner.scalar(key)
+                if len(meta) >= MAX_ENTRIES:
+                    raise DataLossError(f"metadata holds more than {MAX_ENTRIES} entries", path=path)
+                if key != "total_size":
+                    meta[key] = value if isinstance(value, str) else json.dumps(value)
+        else:
+            scanner.skip(top)
+    else:
+        scanner.end()
+    if weight_map is None:
+        raise DataLossError("index has no weight_map of tensor names to shard files", path=path)
+    return weight_map, meta
+
+
 class HFSource(Source):
     """A folder with ``model.safetensors.index.json`` and its shards (or a lone ``model.safetensors``)."""
 
@@ -78,13 +125,7 @@ class HFSource(Source):
             return
         if fs.size(index_path) > _MAX_INDEX_BYTES:
             raise DataLossError(f"index is larger than {_MAX_INDEX_BYTES} bytes", path=index_path)
-        try:
-            index = json.loads(fs.read_bytes(index_path).decode("utf-8"))
-        except (ValueError, RecursionError) as exc:
-            raise DataLossError(f"index is not valid JSON: {exc}", path=index_path) from None
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise DataLossError("index has no weight_map of tensor names to shard files", path=index_path)
+        weight_map, self.meta = _read_index(fs.read_bytes(index_path), index_path)
         shard_names = sorted(set(weight_map.values()))
         bad = [n for n in shard_names if not _SHARD_FILE.match(n) or n.startswith("..")]
         if bad:
@@ -107,11 +148,7 @@ class HFSource(Source):
         except BaseException:
             self.close()
             raise
-        self.where = dict(weight_map)
-        meta = index.get("metadata")
-        if isinstance(meta, dict):
-            self.meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()
-                         if k != "total_size"}
+        self.where = weight_map
 
     def tensors(self) -> List[TensorInfo]:
         out = []
@@ -170,11 +207,11 @@ class HFSink(Sink):
     def write(self, infos: Sequence[TensorInfo], fetch: Fetch, metadata: Dict[str, str],
               progress: Progress = NO_PROGRESS) -> List[str]:
         fs = get_fs(self.path)
-        if fs.isfile(fs.join(self.path, INDEX_NAME)):
-            fs.remove(fs.join(self.path, INDEX_NAME))  # the old folder stops looking complete first
+        old_index = fs.join(self.path, INDEX_NAME)
+        retire = [old_index] if fs.isfile(old_index) else []  # at the commit: the old folder stops looking complete
         shards = plan_shards(infos, self.max_shard_size)
         n = len(shards)
-        staged = StagedFiles(self.path)
+        staged = StagedFiles(self.path, INDEX_NAME, retire)
         weight_map: Dict[str, str] = {}
         meta = {"format": "pt"}  # what transformers checks; other metadata goes to the index once
         try:

@@ -69,6 +69,12 @@ class Source(abc.ABC):
         """Read numeric tensor ``name`` into ``out`` (its dtype and shape); None where not supported."""
         return None
 
+    def check_stored(self, name: str) -> None:
+        """Raise a :mod:`shardckpt.errors` error naming tensor ``name`` if its stored bytes do not justify
+        its declared dtype and shape. Called for every output before anything is sized from them;
+        sources that check every tensor when they are opened have nothing left to do here."""
+        return None
+
     def metadata(self) -> Dict[str, str]:
         """Free-form string metadata the format carries (safetensors ``__metadata__``)."""
         return {}

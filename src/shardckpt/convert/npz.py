@@ -228,7 +228,7 @@ class NpzSink(Sink):
     def write(self, infos: Sequence[TensorInfo], fetch: Fetch, metadata: Dict[str, str],
               progress: Progress = NO_PROGRESS) -> List[str]:
         fs = get_fs(self.path)
-        staged = StagedFiles(fs.dirname(self.path) or ".")
+        staged = StagedFiles(fs.dirname(self.path) or ".", fs.basename(self.path))
         try:
             out = staged.open(fs.basename(self.path))
             with zipfile.ZipFile(_ZipTarget(out), "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:

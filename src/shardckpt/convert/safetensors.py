@@ -10,8 +10,17 @@ On disk (https://github.com/huggingface/safetensors, "Format")::
                    [BEGIN, END) relative to the buffer's start
 
 The reader is hardened against hostile files: the header is capped at
-:data:`MAX_HEADER_BYTES` before it is read, JSON nesting and duplicate names are
-refused, each tensor's byte range must lie inside the file, match its dtype and
+:data:`MAX_HEADER_BYTES` (100 MiB) before it is read, and parsed as a stream
+(:class:`~shardckpt.convert.jsonscan.JsonScanner`), one record at a time, never as
+one ``json.loads``: a record must be an object of exactly ``dtype`` (a string),
+``shape`` and ``data_offsets`` (lists of at most 1,024 integers), ``__metadata__``
+an object of strings, anything else (nesting, other values) is refused where it
+starts, so refusing a hostile header costs the header's bytes and no more. At most
+:data:`MAX_ENTRIES` (2**20) tensors and metadata entries are accepted, a limit
+no real file reaches: the most a header can make the reader keep is then what the
+listing of a million tensors takes (about 500 MB; ``json.loads`` of such a header
+took twice that). Duplicate names are
+refused; each tensor's byte range must lie inside the file, match its dtype and
 shape exactly, and not overlap another's. Every problem is a
 :class:`~shardckpt.errors.DataLossError` naming the file (and the tensor).
 
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -31,14 +41,25 @@ from ..errors import DataLossError, NotFoundError, UnsupportedError
 from ..format.dtypes import DType, as_dtype
 from ..storage import FileSystem, get_fs
 from .atomic import OutputFile, StagedFiles
+from .jsonscan import WS, JsonScanner
 from .model import NO_PROGRESS, Fetch, Progress, Sink, Source, TensorInfo
 
-__all__ = ["SafetensorsSource", "SafetensorsSink", "read_header", "MAX_HEADER_BYTES", "ST_DTYPES",
+__all__ = ["SafetensorsSource", "SafetensorsSink", "read_header", "MAX_HEADER_BYTES", "MAX_ENTRIES", "ST_DTYPES",
            "safetensors_dtype", "write_safetensors", "check_array_shape", "MAX_RANK"]
 
 #: The largest header accepted (the reference implementation's limit too).
 MAX_HEADER_BYTES = 100 << 20
-_MAX_DEPTH = 4  # {"__metadata__": {k: v}} and {name: {"shape": [..]}} need no more
+#: The most tensors plus ``__metadata__`` entries one header may hold. No real file comes near
+#: (the largest published models hold about 10**5 tensors in all their shards together); it
+#: bounds what a header of many tiny records makes the reader keep.
+MAX_ENTRIES = 1 << 20
+_FIELDS = {"dtype", "shape", "data_offsets"}
+_INT = rb"(?:0|[1-9][0-9]*)"
+_CANONICAL_RECORD = re.compile(  # {"dtype": "F32", "shape": [..], "data_offsets": [b, e]}, in this order
+    rb'\{' + WS + rb'"dtype"' + WS + rb":" + WS + rb'"([A-Z0-9_]{1,16})"' + WS + rb"," + WS + rb'"shape"' + WS
+    + rb":" + WS + rb"\[(" + WS + _INT + WS + rb"(?:," + WS + _INT + WS + rb"){0,63})?\]" + WS + rb"," + WS
+    + rb'"data_offsets"' + WS + rb":" + WS + rb"\[" + WS + rb"(" + _INT + rb")" + WS + rb"," + WS + rb"(" + _INT
+    + rb")" + WS + rb"\]" + WS + rb"\}")
 
 #: safetensors dtype names and the TensorFlow dtypes they hold.
 ST_DTYPES: Dict[str, str] = {
@@ -59,16 +80,6 @@ def safetensors_dtype(dtype: DType, name: str, path: str) -> str:
     return found
 
 
-def _depth(value: Any, limit: int) -> int:
-    if limit < 0:
-        return limit
-    if isinstance(value, dict):
-        return min([_depth(v, limit - 1) for v in value.values()] or [limit])
-    if isinstance(value, list):
-        return min([_depth(v, limit - 1) for v in value] or [limit])
-    return limit
-
-
 #: NumPy's largest rank.
 MAX_RANK = 64
 
@@ -87,17 +98,45 @@ def check_array_shape(shape: Sequence[int], itemsize: int, path: str, key: str) 
                                 "ignored, multiply to 2**63 bytes or more)", path=path, key=key)
 
 
-def _no_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate name {k!r}")
-        out[k] = v
-    return out
-
-
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _read_metadata(scanner: JsonScanner, path: str, room: int) -> Dict[str, str]:
+    """``__metadata__``: an object of strings, at most ``room`` of them."""
+    metadata: Dict[str, str] = {}
+    for key in scanner.members("__metadata__"):
+        value = scanner.scalar(key)
+        if not isinstance(value, str) or key in metadata:
+            raise DataLossError("__metadata__ must map strings to strings, each key once", path=path, key=key)
+        if len(metadata) >= room:
+            raise DataLossError(f"header holds more than {MAX_ENTRIES} tensors and metadata entries", path=path)
+        metadata[key] = value
+    return metadata
+
+
+def _record(rec: Dict[str, Any], name: str, path: str, data_len: int) -> Tuple[TensorInfo, Tuple[int, int]]:
+    """One tensor record, checked: its dtype, shape and byte range (inside a ``data_len``-byte buffer)."""
+    st = rec["dtype"]
+    if not isinstance(st, str) or st not in ST_DTYPES:
+        raise UnsupportedError(f"unsupported safetensors dtype {st!r}", path=path, key=name)
+    dtype = as_dtype(ST_DTYPES[st])
+    shape, offsets = rec["shape"], rec["data_offsets"]
+    if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
+        raise DataLossError(f"shape {shape!r} is not a list of non-negative integers", path=path, key=name)
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+        raise DataLossError(f"data_offsets {offsets!r} is not [begin, end]", path=path, key=name)
+    assert dtype.itemsize is not None
+    check_array_shape(shape, dtype.itemsize, path, name)
+    begin, end = offsets
+    if begin > end or end > data_len:
+        raise DataLossError(f"data_offsets [{begin}, {end}] lie outside the {data_len}-byte buffer",
+                            path=path, key=name)
+    want = math.prod(shape) * dtype.itemsize
+    if end - begin != want:
+        raise DataLossError(f"data_offsets [{begin}, {end}] hold {end - begin} bytes; dtype {st} and shape "
+                            f"{shape} need {want}", path=path, key=name)
+    return TensorInfo(name, dtype, tuple(shape)), (begin, end)
 
 
 def read_header(fs: FileSystem, handle: Any, path: str, file_size: int
@@ -115,49 +154,38 @@ def read_header(fs: FileSystem, handle: Any, path: str, file_size: int
                             path=path)
     raw = bytearray(n)
     fs.pread_into(handle, memoryview(raw), 8, path)
-    try:
-        text = raw.decode("utf-8")
-        if not text.startswith("{"):
-            raise ValueError("the header is not a JSON object")
-        header = json.loads(text, object_pairs_hook=_no_duplicates)
-    except (ValueError, RecursionError) as exc:
-        raise DataLossError(f"header is not valid JSON: {exc}", path=path) from None
-    if not isinstance(header, dict) or _depth(header, _MAX_DEPTH) < 0:
-        raise DataLossError("header is not a flat JSON object of tensor records", path=path)
-    metadata: Dict[str, str] = {}
-    raw_meta = header.pop("__metadata__", None)
-    if raw_meta is not None:
-        if not isinstance(raw_meta, dict) or not all(isinstance(v, str) for v in raw_meta.values()):
-            raise DataLossError("__metadata__ must map strings to strings", path=path)
-        metadata = raw_meta
     data_start = 8 + n
     data_len = file_size - data_start
+    metadata: Dict[str, str] = {}
     infos: Dict[str, TensorInfo] = {}
     ranges: Dict[str, Tuple[int, int]] = {}
-    for name, rec in header.items():
-        if not isinstance(rec, dict) or set(rec) != {"dtype", "shape", "data_offsets"}:
+    scanner = JsonScanner(raw, path, "header")
+    seen_metadata = False
+    for name in scanner.members():
+        if name in infos or (name == "__metadata__" and seen_metadata):
+            raise DataLossError(f"duplicate name {name!r} in the header", path=path, key=name)
+        if len(infos) + len(metadata) >= MAX_ENTRIES:
+            raise DataLossError(f"header holds more than {MAX_ENTRIES} tensors and metadata entries", path=path)
+        if name == "__metadata__":
+            metadata = _read_metadata(scanner, path, MAX_ENTRIES - len(infos))
+            seen_metadata = True
+            continue
+        fast = scanner.match(_CANONICAL_RECORD)
+        if fast is not None:  # the form every writer uses, in one match
+            shape = [int(d) for d in fast.group(2).split(b",")] if fast.group(2) else []
+            rec: Dict[str, Any] = {"dtype": fast.group(1).decode("ascii"), "shape": shape,
+                                   "data_offsets": [int(fast.group(3)), int(fast.group(4))]}
+            infos[name], ranges[name] = _record(rec, name, path, data_len)
+            continue
+        rec = {}
+        for field in scanner.members(name):
+            if field in rec or field not in _FIELDS:
+                raise DataLossError("record must have exactly dtype, shape and data_offsets", path=path, key=name)
+            rec[field] = scanner.scalar(name)
+        if set(rec) != _FIELDS:
             raise DataLossError("record must have exactly dtype, shape and data_offsets", path=path, key=name)
-        st = rec["dtype"]
-        if st not in ST_DTYPES:
-            raise UnsupportedError(f"unsupported safetensors dtype {st!r}", path=path, key=name)
-        dtype = as_dtype(ST_DTYPES[st])
-        shape, offsets = rec["shape"], rec["data_offsets"]
-        if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
-            raise DataLossError(f"shape {shape!r} is not a list of non-negative integers", path=path, key=name)
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
-            raise DataLossError(f"data_offsets {offsets!r} is not [begin, end]", path=path, key=name)
-        assert dtype.itemsize is not None
-        check_array_shape(shape, dtype.itemsize, path, name)
-        begin, end = offsets
-        if begin > end or end > data_len:
-            raise DataLossError(f"data_offsets [{begin}, {end}] lie outside the {data_len}-byte buffer",
-                                path=path, key=name)
-        want = math.prod(shape) * dtype.itemsize
-        if end - begin != want:
-            raise DataLossError(f"data_offsets [{begin}, {end}] hold {end - begin} bytes; dtype {st} and shape "
-                                f"{shape} need {want}", path=path, key=name)
-        infos[name] = TensorInfo(name, dtype, tuple(shape))
-        ranges[name] = (begin, end)
+        infos[name], ranges[name] = _record(rec, name, path, data_len)
+    scanner.end()
     last_end, last_name = 0, ""
     for name, (begin, end) in sorted(ranges.items(), key=lambda kv: kv[1]):
         if begin == end:
@@ -284,7 +312,7 @@ class SafetensorsSink(Sink):
     def write(self, infos: Sequence[TensorInfo], fetch: Fetch, metadata: Dict[str, str],
               progress: Progress = NO_PROGRESS) -> List[str]:
         fs = get_fs(self.path)
-        staged = StagedFiles(fs.dirname(self.path) or ".")
+        staged = StagedFiles(fs.dirname(self.path) or ".", fs.basename(self.path))
         try:
             out = staged.open(fs.basename(self.path))
             write_safetensors(out, infos, fetch, range(len(infos)), metadata, progress)

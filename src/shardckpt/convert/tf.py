@@ -5,6 +5,12 @@ may be a prefix, a directory with a ``checkpoint`` state file, or a SavedModel
 directory (its ``variables/variables``). Sliced and partitioned variables are listed
 once under their full key and assembled into whole tensors (each stored slice read
 once, straight into the result); the checksums are verified as the bytes arrive.
+Every tensor a conversion writes is checked (:meth:`TFSource.check_stored`) before any
+buffer is sized from its shape: each stored piece must hold exactly its shape times its
+dtype's size (at least one byte per element for strings) and lie inside its data file,
+and a sliced tensor's pieces must hold at least its elements, so a declared size is
+never more than the bytes on disk (a hostile index costs no memory; a damaged tensor
+can still be left out with ``--drop``).
 
 Writing goes through :func:`shardckpt.save_tensors` (atomic commit, the bundle
 format's own rules). Values are lazy: :class:`StreamingShardPolicy`, a
@@ -27,9 +33,9 @@ import numpy as np
 
 from ..checkpoint.reader import resolve_prefix
 from ..checkpoint.state import update_checkpoint_state
-from ..errors import NotFoundError
+from ..errors import DataLossError, NotFoundError
 from ..format.bundle_reader import BundleReader
-from ..format.tensor_slice import TensorSlice, format_shape_and_slice
+from ..format.tensor_slice import TensorSlice, box_volume, format_shape_and_slice
 from ..saving import CheckpointOptions, save_tensors
 from ..sharding import MaxShardSizePolicy, ShardableTensor
 from ..sharding.callback import Shard
@@ -55,6 +61,21 @@ class TFSource(Source):
             name = key.decode("utf-8", "backslashreplace")
             self.keys[name] = key
             self.infos[name] = TensorInfo(name, self.bundle.dtype(key), tuple(self.bundle.shape(key)))
+
+    def check_stored(self, name: str) -> None:
+        """The bytes on disk justify the declared shape (see the module docstring): the reader's own
+        check of each piece (size against shape x dtype, inside its data file), before any read."""
+        key = self.keys[name]
+        dtype = self.bundle.dtype(key)
+        pieces = self.bundle.pieces(key)
+        stored = 0
+        for piece in pieces:
+            self.bundle._locate(piece, dtype)
+            stored += box_volume(piece.box)
+        want = math.prod(self.bundle.shape(key))
+        if stored < want:
+            raise DataLossError(f"its {len(pieces)} stored slices hold {stored} of its {want} elements",
+                                path=self.path, key=key)
 
     def tensors(self) -> List[TensorInfo]:
         return list(self.infos.values())

@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from ..checkpoint.reader import open_bundle
-from ..errors import InvalidArgumentError, NotFoundError
+from ..errors import InvalidArgumentError, NotFoundError, ShardckptError
 from ..format.bundle_reader import BundleReader
 from ..format.dtypes import as_dtype
 from ..format.tensor_slice import Box
@@ -85,13 +85,45 @@ def _checkpoint_key(reader: BundleReader, key: str, key_map: KeyMap) -> str:
 
 def _check(reader: BundleReader, key: str, shape: Tuple[int, ...], dtype: Any) -> None:
     stored_dtype, stored_shape = reader.dtype(key), tuple(reader.shape(key))
-    want = as_dtype(dtype)
+    try:
+        want = as_dtype(dtype)
+    except ShardckptError as exc:  # a target dtype no checkpoint holds (datetime64, float0, ...)
+        raise InvalidArgumentError(f"dtype mismatch: the checkpoint holds {stored_dtype.name}; {exc.message}",
+                                   path=reader.prefix, key=key) from None
     if stored_dtype.enum != want.enum:
         raise InvalidArgumentError(f"dtype mismatch: the checkpoint holds {stored_dtype.name}, the target has "
                                    f"{want.name}", path=reader.prefix, key=key)
     if stored_shape != tuple(shape):
         raise InvalidArgumentError(f"shape mismatch: the checkpoint holds {list(stored_shape)}, the target has "
                                    f"{list(shape)}", path=reader.prefix, key=key)
+
+
+_SCALAR_SOURCES = {  # the stored dtypes a Python scalar leaf takes (complex and strings fit no number)
+    "bool": lambda dt: dt.name == "bool",
+    "int": lambda dt: dt.name == "bool" or dt.name.startswith(("int", "uint", "float", "bfloat")),
+    "float": lambda dt: dt.name == "bool" or dt.name.startswith(("int", "uint", "float", "bfloat")),
+    "str": lambda dt: dt.is_string,
+    "bytes": lambda dt: dt.is_string,
+}
+
+
+def _check_scalar(reader: BundleReader, key: str, kind: str) -> None:
+    """A Python scalar leaf of ``kind`` can hold the stored dtype (checked before anything is read)."""
+    stored = reader.dtype(key)
+    if not _SCALAR_SOURCES[kind](stored):
+        raise InvalidArgumentError(f"dtype mismatch: the checkpoint holds {stored.name}, the target is a Python "
+                                   f"{kind}", path=reader.prefix, key=key)
+
+
+def _scalar_value(reader: BundleReader, key: str, kind: str, array: np.ndarray) -> Any:
+    """The stored scalar as the leaf's Python type; a float with a fraction never becomes an int."""
+    if kind == "int" and array.shape == () and array.dtype.kind not in "biu" and not float(array).is_integer():
+        raise InvalidArgumentError(f"the checkpoint holds {array.item()!r}, which a Python int target cannot hold "
+                                   "exactly", path=reader.prefix, key=key)
+    try:
+        return python_value(key, kind, array)
+    except InvalidArgumentError as exc:  # name the checkpoint too
+        raise InvalidArgumentError(exc.message, path=reader.prefix, key=key) from None
 
 
 def _kind_of_target(leaf: Any) -> str:
@@ -168,11 +200,12 @@ def _restore_onto(reader: BundleReader, target: Any, key_map: KeyMap, budget: in
             _check(reader, key, tuple(np.shape(leaf)), np.asarray(leaf).dtype)
             small.append((i, key, kind, leaf))
         else:
+            _check_scalar(reader, key, kind)
             small.append((i, key, kind, leaf))
     _announce(reader, small, jobs)
     for i, key, kind, _ in small:  # 2. the small ones
         array = reader.read(key)
-        values[i] = array if kind == "numpy" else python_value(key, kind, array)
+        values[i] = array if kind == "numpy" else _scalar_value(reader, key, kind, array)
     if jobs:  # 3. the arrays, read ahead within the budget
         workers = max_workers or max(2, min(16, 2 * (os.cpu_count() or 1)))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardckpt-jax-read") as pool:
