@@ -70,7 +70,7 @@ class TFSource(Source):
         pieces = self.bundle.pieces(key)
         stored = 0
         for piece in pieces:
-            self.bundle._locate(piece, dtype)
+            self.bundle.check_piece(piece, dtype)
             stored += box_volume(piece.box)
         want = math.prod(self.bundle.shape(key))
         if stored < want:

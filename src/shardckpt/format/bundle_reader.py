@@ -662,6 +662,11 @@ class BundleReader:
         if now != recorded:
             raise self._replaced(path, f"the data file changed while it was read (identity {now} != {recorded})")
 
+    def check_piece(self, piece: StoredPiece, dt: DType) -> None:
+        """Check, reading no tensor bytes, that ``piece`` lies inside its data file and holds exactly its
+        box of ``dt``; raises :class:`~shardckpt.errors.DataLossError` naming file and key otherwise."""
+        self._locate(piece, dt)
+
     def _locate(self, piece: StoredPiece, dt: DType) -> Tuple[int, str]:
         """Open the piece's data file and check the entry fits in it and its size is right."""
         entry = piece.entry
