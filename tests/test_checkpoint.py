@@ -381,8 +381,9 @@ def test_module_variables() -> None:
     m.v = v1
     m.lst = [v2, v1]  # v1 again: listed once
     m.arr = np.zeros(2)  # plain arrays are not Variables
-    assert m.variables == [v1, v3, v2]  # graph (BFS) order
-    assert Module().variables == []
+    # TF's order: attributes sorted by name (arr, inner, lst, v), then the submodules' variables
+    assert m.variables == (v2, v1, v3)
+    assert Module().variables == ()
 
 
 # ---------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from .restore import (
     load_object_graph,
 )
 from .state import latest_checkpoint, update_checkpoint_state
-from .trackable import Module, Trackable, Variable, as_trackable
+from .trackable import AutoTrackable, Trackable, Variable, as_trackable
 
 __all__ = ["Checkpoint"]
 
@@ -42,7 +42,7 @@ _log = logging.getLogger("shardckpt")
 SAVE_COUNTER = "save_counter"
 
 
-class Checkpoint(Module):
+class Checkpoint(AutoTrackable):
     """Groups trackable objects and saves them as one checkpoint in TensorFlow's format.
 
     ``Checkpoint(model=m, optimizer=o)`` makes the checkpoint the root of the graph
