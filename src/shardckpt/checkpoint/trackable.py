@@ -405,10 +405,20 @@ class _ContainerNode(Trackable):
             return self.container._trackable_children()
         if isinstance(self.container, dict):
             return TrackedDict._trackable_children(self.container)  # type: ignore[arg-type]
-        return _children_of_items((str(i), v) for i, v in enumerate(self.container))
+        return _children_of_items(_tuple_items(self.container))
 
     def _identity(self) -> int:
         return id(self.container)
+
+
+def _tuple_items(container: Any) -> Iterable[Tuple[str, Any]]:
+    """A list's or tuple's items named as TF names them: by index; a namedtuple's by field first (the keys),
+    then by index too (aliases of the same nodes)."""
+    by_index = [(str(i), v) for i, v in enumerate(container)]
+    fields = getattr(container, "_fields", None) if isinstance(container, tuple) else None
+    if isinstance(fields, tuple) and len(fields) == len(container):
+        return list(zip(fields, container)) + by_index
+    return by_index
 
 
 def _container_node(container: Any) -> _ContainerNode:
