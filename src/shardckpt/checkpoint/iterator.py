@@ -45,23 +45,24 @@ def checkpoints_iterator(checkpoint_dir: str, min_interval_secs: float = 0, time
     """Yield each new latest checkpoint of ``checkpoint_dir`` as it appears (TF's ``checkpoints_iterator``).
 
     ``min_interval_secs``: at least this long between the start of one yield and the next.
-    ``timeout``: the longest wait for a new checkpoint; when it passes without one, the
-    iterator ends, unless ``timeout_fn`` is given: it is then called, and the iterator ends
-    if it returns true and waits again otherwise.
+    ``timeout``: the longest wait for a new checkpoint. Without ``timeout_fn`` the iterator
+    ends when a wait times out. With it, ``timeout_fn()`` is asked after every round (a
+    yielded checkpoint or a wait that timed out, as TF asks it) and the iterator ends
+    when it returns true.
     """
     last: Optional[str] = None
     while True:
         path = wait_for_new_checkpoint(checkpoint_dir, last, timeout=timeout)
-        if path is None:
-            if timeout_fn is None:
-                _log.info("timed out waiting for a checkpoint in %s", checkpoint_dir)
-                return
-            if timeout_fn():
-                return
-            continue
-        started = time.time()
-        last = path
-        yield path
-        left = started + min_interval_secs - time.time()
-        if left > 0:
-            time.sleep(left)
+        if path is not None:
+            started = time.time()
+            last = path
+            yield path
+            left = started + min_interval_secs - time.time()
+            if left > 0:
+                time.sleep(left)
+        elif timeout_fn is None:
+            _log.info("timed out waiting for a checkpoint in %s", checkpoint_dir)
+            return
+        if timeout_fn is not None and timeout_fn():
+            _log.info("no new checkpoints will come to %s (timeout_fn)", checkpoint_dir)
+            return

@@ -88,14 +88,19 @@ class CheckpointReader:
         return {_name(k): self.bundle.dtype(k) for k in self.bundle.keys()}
 
     def debug_string(self) -> bytes:
-        """Every key with its dtype and shape, one per line, sorted by key, as TF's reader writes it:
-        ``b"dense/kernel/.ATTRIBUTES/VARIABLE_VALUE (DT_FLOAT) [3,4]\\n"``."""
+        """Every stored entry with its dtype and shape, one per line in index order, as TF's reader writes it
+        (``b"dense/kernel/.ATTRIBUTES/VARIABLE_VALUE (DT_FLOAT) [3,4]\\n"``). As in TF, a partitioned
+        tensor shows as its slice entries (raw keys, slice shapes), not under its plain key."""
         lines = []
-        for key, shape in sorted(self.get_variable_to_shape_map().items()):
-            dtype = self.bundle.dtype(key)
+        for kb in self.bundle.keys(include_slices=True):
+            entry = self.bundle.entry(kb)
+            if not kb or len(entry.slices):
+                continue
+            dtype = self.bundle.dtype(kb)
+            dims = ",".join(str(int(n)) for n in self.bundle.shape(kb))
             name = _DT_NAMES.get(dtype.name, dtype.name.upper())
-            lines.append(f"{key} (DT_{name}) [{','.join(str(int(n)) for n in shape)}]\n")
-        return "".join(lines).encode("utf-8")
+            lines.append(kb + f" (DT_{name}) [{dims}]\n".encode("ascii"))
+        return b"".join(lines)
 
     def has_tensor(self, key: Union[str, bytes]) -> bool:
         """Whether ``key`` names a tensor of the checkpoint."""

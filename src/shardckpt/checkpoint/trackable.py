@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import itertools
-import operator
 import os
 import re
 import threading
@@ -264,9 +263,6 @@ class Variable(Trackable):
     def __complex__(self) -> complex:
         return complex(self._value)
 
-    def __index__(self) -> int:
-        return operator.index(self._value)
-
     def __getitem__(self, index: Any) -> Any:
         return _copy_out(self._value[index])
 
@@ -298,8 +294,12 @@ class Variable(Trackable):
 def _copy_out(value: Any) -> Any:
     """A copy of an array the caller may keep: 0-d arrays come out as NumPy scalars (``bytes`` for strings)."""
     if isinstance(value, np.ndarray):
+        if value.dtype == object:  # strings come out as bytes, as TF's
+            out = np.empty(value.shape, dtype=object)
+            out.flat = [x.encode("utf-8") if isinstance(x, str) else x for x in value.flat]
+            value = out
         return value[()] if value.ndim == 0 else value.copy()
-    return value
+    return value.encode("utf-8") if isinstance(value, str) else value
 
 
 def _binary(ufunc: Any, reflected: bool = False) -> Callable[[Variable, Any], Any]:
@@ -361,6 +361,9 @@ class TrackedList(list):
         self.extend(values)
         return self
 
+    def __repr__(self) -> str:
+        return f"ListWrapper({list.__repr__(self)})"  # as TF prints its tracked lists
+
     def __setitem__(self, index: Any, value: Any) -> None:
         super().__setitem__(index, _wrap(value) if not isinstance(index, slice) else [_wrap(v) for v in value])
         if isinstance(index, int):
@@ -378,6 +381,12 @@ class TrackedDict(dict):
 
     def _node(self) -> "_ContainerNode":
         return _container_node(self)
+
+    def __repr__(self) -> str:
+        return f"DictWrapper({dict.__repr__(self)})"  # as TF's repr (its str is the plain dict's)
+
+    def __str__(self) -> str:
+        return dict.__repr__(self)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         super().__setitem__(key, _wrap(value))

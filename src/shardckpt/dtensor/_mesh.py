@@ -399,8 +399,8 @@ def job_name() -> str:
 def num_local_devices(device_type: str) -> int:
     """Devices of ``device_type`` on this client. There are no real devices here: the count is the
     default mesh's local devices of that type (``dtensor.default_mesh``), else what TF reports with no
-    device configured: one CPU, no GPU or TPU."""
-    kind = _check_device_type(device_type)
+    device configured: one CPU, no other device (any type name is accepted, as in TF)."""
+    kind = str(device_type).upper()
     from ._api import get_default_mesh
 
     mesh = get_default_mesh()
