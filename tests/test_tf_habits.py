@@ -190,7 +190,7 @@ result = out
 """
 
 
-def test_dtensor_helpers_of_tfs_tutorial(tf_dtensor: DTensorOracle) -> None:
+def test_dtensor_helpers_of_tfs_tutorial(tf_dtensor: DTensorOracle) -> None:  # noqa: F811
     """``Layout.shape`` (the mesh's), ``Layout.delete``, device locations and the client's devices as TF.
 
     TF counts the logical devices configured (8 here); shardckpt has no devices, so the count is the
@@ -247,7 +247,8 @@ def make(fn, layout, shape):
 
 
 @pytest.mark.parametrize("case", sorted(ASSIGN_CASES))
-def test_dvariable_assign_accepts_and_refuses_what_tf_does(tf_dtensor: DTensorOracle, case: str) -> None:
+def test_dvariable_assign_accepts_and_refuses_what_tf_does(tf_dtensor: DTensorOracle,  # noqa: F811
+                                                           case: str) -> None:
     tf = tf_dtensor.exec(ASSIGN_SCRIPT.format(prelude=TF_PRELUDE, value=ASSIGN_CASES[case]))
     ours = probe_ours(ASSIGN_SCRIPT.format(prelude=OUR_PRELUDE, value=ASSIGN_CASES[case]))["result"]
     assert tf[0] == ours[0], (case, tf, ours)

@@ -295,9 +295,10 @@ def _copy_out(value: Any) -> Any:
     """A copy of an array the caller may keep: 0-d arrays come out as NumPy scalars (``bytes`` for strings)."""
     if isinstance(value, np.ndarray):
         if value.dtype == object:  # strings come out as bytes, as TF's
-            out = np.empty(value.shape, dtype=object)
-            out.flat = [x.encode("utf-8") if isinstance(x, str) else x for x in value.flat]
-            value = out
+            items = [x.encode("utf-8") if isinstance(x, str) else x for x in value.flat]
+            out = np.empty(len(items), dtype=object)
+            out[:] = items
+            value = out.reshape(value.shape)
         return value[()] if value.ndim == 0 else value.copy()
     return value.encode("utf-8") if isinstance(value, str) else value
 
