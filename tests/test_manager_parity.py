@@ -4,10 +4,11 @@ restore_or_initialize, pathlib directories, save intervals), as scenarios run by
 
 Each scenario is one script; a prelude binds the names it uses to TF's or to shardckpt's
 (``Checkpoint``, ``CheckpointManager``, ``Variable``, ``get_checkpoint_state``,
-``latest_checkpoint``) and gives it ``exists(prefix)`` (is the checkpoint's index there) and
-``clock``, a controllable ``time.time()`` of the manager's module (TF's tests patch that module's
-``time`` too), and ``capture_warnings`` (the warnings the manager logs). The scripts record names, flags and timestamps; both libraries must record the same.
-The multi-client behaviours are tested with several processes in test_manager_multiclient.py.
+``latest_checkpoint``) and gives it ``exists(prefix)`` (is the checkpoint's index there),
+``clock``, a controllable ``time.time()`` of the manager's module (TF's tests patch that
+module's ``time`` too), and ``capture_warnings`` (the warnings the manager logs). The scripts
+record names, flags and timestamps; both libraries must record the same. The multi-client
+behaviours are tested with several processes elsewhere (the manager's multi-client tests).
 """
 
 from __future__ import annotations
