@@ -183,6 +183,10 @@ for dims in ([0], [1], [0, 2], [2, 0], [5], [-1], 1, [0, 1, 2]):
 out.append(mesh.local_device_locations())
 out.append([mesh.device_location(i) for i in (0, 5, 7)])
 out.append(mesh.num_local_devices())
+devices = ['CPU:%d' % i for i in range(8)]
+out.append([mesh == dtensor.create_mesh([('x', 2), ('y', 4)], devices=devices),
+            mesh == dtensor.create_mesh([('x', 2), ('y', 4)], devices=devices, mesh_name='other'),
+            mesh == dtensor.create_mesh([('a', 2), ('b', 4)], devices=devices)])  # a mesh's name counts
 out.append([dtensor.job_name(), dtensor.num_local_devices('CPU'), dtensor.num_local_devices('cpu'),
             [str(d.to_string() if hasattr(d, 'to_string') else d) for d in dtensor.local_devices('CPU')],
             [str(d.to_string() if hasattr(d, 'to_string') else d) for d in dtensor.local_devices('CPU', 0)]])
@@ -201,7 +205,7 @@ def test_dtensor_helpers_of_tfs_tutorial(tf_dtensor: DTensorOracle) -> None:  # 
                                           "    out.append([dtensor.job_name()")
     ours = probe_ours(ours_script)
     same_outcome(tf, ours)
-    assert tf["result"][0] == [2, 4] and tf["result"][-1][1] == 8
+    assert tf["result"][0] == [2, 4] and tf["result"][-1][1] == 8 and tf["result"][-2] == [True, False, False]
     for call in ("result = dtensor.num_local_devices('XPU')", "dtensor.local_devices('XPU')"):
         both(tf_dtensor, call, call)
     assert dtensor.num_local_devices("CPU") == 1 and dtensor.num_local_devices("GPU") == 0  # TF with none set up

@@ -129,10 +129,10 @@ class DVariable(Trackable):
         return self
 
     def _same_mesh_value(self, value: DTensor) -> DTensor:
-        """A DTensor to assign, as TF takes it: same mesh (name included), shape and dtype; relaid out to
+        """A DTensor to assign, as TF takes it: the same mesh (its name included), shape and dtype; relaid out to
         this variable's layout when it has another."""
         mesh, own = value.layout.mesh, self.layout.mesh
-        if mesh != own or mesh.name != own.name:
+        if mesh != own:
             raise InvalidArgumentError(f"cannot assign to variable {self._name!r} a value on another mesh "
                                        f"({mesh.to_string()!r}; the variable's is {own.to_string()!r}): "
                                        "dtensor.copy_to_mesh or relayout it first")

@@ -139,7 +139,8 @@ class Mesh:
         return len(set(self._client_of.values()))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Mesh) and self.dim_names == other.dim_names and \
+        # the name counts, as in TF (a mesh of another name is another mesh)
+        return isinstance(other, Mesh) and self.name == other.name and self.dim_names == other.dim_names and \
             np.array_equal(self._ids, other._ids) and self._client_of == other._client_of
 
     def __hash__(self) -> int:
