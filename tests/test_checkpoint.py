@@ -42,7 +42,7 @@ from shardckpt import (
 from shardckpt.checkpoint import manager as manager_module
 from shardckpt.checkpoint.graph import walk
 from shardckpt.checkpoint.restore import CheckpointLoadStatus, InitializationOnlyStatus, NameBasedSaverStatus
-from shardckpt.errors import CorruptIndexError, InvalidArgumentError, NotFoundError, ShardckptError
+from shardckpt.errors import CorruptIndexError, DataLossError, InvalidArgumentError, NotFoundError, ShardckptError
 from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.format.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 from shardckpt.format.sstable import TableWriter, read_table
@@ -381,8 +381,9 @@ def test_module_variables() -> None:
     m.v = v1
     m.lst = [v2, v1]  # v1 again: listed once
     m.arr = np.zeros(2)  # plain arrays are not Variables
-    assert m.variables == [v1, v3, v2]  # graph (BFS) order
-    assert Module().variables == []
+    # TF's order: attributes sorted by name (arr, inner, lst, v), then the submodules' variables
+    assert m.variables == (v2, v1, v3)
+    assert Module().variables == ()
 
 
 # ---------------------------------------------------------------------------
@@ -544,10 +545,14 @@ def test_read_vs_restore_and_save_counter(tmp_path: Path) -> None:
     written = Checkpoint(v=Variable(9.0)).write(str(tmp_path / "plain"))
     fresh = Checkpoint(v=Variable(0.0))
     fresh.read(written).assert_consumed()
-    # restore() of a checkpoint without save_counter does not require it
+    # restore() of a checkpoint without save_counter: the counter matched nothing, and the asserts say so (TF)
     again = Checkpoint(v=Variable(0.0))
-    again.restore(written).assert_consumed()
+    status = again.restore(written)
     assert int(again.save_counter.numpy()) == 0 and float(again.v.numpy()) == 9.0
+    for check in (status.assert_consumed, status.assert_existing_objects_matched):
+        with pytest.raises(AssertionError, match="save_counter"):
+            check()
+    status.assert_nontrivial_match()
 
 
 def test_restore_none_returns_initialization_only_status() -> None:
@@ -570,8 +575,13 @@ def test_restore_from_directory(tmp_path: Path) -> None:
     src.v.assign(2.0)
     src.save(str(tmp_path / "ck"))
     target = Checkpoint(v=Variable(0.0))
-    target.restore(str(tmp_path)).assert_consumed()
+    for method in (target.restore, target.read):  # TF takes prefixes only: a directory is a DataLossError
+        with pytest.raises(DataLossError, match="directory"):
+            method(str(tmp_path))
+    assert float(target.v.numpy()) == 0.0
+    target.restore(shardckpt.latest_checkpoint(str(tmp_path))).assert_consumed()
     assert float(target.v.numpy()) == 2.0 and int(target.save_counter.numpy()) == 2
+    # reading by path (load_checkpoint and friends) still resolves a directory to its latest checkpoint
     assert shardckpt.checkpoint.reader.resolve_prefix(str(tmp_path)) == str(tmp_path / "ck-2")
 
 
@@ -953,12 +963,12 @@ def test_missing_checkpoint_is_not_found(tmp_path: Path) -> None:
     before = snapshot(target.model, target.opt)
     with pytest.raises(NotFoundError, match="nope"):
         target.restore(str(tmp_path / "nope-1"))
-    with pytest.raises(NotFoundError) as info:
-        target.read(str(tmp_path))  # a directory without a state file
+    with pytest.raises(DataLossError) as info:
+        target.read(str(tmp_path))  # a directory (TF: "Unable to open table file ...: Is a directory")
     assert str(tmp_path) in str(info.value)
     (tmp_path / "checkpoint").write_text('model_checkpoint_path: "gone-3"\n')
     with pytest.raises(NotFoundError):
-        target.restore(str(tmp_path))  # the state file names a checkpoint that is not there
+        target.restore(shardckpt.latest_checkpoint(str(tmp_path)) or str(tmp_path / "gone-3"))
     assert_unchanged(before, snapshot(target.model, target.opt))
     assert isinstance(NotFoundError("x"), FileNotFoundError)
 

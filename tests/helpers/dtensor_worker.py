@@ -369,7 +369,7 @@ def run_save4(data: str) -> None:
     variables = dvariables(mesh, FAULT_GEN)
     plain = shardckpt.Variable(value(PLAIN, FAULT_GEN))
     fault_ck = dt.DTensorCheckpoint(mesh, coordinator=fault_coord, plain=plain, **variables)
-    fault_ck.restore(ck_dir).assert_consumed()  # save_counter = 1: the next save is ck-2
+    fault_ck.restore(shardckpt.latest_checkpoint(ck_dir)).assert_consumed()  # save_counter = 1: the next save is ck-2
     set_generation(variables, plain, FAULT_GEN)
     result["fault_counter_before"] = int(fault_ck.save_counter.numpy())
     original_barrier = fault_coord.barrier

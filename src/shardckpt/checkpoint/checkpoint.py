@@ -15,12 +15,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..errors import InvalidArgumentError, NotFoundError
+from ..errors import DataLossError, InvalidArgumentError, NotFoundError
 from ..saving.async_save import AsyncSaver
 from ..saving.options import CheckpointOptions
 from ..saving.pieces import pieces_of
 from ..saving.save import save_tensors
 from ..sharding.shardable import ShardableTensor
+from ..storage.base import is_local_path, normalize
 from ..storage.registry import get_fs
 from .graph import OBJECT_GRAPH_KEY, SaveableGraph, build_graph
 from .reader import open_bundle
@@ -33,7 +34,7 @@ from .restore import (
     load_object_graph,
 )
 from .state import latest_checkpoint, update_checkpoint_state
-from .trackable import Module, Trackable, Variable, as_trackable
+from .trackable import AutoTrackable, Trackable, Variable, as_trackable
 
 __all__ = ["Checkpoint"]
 
@@ -42,7 +43,7 @@ _log = logging.getLogger("shardckpt")
 SAVE_COUNTER = "save_counter"
 
 
-class Checkpoint(Module):
+class Checkpoint(AutoTrackable):
     """Groups trackable objects and saves them as one checkpoint in TensorFlow's format.
 
     ``Checkpoint(model=m, optimizer=o)`` makes the checkpoint the root of the graph
@@ -103,6 +104,7 @@ class Checkpoint(Module):
             node = as_trackable(value)
             if node is not None:
                 extra[name] = node
+        extra.setdefault("root", self._root)  # TF's self-edge of the root (the files are then TF's bytes)
         if self._save_counter is not None:
             extra[SAVE_COUNTER] = self._save_counter
         return self._root, extra
@@ -173,11 +175,12 @@ class Checkpoint(Module):
 
     # -- restoring ---------------------------------------------------------------
     def read(self, save_path: str, options: Optional[CheckpointOptions] = None) -> Any:
-        """Restore from ``save_path`` (a prefix or directory) without creating ``save_counter``."""
+        """Restore from the checkpoint prefix ``save_path`` without creating ``save_counter``."""
         return self._restore(save_path, options)
 
     def restore(self, save_path: Optional[str], options: Optional[CheckpointOptions] = None) -> Any:
-        """Restore from ``save_path`` (a prefix, or a directory with a ``checkpoint`` file).
+        """Restore from the checkpoint prefix ``save_path``, or a SavedModel directory's variables; another
+        directory raises ``DataLossError``, as in TF (``latest_checkpoint(directory)`` names its latest).
 
         Returns a status (``assert_consumed()``, ``assert_existing_objects_matched()``,
         ``assert_nontrivial_match()``, ``expect_partial()``). ``None`` restores nothing and
@@ -187,11 +190,12 @@ class Checkpoint(Module):
         if save_path is None:
             return InitializationOnlyStatus()
         self.save_counter  # noqa: B018 - created so that it is restored too
-        return self._restore(save_path, options)
+        return self._restore(_saved_model_variables(os.fspath(save_path)), options)
 
     def _restore(self, save_path: str, options: Optional[CheckpointOptions]) -> Any:
         options = options or CheckpointOptions()
         self._wait_for_pending()  # never restore around a save in flight
+        _refuse_directory(os.fspath(save_path))
         reader = self._open_for_restore(os.fspath(save_path), options)
         finish = getattr(reader, "finish", None)  # a funnelled restore's exchange (collective)
         if finish is None:
@@ -216,10 +220,8 @@ class Checkpoint(Module):
         proto = load_object_graph(reader)
         session = RestoreSession(reader, proto, skip_slot_variables=options.skip_slot_variables)
         session.restore(0, root, extra)
-        ignore = set()
-        if self._save_counter is not None and f"{SAVE_COUNTER}/.ATTRIBUTES/VARIABLE_VALUE" not in reader:
-            ignore.add(self._save_counter._identity())
-        return CheckpointLoadStatus(session, root, extra, ignore)
+        # a save_counter the checkpoint lacks (written by write()) fails the asserts, as in TF
+        return CheckpointLoadStatus(session, root, extra, set())
 
     # -- asynchronous saves -------------------------------------------------------
     def _async_saver(self, options: CheckpointOptions) -> Optional[AsyncSaver]:
@@ -248,6 +250,22 @@ def _previous_checkpoint(path: str) -> Optional[str]:
         return latest_checkpoint(get_fs(path).dirname(path) or ".")
     except Exception:  # an unreadable state file: the save is then a full one
         return None
+
+
+def _saved_model_variables(save_path: str) -> str:
+    """A (local) SavedModel directory -> its variables' prefix, as TF's ``restore`` takes it; else ``save_path``."""
+    if is_local_path(save_path) and os.path.isdir(normalize(save_path)):
+        folder = normalize(save_path)
+        if any(os.path.exists(os.path.join(folder, name)) for name in ("saved_model.pb", "saved_model.pbtxt")):
+            return os.path.join(folder, "variables", "variables")
+    return save_path
+
+
+def _refuse_directory(save_path: str) -> None:
+    """TF's restore takes prefixes only: a (local) directory is a ``DataLossError``, as TF's table open fails."""
+    if is_local_path(save_path) and os.path.isdir(normalize(save_path)):
+        raise DataLossError("Unable to open table file: it is a directory, not a checkpoint prefix (pass "
+                            "latest_checkpoint(directory) to restore its latest checkpoint)", path=save_path)
 
 
 def _update_state(path: str) -> None:

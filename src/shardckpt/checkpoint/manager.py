@@ -86,7 +86,7 @@ class CheckpointManager:
         state = get_checkpoint_state(self._directory)
         if state is not None:
             self._latest_checkpoint = state.model_checkpoint_path
-            self._last_preserved_timestamp = min(state.last_preserved_timestamp, now)
+            self._last_preserved_timestamp = _clock_checked(state.last_preserved_timestamp, now)
             paths = list(state.all_model_checkpoint_paths)
             stamps = list(state.all_model_checkpoint_timestamps) or [self._last_preserved_timestamp] * len(paths)
             for path, stamp in zip(paths, stamps):
@@ -277,3 +277,14 @@ def _delete_checkpoint(prefix: str) -> None:
     fs.remove(sidecar_filename(prefix))
 
 
+def _clock_checked(last_preserved: float, now: float) -> float:
+    """The recovered ``last_preserved_timestamp``, never in the future: a clock that went back is logged,
+    as TF logs it (and saved timestamps are capped at ``now``, so no old checkpoint is deleted early)."""
+    if now < last_preserved:
+        import logging
+
+        logging.getLogger("shardckpt").warning(
+            "time.time() returned a value %f seconds behind the last preserved checkpoint timestamp.",
+            last_preserved - now)
+        return now
+    return last_preserved

@@ -56,6 +56,10 @@ def open_bundle(path: str, fs: Optional[FileSystem] = None) -> BundleReader:
     return BundleReader(resolve_prefix(path), fs=fs)
 
 
+# TF's DataType enum names where they are not the dtype's name in capitals
+_DT_NAMES = {"float32": "FLOAT", "float64": "DOUBLE", "float16": "HALF"}
+
+
 def _name(key: bytes) -> str:
     return key.decode("utf-8", "backslashreplace")
 
@@ -82,6 +86,21 @@ class CheckpointReader:
     def get_variable_to_tf_dtype_map(self) -> Dict[str, DType]:
         """Keys to :class:`~shardckpt.format.dtypes.DType` (TensorFlow's dtype names and enums)."""
         return {_name(k): self.bundle.dtype(k) for k in self.bundle.keys()}
+
+    def debug_string(self) -> bytes:
+        """Every stored entry with its dtype and shape, one per line in index order, as TF's reader writes it
+        (``b"dense/kernel/.ATTRIBUTES/VARIABLE_VALUE (DT_FLOAT) [3,4]\\n"``). As in TF, a partitioned
+        tensor shows as its slice entries (raw keys, slice shapes), not under its plain key."""
+        lines = []
+        for kb in self.bundle.keys(include_slices=True):
+            entry = self.bundle.entry(kb)
+            if not kb or len(entry.slices):
+                continue
+            dtype = self.bundle.dtype(kb)
+            dims = ",".join(str(int(n)) for n in self.bundle.shape(kb))
+            name = _DT_NAMES.get(dtype.name, dtype.name.upper())
+            lines.append(kb + f" (DT_{name}) [{dims}]\n".encode("ascii"))
+        return b"".join(lines)
 
     def has_tensor(self, key: Union[str, bytes]) -> bool:
         """Whether ``key`` names a tensor of the checkpoint."""

@@ -8,6 +8,11 @@ that fails on such a problem changes nothing. Children that do not exist yet are
 restored when they are attached later (deferred restoration), as are optimizer
 slots created later.
 
+Values of the checkpoint that nothing restored are reported (a logged warning,
+unless ``expect_partial()``) when the restore's session ends, as TF does: the status
+and every deferred restoration still waiting hold the session, so values restored
+later by deferred restoration are never reported.
+
 The values of one restore are read together (:func:`read_values`): on object stores
 their byte ranges are announced first, so a full restore is a few large GETs fetched in
 parallel, not one request per variable; the arrays are read and checksummed by the
@@ -117,6 +122,20 @@ class RestoreSession:
         self.restored_objects: Set[int] = set()  # identities
         self.deferred: Set[int] = set()  # node ids waiting for an object
         self.slot_nodes = {s.slot_variable_node_id for n in proto.nodes for s in n.slot_variables}
+        self.expect_partial = False  # set by the status: no warning about unrestored values
+
+    def __del__(self) -> None:
+        """The session ends (its status and every waiting deferred restoration are gone): report
+        what was never restored, as TF does when its restore coordinator is deleted."""
+        try:
+            if not self.expect_partial:
+                unmatched = self.unmatched_keys()
+                if unmatched:
+                    _log.warning("%d value(s) in checkpoint %s were not restored: %s. Call expect_partial() on "
+                                 "the status if this is intended.", len(unmatched), self.reader.prefix,
+                                 _some(unmatched))
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
 
     # -- matching --------------------------------------------------------------
     def restore(self, node_id: int, obj: Trackable, extra_root_children: Optional[Dict[str, Trackable]] = None) -> None:
@@ -302,7 +321,6 @@ class CheckpointLoadStatus(LoadStatus):
         self._root = root
         self._extra = extra_root_children
         self._ignore_live = ignore_live
-        self._quiet = False
 
     def assert_consumed(self) -> "CheckpointLoadStatus":
         """Every value in the checkpoint was restored, and every object got a value."""
@@ -331,19 +349,8 @@ class CheckpointLoadStatus(LoadStatus):
 
     def expect_partial(self) -> "CheckpointLoadStatus":
         """Silence the warning about values left unrestored."""
-        self._quiet = True
+        self._session.expect_partial = True
         return self
-
-    def __del__(self) -> None:
-        try:
-            if not self._quiet:
-                unmatched = self._session.unmatched_keys()
-                if unmatched:
-                    _log.warning("%d value(s) in checkpoint %s were not restored: %s. Call expect_partial() on "
-                                 "the status if this is intended.", len(unmatched), self._session.reader.prefix,
-                                 _some(unmatched))
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
 
 
 def _some(keys: List[str], n: int = 5) -> str:

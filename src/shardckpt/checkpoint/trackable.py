@@ -2,10 +2,16 @@
 
 * :class:`Trackable` — the base: named children, named attribute values, and a
   place for restorations waiting for a child that does not exist yet.
-* :class:`Variable` — a NumPy array with a name, restored in place.
-* :class:`Module` — tracks trackable attributes in assignment order; lists, tuples
+* :class:`Variable` — a NumPy array with a name, restored in place; number-like as
+  ``tf.Variable`` (``int(v)``, ``v + 1``, comparisons: NumPy values).
+* :class:`AutoTrackable` — tracks trackable attributes in assignment order; lists, tuples
   and dicts assigned to it are tracked too (lists and dicts become
   :class:`TrackedList` / :class:`TrackedDict`, which notice later additions).
+  ``Checkpoint`` is one, as in TensorFlow.
+* :class:`Module` — an ``AutoTrackable`` with ``tf.Module``'s surface: ``name``,
+  ``name_scope``, ``variables``, ``trainable_variables``, ``non_trainable_variables``,
+  ``submodules`` (TF's order: attributes sorted by name, a module's own leaves before
+  its submodules').
 * Plain NumPy arrays reachable from a module or checkpoint are saved like
   variables and restored in place (:class:`ArrayRef`).
 """
@@ -14,8 +20,10 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
+import threading
 import uuid
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -23,8 +31,8 @@ from ..errors import InvalidArgumentError
 from ..format.dtypes import DType, as_dtype
 from .convert import convert_python_value
 
-__all__ = ["Trackable", "Variable", "Module", "TrackedList", "TrackedDict", "ArrayRef", "as_trackable",
-           "VARIABLE_VALUE"]
+__all__ = ["Trackable", "Variable", "AutoTrackable", "Module", "TrackedList", "TrackedDict", "ArrayRef",
+           "as_trackable", "VARIABLE_VALUE"]
 
 VARIABLE_VALUE = "VARIABLE_VALUE"
 
@@ -102,8 +110,13 @@ class Trackable:
 class Variable(Trackable):
     """A named NumPy array, saved under ``VARIABLE_VALUE`` and restored in place.
 
-    Mirrors the parts of ``tf.Variable`` a checkpoint needs: ``numpy()``,
-    ``assign()``, ``shape``, ``dtype``, ``name``.
+    Mirrors ``tf.Variable``: ``numpy()``, ``value()``, ``read_value()``, ``assign*()``,
+    ``shape``, ``dtype``, ``name``, ``trainable``; and it is number-like as TF's is:
+    ``int(v)``, ``float(v)``, ``bool(v)``, ``v + 1`` and the other arithmetic,
+    bitwise and comparison operators (NumPy values: a NumPy scalar for a scalar
+    variable, as TF returns a scalar tensor), ``v[i]`` (a copy), ``np.asarray(v)``.
+    Comparisons are elementwise as in TF; unlike TF (which raises), a variable stays
+    hashable by identity.
 
     Without ``dtype``, Python values take TensorFlow's dtypes (``Variable(1.0)`` is
     float32, ``Variable(3)`` int32, ``Variable([1.0, 2.0])`` float32, ``Variable(True)``
@@ -123,6 +136,8 @@ class Variable(Trackable):
     ``np.array(var)``) hand nothing out.
     """
 
+    _shardckpt_is_variable = True  # what Module.variables collects
+
     def __init__(self, initial_value: Any, name: Optional[str] = None, dtype: Any = None,
                  trainable: bool = True) -> None:
         value = initial_value() if callable(initial_value) else initial_value
@@ -134,7 +149,7 @@ class Variable(Trackable):
                 array = array.astype(object)
         as_dtype(array.dtype)  # rejects dtypes a checkpoint cannot hold
         self._value = array
-        self._name = name or "Variable"
+        self._name = _scoped(name or "Variable")
         self.trainable = trainable
         self._version = 0
         self._stamp = _stamp()
@@ -155,9 +170,14 @@ class Variable(Trackable):
         """The value's dtype (TensorFlow's names; ``dtype.numpy`` is the NumPy dtype)."""
         return as_dtype(self._value.dtype)
 
-    def numpy(self) -> np.ndarray:
-        """A copy of the value (as ``tf.Variable.numpy``)."""
-        return self._value.copy()
+    def numpy(self) -> Any:
+        """A copy of the value (as ``tf.Variable.numpy``): an array, or a NumPy scalar (``numpy.int32``;
+        ``bytes`` for a string) when the variable is a scalar."""
+        return _copy_out(self._value)
+
+    def value(self) -> Any:
+        """The current value (a copy, as :meth:`numpy`; TF returns a tensor)."""
+        return self.numpy()
 
     @property
     def array(self) -> np.ndarray:
@@ -214,9 +234,44 @@ class Variable(Trackable):
         """Subtract ``delta`` in place."""
         return self.assign(self._value - delta)
 
-    def read_value(self) -> np.ndarray:
-        """A copy of the value."""
+    def read_value(self) -> Any:
+        """A copy of the value (as :meth:`numpy`)."""
         return self.numpy()
+
+    # -- number-like, as tf.Variable (the operators are installed below the class) -------------
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        """NumPy's functions read the value without taking the live buffer (``out=`` a variable writes it)."""
+        args = [x._value if isinstance(x, Variable) else x for x in inputs]
+        outs = kwargs.get("out")
+        written = [x for x in (outs or ()) if isinstance(x, Variable)]
+        if outs:
+            kwargs["out"] = tuple(x._value if isinstance(x, Variable) else x for x in outs)
+        result = getattr(ufunc, method)(*args, **kwargs)
+        for var in written:
+            var._changed()
+        return result
+
+    def __bool__(self) -> bool:
+        return bool(self._value)
+
+    def __int__(self) -> int:
+        return int(self._value)
+
+    def __float__(self) -> float:
+        return float(self._value)
+
+    def __complex__(self) -> complex:
+        return complex(self._value)
+
+    def __getitem__(self, index: Any) -> Any:
+        return _copy_out(self._value[index])
+
+    def __iter__(self) -> Any:
+        if self._value.ndim == 0:
+            raise TypeError(f"iteration over the scalar variable {self._name!r}")
+        return (_copy_out(row) for row in self._value)
+
+    __hash__ = Trackable.__hash__  # identity (TF raises; see the class docstring)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         if dtype is not None:
@@ -234,6 +289,38 @@ class Variable(Trackable):
 
     def __repr__(self) -> str:
         return f"<shardckpt.Variable {self._name!r} shape={list(self.shape)} dtype={self.dtype.name}>"
+
+
+def _copy_out(value: Any) -> Any:
+    """A copy of an array the caller may keep: 0-d arrays come out as NumPy scalars (``bytes`` for strings)."""
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:  # strings come out as bytes, as TF's
+            items = [x.encode("utf-8") if isinstance(x, str) else x for x in value.flat]
+            out = np.empty(len(items), dtype=object)
+            out[:] = items
+            value = out.reshape(value.shape)
+        return value[()] if value.ndim == 0 else value.copy()
+    return value.encode("utf-8") if isinstance(value, str) else value
+
+
+def _binary(ufunc: Any, reflected: bool = False) -> Callable[[Variable, Any], Any]:
+    if reflected:
+        return lambda self, other: ufunc(other, self._value)
+    return lambda self, other: ufunc(self._value, other)
+
+
+for _name, _ufunc in [("add", np.add), ("sub", np.subtract), ("mul", np.multiply), ("truediv", np.true_divide),
+                      ("floordiv", np.floor_divide), ("mod", np.remainder), ("pow", np.power),
+                      ("matmul", np.matmul), ("and", np.bitwise_and), ("or", np.bitwise_or),
+                      ("xor", np.bitwise_xor), ("lshift", np.left_shift), ("rshift", np.right_shift)]:
+    setattr(Variable, f"__{_name}__", _binary(_ufunc))
+    setattr(Variable, f"__r{_name}__", _binary(_ufunc, reflected=True))
+for _name, _ufunc in [("lt", np.less), ("le", np.less_equal), ("gt", np.greater), ("ge", np.greater_equal),
+                      ("eq", np.equal), ("ne", np.not_equal)]:
+    setattr(Variable, f"__{_name}__", _binary(_ufunc))
+for _name, _ufunc in [("neg", np.negative), ("pos", np.positive), ("abs", np.absolute), ("invert", np.invert)]:
+    setattr(Variable, f"__{_name}__", lambda self, _f=_ufunc: _f(self._value))
+del _name, _ufunc
 
 
 class ArrayRef(Trackable):
@@ -275,6 +362,9 @@ class TrackedList(list):
         self.extend(values)
         return self
 
+    def __repr__(self) -> str:
+        return f"ListWrapper({list.__repr__(self)})"  # as TF prints its tracked lists
+
     def __setitem__(self, index: Any, value: Any) -> None:
         super().__setitem__(index, _wrap(value) if not isinstance(index, slice) else [_wrap(v) for v in value])
         if isinstance(index, int):
@@ -292,6 +382,12 @@ class TrackedDict(dict):
 
     def _node(self) -> "_ContainerNode":
         return _container_node(self)
+
+    def __repr__(self) -> str:
+        return f"DictWrapper({dict.__repr__(self)})"  # as TF's repr (its str is the plain dict's)
+
+    def __str__(self) -> str:
+        return dict.__repr__(self)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         super().__setitem__(key, _wrap(value))
@@ -319,10 +415,20 @@ class _ContainerNode(Trackable):
             return self.container._trackable_children()
         if isinstance(self.container, dict):
             return TrackedDict._trackable_children(self.container)  # type: ignore[arg-type]
-        return _children_of_items((str(i), v) for i, v in enumerate(self.container))
+        return _children_of_items(_tuple_items(self.container))
 
     def _identity(self) -> int:
         return id(self.container)
+
+
+def _tuple_items(container: Any) -> Iterable[Tuple[str, Any]]:
+    """A list's or tuple's items named as TF names them: by index; a namedtuple's by field first (the keys),
+    then by index too (aliases of the same nodes)."""
+    by_index = [(str(i), v) for i, v in enumerate(container)]
+    fields = getattr(container, "_fields", None) if isinstance(container, tuple) else None
+    if isinstance(fields, tuple) and len(fields) == len(container):
+        return list(zip(fields, container)) + by_index
+    return by_index
 
 
 def _container_node(container: Any) -> _ContainerNode:
@@ -368,8 +474,8 @@ def as_trackable(value: Any) -> Optional[Trackable]:
     return None
 
 
-class Module(Trackable):
-    """A container of state, like ``tf.Module``: trackable attributes are its children.
+class AutoTrackable(Trackable):
+    """Tracks its trackable attributes as children (TF's ``AutoTrackable``; ``Checkpoint`` is one).
 
     Children are listed in the order attributes were first assigned. Assigning a
     value to a name that a pending restore is waiting for restores it at once.
@@ -398,9 +504,145 @@ class Module(Trackable):
                 out[name] = child
         return out
 
-    @property
-    def variables(self) -> List[Variable]:
-        """Every :class:`Variable` reachable from this module (each once, in graph order)."""
-        from .graph import walk
 
-        return [obj for obj, _ in walk(self) if isinstance(obj, Variable)]
+# -- name scopes (tf.name_scope, as far as names go: a Module's variables are named "<module>/<name>") --------
+_SCOPES = threading.local()
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _current_scope() -> str:
+    stack: List[str] = getattr(_SCOPES, "stack", [])
+    return stack[-1] if stack else ""
+
+
+def _scoped(name: str) -> str:
+    return _current_scope() + name
+
+
+class NameScope:
+    """A module's name scope (``Module.name_scope``): variables created inside it are named ``<scope>/<name>``.
+
+    ``name`` is the absolute scope (``"outer/my_module/"``); ``with scope as s`` gives it.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> str:
+        stack = getattr(_SCOPES, "stack", None)
+        if stack is None:
+            stack = _SCOPES.stack = []
+        stack.append(self.name)
+        return self.name
+
+    def __exit__(self, *_: object) -> None:
+        _SCOPES.stack.pop()
+
+    def __repr__(self) -> str:
+        return f"<shardckpt NameScope {self.name!r}>"
+
+
+def _camel_to_snake(name: str) -> str:
+    """``MyHTTPModule`` -> ``my_http_module`` (TF's default module names)."""
+    name = re.sub(r"(.)([A-Z][a-z0-9]+)", r"\1_\2", name)
+    return re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()
+
+
+def _is_variable(obj: Any) -> bool:
+    return isinstance(obj, Trackable) and getattr(obj, "_shardckpt_is_variable", False)
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    """``value`` flattened as TF's ``nest`` does: dicts by sorted key, lists and tuples in order."""
+    if isinstance(value, dict):
+        try:
+            keys = sorted(value)
+        except TypeError:
+            keys = list(value)
+        for key in keys:
+            yield from _leaves(value[key])
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _leaves(item)
+    else:
+        yield value
+
+
+class Module(AutoTrackable):
+    """A container of state, like ``tf.Module``: trackable attributes are its children.
+
+    ``Module(name=None)``: ``name`` must be a Python identifier; by default the class
+    name in snake case (``MyModule`` -> ``my_module``). ``name_scope`` names the
+    variables created inside it ``<module>/<name>`` (recorded in checkpoints as TF
+    records them). ``variables``, ``trainable_variables``, ``non_trainable_variables``
+    and ``submodules`` are tuples in TF's order: this module's attributes sorted by
+    name (lists and tuples in order, dicts by sorted key), each object once, then
+    each submodule's in turn, depth first. Subclasses need not call
+    ``super().__init__()`` (the default name is then used).
+    """
+
+    def __init__(self, name: Optional[str] = None) -> None:
+        if name is None:
+            name = _camel_to_snake(type(self).__name__)
+        elif not _IDENTIFIER.match(str(name)):
+            raise InvalidArgumentError(f"{name!r} is not a valid module name. Module names must be valid Python "
+                                       "identifiers (e.g. a valid class name).")
+        object.__setattr__(self, "_shardckpt_name", str(name))
+        object.__setattr__(self, "_shardckpt_scope", NameScope(f"{_current_scope()}{name}/"))
+
+    @property
+    def name(self) -> str:
+        """The module's name (a Python identifier)."""
+        if "_shardckpt_name" not in self.__dict__:
+            Module.__init__(self)
+        return self.__dict__["_shardckpt_name"]  # type: ignore[no-any-return]
+
+    @property
+    def name_scope(self) -> NameScope:
+        """The module's name scope (``with module.name_scope:`` names new variables ``<module>/<name>``)."""
+        if "_shardckpt_scope" not in self.__dict__:
+            Module.__init__(self)
+        return self.__dict__["_shardckpt_scope"]  # type: ignore[no-any-return]
+
+    @property
+    def variables(self) -> Tuple[Trackable, ...]:
+        """Every variable reachable from this module's attributes (each once, in TF's order)."""
+        return tuple(self._flatten(_is_variable))
+
+    @property
+    def trainable_variables(self) -> Tuple[Trackable, ...]:
+        """The variables with ``trainable=True``."""
+        return tuple(self._flatten(lambda obj: _is_variable(obj) and bool(getattr(obj, "trainable", True))))
+
+    @property
+    def non_trainable_variables(self) -> Tuple[Trackable, ...]:
+        """The variables with ``trainable=False``."""
+        return tuple(self._flatten(lambda obj: _is_variable(obj) and not getattr(obj, "trainable", True)))
+
+    @property
+    def submodules(self) -> Tuple["Module", ...]:
+        """Every module reachable from this one (not itself), in TF's order."""
+        return tuple(self._flatten(lambda obj: isinstance(obj, Module)))
+
+    def _flatten(self, predicate: Callable[[Any], bool]) -> Iterator[Any]:
+        return _flatten_module(self, predicate, {id(self)})
+
+
+def _flatten_module(module: Module, predicate: Callable[[Any], bool], seen: Set[int]) -> Iterator[Any]:
+    """TF's walk of a module: its attributes by sorted name (the library's own left out), every leaf
+    once; after this module's leaves, each submodule found among them, in turn."""
+    submodules: List[Module] = []
+    attributes = vars(module)
+    for key in sorted(attributes):
+        if key.startswith("_shardckpt"):
+            continue
+        for leaf in _leaves(attributes[key]):
+            if id(leaf) in seen:
+                continue
+            seen.add(id(leaf))
+            if predicate(leaf):
+                yield leaf
+            if isinstance(leaf, Module):
+                submodules.append(leaf)
+    for submodule in submodules:
+        yield from _flatten_module(submodule, predicate, seen)

@@ -9,7 +9,7 @@ import numpy as np
 from ..checkpoint.trackable import VARIABLE_VALUE, Trackable
 from ..errors import InvalidArgumentError
 from ..format.dtypes import DType, as_dtype
-from ._api import DTensor, as_dtensor, from_global, is_dtensor, to_global, unpack
+from ._api import DTensor, as_dtensor, from_global, is_dtensor, relayout, to_global, unpack
 from ._layout import Layout
 
 __all__ = ["DVariable"]
@@ -20,11 +20,18 @@ class DVariable(Trackable):
 
     The initial value is copied, as TensorFlow copies it. The value's arrays are
     live: ``assign*`` and restores write into them in place, so the layout never
-    changes (``relayout`` a value before assigning it).
+    changes. ``assign`` takes what TF's takes: a DTensor (or DVariable) on the
+    variable's mesh, of its shape and dtype, in any layout (the value is relaid out
+    to the variable's: a collective on several clients); a value on another mesh is
+    refused. As an extension it also takes the global NumPy value, or a scalar that
+    fills the variable.
     Everything that takes a DTensor takes a DVariable too.
     """
 
-    def __init__(self, initial_value: Any, name: Optional[str] = None, *, layout: Optional[Layout] = None) -> None:
+    _shardckpt_is_variable = True  # what Module.variables collects
+
+    def __init__(self, initial_value: Any, name: Optional[str] = None, *, layout: Optional[Layout] = None,
+                 trainable: bool = True) -> None:
         if is_dtensor(initial_value):
             value = as_dtensor(initial_value)
             if layout is not None and layout != value.layout:
@@ -38,6 +45,7 @@ class DVariable(Trackable):
                             "value and layout=")
         self._value = value
         self._name = name or "Variable"
+        self.trainable = trainable
 
     @classmethod
     def from_global(cls, array: Any, layout: Layout, name: Optional[str] = None) -> "DVariable":
@@ -45,6 +53,7 @@ class DVariable(Trackable):
         variable = cls.__new__(cls)  # from_global already made fresh arrays: no second copy
         variable._value = from_global(array, layout)
         variable._name = name or "Variable"
+        variable.trainable = True
         return variable
 
     def _shardckpt_dtensor(self) -> DTensor:
@@ -104,8 +113,11 @@ class DVariable(Trackable):
         return from_global(array.astype(self._value.dtype, copy=False), self.layout)
 
     def assign(self, value: Any) -> "DVariable":
-        """Write ``value`` (a DTensor/DVariable on this layout, or the global NumPy value) in place."""
-        new = self._as_value(value)
+        """Write ``value`` in place (see the class docstring for what it may be); the layout stays."""
+        if is_dtensor(value):
+            new = self._same_mesh_value(as_dtensor(value))
+        else:
+            new = self._as_value(value)
         if new.shape != self._value.shape:
             raise InvalidArgumentError(f"cannot assign shape {list(new.shape)} to {list(self._value.shape)}")
         if sorted(new.components) != sorted(self._value.components) or any(
@@ -115,6 +127,24 @@ class DVariable(Trackable):
         for device, component in new.components.items():
             np.copyto(self._value.components[device], component, casting="same_kind")
         return self
+
+    def _same_mesh_value(self, value: DTensor) -> DTensor:
+        """A DTensor to assign, as TF takes it: the same mesh (its name included), shape and dtype; relaid out to
+        this variable's layout when it has another."""
+        mesh, own = value.layout.mesh, self.layout.mesh
+        if mesh != own:
+            raise InvalidArgumentError(f"cannot assign to variable {self._name!r} a value on another mesh "
+                                       f"({mesh.to_string()!r}; the variable's is {own.to_string()!r}): "
+                                       "dtensor.copy_to_mesh or relayout it first")
+        if value.shape != self.shape:
+            raise InvalidArgumentError(f"cannot assign a value of shape {list(value.shape)} to variable "
+                                       f"{self._name!r} of shape {list(self.shape)}")
+        if value.dtype != self._value.dtype:
+            raise InvalidArgumentError(f"cannot assign a {as_dtype(value.dtype).name} value to the "
+                                       f"{self.dtype.name} variable {self._name!r}")
+        if value.layout != self.layout:
+            value = relayout(value, self.layout)
+        return value
 
     def assign_add(self, delta: Any) -> "DVariable":
         """Add ``delta`` (a DTensor/DVariable on this layout, a global NumPy value or a scalar) in place."""

@@ -63,6 +63,18 @@ class Layout:
         """The last tensor dimension sharded over ``inner_dim``, the others unsharded."""
         return cls.batch_sharded(mesh, inner_dim, rank, axis=rank - 1)
 
+    @property
+    def shape(self) -> List[int]:
+        """The mesh's shape (TF's ``Layout.shape`` is its mesh's shape, not the tensor's)."""
+        return list(self.mesh.shape)
+
+    def delete(self, dims: Any) -> "Layout":
+        """This layout without the tensor dimensions ``dims`` (a list of indices, or one index), as TF's:
+        indices that name no dimension are ignored. ``Layout([x, y], m).delete([0])`` is ``Layout([y], m)``."""
+        if not isinstance(dims, list):
+            dims = [dims]
+        return Layout([spec for i, spec in enumerate(self.sharding_specs) if i not in dims], self.mesh)
+
     def num_shards(self, dim: int) -> int:
         """Number of pieces tensor dimension ``dim`` is cut into."""
         spec = self.sharding_specs[dim]

@@ -13,6 +13,7 @@ belongs to client ``d // k`` where ``k`` is the number of local devices (the lay
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -20,7 +21,8 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["Mesh", "create_mesh", "create_distributed_mesh", "device_name"]
+__all__ = ["Mesh", "create_mesh", "create_distributed_mesh", "device_name", "job_name", "num_local_devices",
+           "local_devices"]
 
 
 def device_name(client: int, index: int, device_type: str = "CPU", job: str = "localhost") -> str:
@@ -108,6 +110,14 @@ class Mesh:
         """Number of devices on this client."""
         return len(self._local)
 
+    def local_device_locations(self) -> List[Dict[str, int]]:
+        """Where each of this client's devices sits: ``{dim name: index}``, in local device order (as TF)."""
+        return [self.coords(d) for d in self._local]
+
+    def device_location(self, device_id: int) -> List[int]:
+        """The position of ``device_id`` along each mesh dimension, in mesh order (as TF)."""
+        return [int(i) for i in self._coords[int(device_id)]]
+
     def device_type(self) -> str:
         """The devices' type (``"CPU"``, ``"GPU"``, ``"TPU"``); shardckpt only names devices."""
         return self.device_type_name
@@ -129,7 +139,8 @@ class Mesh:
         return len(set(self._client_of.values()))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Mesh) and self.dim_names == other.dim_names and \
+        # the name counts, as in TF (a mesh of another name is another mesh)
+        return isinstance(other, Mesh) and self.name == other.name and self.dim_names == other.dim_names and \
             np.array_equal(self._ids, other._ids) and self._client_of == other._client_of
 
     def __hash__(self) -> int:
@@ -359,3 +370,49 @@ def create_distributed_mesh(mesh_dims: MeshDims, mesh_name: str = "", local_devi
     _check_xla(device_type, use_xla_spmd)
     return Mesh(names, np.arange(n).reshape(sizes), local, names_on_client, mesh_name,
                 {d: d // k for d in range(n)}, device_type.upper(), use_xla_spmd=use_xla_spmd)
+
+
+# -- the client's devices (TF's dtensor.job_name / num_local_devices / local_devices) ---------------------------
+_DEVICE_TYPES = ("CPU", "GPU", "TPU")
+
+
+def _check_device_type(device_type: str) -> str:
+    kind = str(device_type).upper()
+    if kind not in _DEVICE_TYPES:
+        raise InvalidArgumentError(f"Device type {device_type} is not CPU, GPU, or TPU.")  # TF's words
+    return kind
+
+
+def _clients() -> Tuple[int, int]:
+    """(this client's id, number of clients), from the coordinator (``torchrun``/``mpiexec``, else one)."""
+    from ..distributed import get_coordinator
+
+    coordinator = get_coordinator()
+    return int(coordinator.rank), int(coordinator.size)
+
+
+def job_name() -> str:
+    """The job name of every client (TF's rule): ``$DTENSOR_JOB_NAME``, else ``"localhost"`` on one client
+    and ``"worker"`` on several."""
+    return os.environ.get("DTENSOR_JOB_NAME", "localhost" if _clients()[1] == 1 else "worker")
+
+
+def num_local_devices(device_type: str) -> int:
+    """Devices of ``device_type`` on this client. There are no real devices here: the count is the
+    default mesh's local devices of that type (``dtensor.default_mesh``), else what TF reports with no
+    device configured: one CPU, no other device (any type name is accepted, as in TF)."""
+    kind = str(device_type).upper()
+    from ._api import get_default_mesh
+
+    mesh = get_default_mesh()
+    if mesh is not None and mesh.device_type() == kind:
+        return mesh.num_local_devices()
+    return 1 if kind == "CPU" else 0
+
+
+def local_devices(device_type: str, for_client_id: Optional[int] = None) -> List[str]:
+    """Full names of the :func:`num_local_devices` devices of ``for_client_id`` (default: this client),
+    by increasing index (TF returns ``DeviceSpec`` objects; device names are strings here)."""
+    kind = _check_device_type(device_type)
+    client = _clients()[0] if for_client_id is None else int(for_client_id)
+    return [device_name(client, i, kind, job_name()) for i in range(num_local_devices(kind))]
