@@ -66,7 +66,7 @@ def _entries(reuse: Reuse, shard_id: int) -> Dict[bytes, pb.BundleEntryProto]:
 def _reused(shard: ShardPlan, how: str) -> Written:
     assert shard.reuse is not None and shard.hashes is not None
     return {"bytes": 0, "reused": shard.reuse.size, "how": how, "source": shard.reuse.source,
-            "pieces": piece_records(shard, shard.hashes)}
+            "pieces": piece_records(shard, shard.hashes), "file": dict(shard.reuse.record)}
 
 
 class LinkRenameCommitter(RenameCommitter):
@@ -96,7 +96,7 @@ class LinkRenameCommitter(RenameCommitter):
         # sidecar lost or torn by a crash only fails its checks (JSON, the index's hash) and makes the
         # next save a full one; it never makes a checkpoint wrong.
         self.location.fs.write_atomic(sidecar_filename(self.location.prefix),
-                                      sidecar_bytes(written, index, self.location.fs))
+                                      sidecar_bytes(written, index, self.location.fs, self.location.prefix))
 
 
 class CopyIndexLastCommitter(IndexLastCommitter):
@@ -117,4 +117,4 @@ class CopyIndexLastCommitter(IndexLastCommitter):
 
     def _before_index(self, written: List[Written], index: bytes) -> None:
         self.location.fs.write_atomic(sidecar_filename(self.location.prefix),
-                                      sidecar_bytes(written, index, self.location.fs))
+                                      sidecar_bytes(written, index, self.location.fs, self.location.prefix))
