@@ -15,7 +15,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -626,6 +626,31 @@ def _damage(path: Path, how: str) -> None:
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
+def _manager_after_one_save(tmp_path: Path, seed: int) -> Tuple[Path, shardckpt.Module, Any, str]:
+    """An incremental manager (max_to_keep=2) of a fresh model in ``tmp_path/ckpts``, after its first save."""
+    folder = tmp_path / "ckpts"
+    model = _model(seed)
+    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(model=model), str(folder), max_to_keep=2,
+                                          incremental=True)
+    first = manager.save()
+    assert first is not None
+    return folder, model, manager, first
+
+
+def _save_after_adapters_change(model: shardckpt.Module, manager: Any, step: int) -> str:
+    for v in model.adapter:
+        v.assign_add(np.full(N_ADAPTER, step + 1, np.float32))
+    path = manager.save()
+    assert path is not None
+    return str(path)
+
+
+def _largest_data_file(prefix: str) -> Tuple[Path, int]:
+    """The checkpoint's largest data file (the frozen tensors fill its middle) and its inode."""
+    path = max(_data_files(prefix), key=lambda f: f.stat().st_size)
+    return path, path.stat().st_ino
+
+
 def _verify(prefix: str) -> None:
     from shardckpt.cli.main import main as cli
 
@@ -638,21 +663,12 @@ def test_a_data_file_changed_after_its_commit_is_never_linked_again(tmp_path: Pa
     sees its stamp (size, inode, mtime) differ from the one its commit recorded and writes its tensors
     from memory; three saves later (ckpt-1 deleted by retention) every checkpoint verifies and a new
     process restores the latest exactly."""
-    folder = tmp_path / "ckpts"
-    model = _model(20)
-    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(model=model), str(folder), max_to_keep=2,
-                                          incremental=True)
-    first = manager.save()
-    assert first is not None
-    damaged = max(_data_files(first), key=lambda f: f.stat().st_size)  # frozen tensors fill its middle
-    inode = damaged.stat().st_ino
+    folder, model, manager, first = _manager_after_one_save(tmp_path, 20)
+    damaged, inode = _largest_data_file(first)
     time.sleep(0.05)  # mtimes tick with the kernel's clock (a few ms): the damage comes later than the commit
     _damage(damaged, how)
     for step in range(3):
-        for v in model.adapter:
-            v.assign_add(np.full(N_ADAPTER, step + 1, np.float32))
-        path = manager.save()
-        assert path is not None
+        path = _save_after_adapters_change(model, manager, step)
         assert all(f.stat().st_ino != inode for f in _data_files(path)), "the damaged file was linked"
         _verify(path)
         assert _same(_restored(path), _values(model)), path
@@ -671,21 +687,12 @@ def test_bit_rot_is_found_by_the_scrub_and_never_linked_again(tmp_path: Path,
     those tensors from memory, verifies, and a new process restores the latest exactly."""
     from shardckpt.saving.scrub import wait_for_scrubs
 
-    folder = tmp_path / "ckpts"
-    model = _model(21)
-    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(model=model), str(folder), max_to_keep=2,
-                                          incremental=True)
-    first = manager.save()
-    assert first is not None
-    damaged = max(_data_files(first), key=lambda f: f.stat().st_size)
-    inode = damaged.stat().st_ino
+    folder, model, manager, first = _manager_after_one_save(tmp_path, 21)
+    damaged, inode = _largest_data_file(first)
     _damage(damaged, "rot")
     with caplog.at_level(logging.ERROR, logger="shardckpt"):
         for step in range(4):
-            for v in model.adapter:
-                v.assign_add(np.full(N_ADAPTER, step + 1, np.float32))
-            path = manager.save()
-            assert path is not None
+            path = _save_after_adapters_change(model, manager, step)
             linked = any(f.stat().st_ino == inode for f in _data_files(path))
             if step == 0:  # within the scrub's window: linked, and its scrub queued
                 assert linked
@@ -759,18 +766,13 @@ def test_retention_keeps_the_newest_sound_checkpoint_while_newer_ones_share_a_da
     from shardckpt.saving.scrub import wait_for_scrubs
     from shardckpt.storage.wrappers import FaultInjectingFileSystem
 
-    folder = tmp_path / "ckpts"
-    model = _model(23)
-    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(model=model), str(folder), max_to_keep=2,
-                                          incremental=True)
-    first = manager.save()
-    assert first is not None
+    folder, model, manager, first = _manager_after_one_save(tmp_path, 23)
     at_first = _values(model)
     for v in model.frozen:
         v.assign_add(np.ones(N_FROZEN, np.float32))
     second = manager.save()
     assert second is not None
-    file_b = max(_data_files(second), key=lambda f: f.stat().st_size)
+    file_b, _ = _largest_data_file(second)
     _damage(file_b, "rot")
     model.adapter[0].assign_add(np.ones(N_ADAPTER, np.float32))
     # the scrub queued by ckpt-3's arrange step ends before ckpt-3 commits (its sidecar is written)

@@ -23,7 +23,10 @@ its *sample* (:func:`sample_hash`: its last :data:`HEAD_BYTES` bytes and
 older sidecars and where it was not computed); per shard record: bytes
 written (a linked file: none, and the bytes of its pieces in use), and the data file it was
 linked or copied from (``shardckpt inspect`` shows
-them).
+them); per data file of the checkpoint (``files``, by shard id; absent in older sidecars,
+whose files are then never linked): its *stamp* at the commit (``id``), the number of saves
+since its bytes were last proven good (``age``; 0: written by this save) and whether that
+proof was a scrub (``scrubbed``), see :mod:`shardckpt.saving.scrub`.
 
 **Change detection** (:func:`arrange`, on every client, for its own pieces, before any
 byte is staged or written), cheapest first:
@@ -52,7 +55,10 @@ keeps its recorded one.
 
 **Layout** (:func:`arrange`). A committed data file is never written into, so a data file
 of the previous checkpoint whose pieces all belong to this client is *linked* into the new
-checkpoint whole (its bytes are never copied), and the new index names only its pieces
+checkpoint whole (its bytes are never copied) when its bytes are still proven good
+(:meth:`Previous.reusable`: its stamp is the one its commit recorded, the scrub found no
+damage, its last proof is recent; a file that is not is written from memory, and a linked
+file's scrub is queued when due), and the new index names only its pieces
 that did not change (offsets, sizes, checksums as the previous index has them). The old
 bytes of its pieces that changed stay in the file, named by no entry of the new index
 (TensorFlow's reader, like this one, reads entries by offset; nothing else in the file is

@@ -59,6 +59,8 @@ SCRUB_EVERY = 4
 LINK_LIMIT = 2 * SCRUB_EVERY
 #: bytes read per call of the scrub
 _CHUNK = 4 << 20
+#: identities remembered as proven or damaged at most (the oldest are forgotten first)
+_REMEMBERED = 4096
 
 #: what a commit records of a data file: ``[size, inode, mtime ns]`` (local) or ``[size, ETag]``
 Stamp = List[Any]
@@ -112,8 +114,8 @@ class Scrubber:
         self._cond = threading.Condition()
         self._queue: Deque[_Job] = collections.deque()
         self._pending: Set[Identity] = set()
-        self._passed: Set[Identity] = set()
-        self._damaged: Set[Identity] = set()  # as queued, and as marked (its mtime moved)
+        self._passed: Dict[Identity, None] = {}  # insertion-ordered sets
+        self._damaged: Dict[Identity, None] = {}  # as queued, and as marked (its mtime moved)
         self._thread: Optional[threading.Thread] = None
         self._running = False
         #: bytes read and seconds spent by the scrub so far (for benchmarks)
@@ -146,7 +148,7 @@ class Scrubber:
         with self._cond:
             identity = tuple(identity)
             if identity in self._passed:
-                self._passed.discard(identity)
+                del self._passed[identity]
                 return True
             return False
 
@@ -197,9 +199,11 @@ class Scrubber:
             with self._cond:
                 self._pending.discard(job.identity)
                 if verdict is True:
-                    self._passed.add(job.identity)
+                    _remember(self._passed, job.identity)
                 elif verdict is False:
-                    self._damaged.update(i for i in (job.identity, marked) if i is not None)
+                    for identity in (job.identity, marked):
+                        if identity is not None:
+                            _remember(self._damaged, identity)
                 self.bytes_read += read
                 self.seconds += time.perf_counter() - started
                 self._running = False
@@ -211,6 +215,12 @@ class Scrubber:
                 os.close(job.fd)
             except OSError:
                 pass
+
+
+def _remember(kept: Dict[Identity, None], identity: Identity) -> None:
+    kept[identity] = None
+    while len(kept) > _REMEMBERED:
+        del kept[next(iter(kept))]
 
 
 def _check(job: _Job, buf: bytearray) -> Tuple[Optional[bool], int, Optional[Identity]]:
