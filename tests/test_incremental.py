@@ -646,9 +646,22 @@ def _save_after_adapters_change(model: shardckpt.Module, manager: Any, step: int
 
 
 def _largest_data_file(prefix: str) -> Tuple[Path, int]:
-    """The checkpoint's largest data file (the frozen tensors fill its middle) and its inode."""
+    """The checkpoint's largest data file (the frozen tensors fill its middle) and its inode, held open
+    for the rest of the test (a deleted file's inode number is not given to a new file while it is)."""
     path = max(_data_files(prefix), key=lambda f: f.stat().st_size)
-    return path, path.stat().st_ino
+    held = open(path, "rb")
+    _HELD.append(held)
+    return path, os.fstat(held.fileno()).st_ino
+
+
+_HELD: List[Any] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_held_files() -> Any:
+    yield
+    while _HELD:
+        _HELD.pop().close()
 
 
 def _verify(prefix: str) -> None:
