@@ -13,9 +13,10 @@ written; two things can spoil them afterwards, and each is caught here:
   never linked: the save writes its tensors from memory.
 * **bit rot that leaves the stamp alone**: the *scrub* reads the entries a save links and
   compares their CRC32C with the index, on a background thread of its own (nice 19: it
-  yields the CPU to the training threads), while training goes on. A file is scrubbed
-  right after the first save that links it (it was written, never read back) and again
-  once it has been linked in :data:`SCRUB_EVERY` saves since its last proof; a save never
+  yields the CPU to the training threads), while training goes on. A file is queued for
+  a scrub by the first save that links it (at that save's arrange step: the scrub runs while
+  the save goes on and after; the file was written, never read back) and again once it has
+  been linked in :data:`SCRUB_EVERY` saves since its last proof; a save never
   links a file whose last proof (its write, or a passed scrub) is more than
   :data:`LINK_LIMIT` saves old (a scrub that did not finish in time, or one a restart
   lost): its tensors are written from memory instead. A file the scrub finds damaged is
