@@ -52,6 +52,9 @@ writes). After the rounds, the last ``full`` and ``incremental`` checkpoints are
 turns (``--restore-rounds`` each; every tensor, through ``restore_tensors`` as
 ``Checkpoint.restore`` does), from a cold page cache (dropped first where allowed) and then
 warm: medians of the times and of the per-round ratios, and each checkpoint's number of data files.
+Where the library has the background scrub of linked files (``saving/scrub.py``), what it read and
+the seconds it ran during the rounds are printed too: it runs on its own thread, during and between
+the timed saves, so whatever it costs the saves is in their times.
 
     .venv/bin/python benchmarks/bench_incremental.py                       # 256 MiB, 7 rounds
     .venv/bin/python benchmarks/bench_incremental.py --size 1GiB --rounds 9 --fractions 1.0 --no-dcp
@@ -157,6 +160,17 @@ class DetectionProbe:
         engine._arrange = timed_arrange  # type: ignore[assignment]
         incremental.new_digest = TimedDigest  # type: ignore[assignment]
         return self
+
+
+def _scrub_figures() -> Dict[str, float]:
+    """What the library's background scrub of linked files (``saving/scrub.py``) has read and spent so
+    far in this process (empty where the library has no scrub: an older revision)."""
+    try:
+        from shardckpt.saving.scrub import default_scrubber
+    except ImportError:
+        return {}
+    scrubber = default_scrubber()
+    return {"scrub_bytes": float(scrubber.bytes_read), "scrub_s": scrubber.seconds}
 
 
 def _drop_file_cache(folder: str) -> None:
@@ -339,6 +353,7 @@ def run_fraction(work: str, fraction: float, state: List[np.ndarray], names: Lis
         changed = sorted({int(i * step) for i in range(count)})
         res: Dict[str, Any] = {"fraction": fraction, "changed_tensors": len(changed), "change": where,
                                "changed_bytes": sum(state[i].nbytes for i in changed), "rounds": []}
+        scrub_before = _scrub_figures()
         for round_ in range(rounds):
             _change(state, [vs for _, vs in managed.values()], changed, where)
             got: Dict[str, Any] = {"order": _order(systems, round_)}
@@ -347,6 +362,8 @@ def run_fraction(work: str, fraction: float, state: List[np.ndarray], names: Lis
                 settle(folder, stale, prime)
                 got[name] = measure(fn, probe)
             res["rounds"].append(got)
+        scrub_after = _scrub_figures()  # scrubs still running go on: their figures count in the next fraction
+        res.update({k: scrub_after[k] - scrub_before[k] for k in scrub_after})
         if "full" in history and "incremental" in history:  # the restores read <folder>/full and <folder>/inc
             _rename_checkpoint(history["full"][-1], os.path.join(folder, "full"))
             _rename_checkpoint(history["incremental"][-1], os.path.join(folder, "inc"))
@@ -431,6 +448,10 @@ def _print_fraction(res: Dict[str, Any], rows: List[Dict[str, Any]]) -> None:
                   f"{r['ratio_q3']:.3f}, range {r['ratio_min']:.3f}-{r['ratio_max']:.3f}), cpu {r['cpu_ratio']:.3f}x, "
                   f"bytes {r['bytes_ratio']:.4f}x" + (f"; arrange step {r['arrange_share']:.2%} of the baseline's time"
                                                       if r["system"] in INCREMENTAL else ""))
+    if "scrub_bytes" in res:
+        saves = sum(1 for r in res["rounds"] for s in r if s in INCREMENTAL)
+        print(f"{'background scrub':>24}: {C.fmt_size(res['scrub_bytes'])} of linked files read and CRC-checked "
+              f"in {res['scrub_s']:.2f} s (its own thread, nice 19) over {saves} incremental saves")
     if "restore_full_s" in res:
         for kind, suffix in (("cold", ""), ("warm", "_warm")):
             full_s, inc_s = res[f"restore_full{suffix}_s"], res[f"restore_incremental{suffix}_s"]

@@ -15,7 +15,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -576,6 +576,281 @@ def test_object_store_copies_unchanged_objects_server_side(s3_server: Any) -> No
     got = _read_all(base + "/ck-2")
     for k in values:
         assert np.array_equal(got[k], values[k]), k
+
+
+# -- reused bytes that were damaged after their checkpoint committed (issue 24) --------------------
+
+_RESTORE_LATEST = """
+import sys, numpy as np, shardckpt
+directory, expected = sys.argv[1], sys.argv[2]
+frozen, n_frozen, adapter, n_adapter = map(int, sys.argv[3:7])
+m = shardckpt.Module()
+m.frozen = [shardckpt.Variable(np.zeros(n_frozen, np.float32)) for _ in range(frozen)]
+m.adapter = [shardckpt.Variable(np.zeros(n_adapter, np.float32)) for _ in range(adapter)]
+manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(model=m), directory, max_to_keep=2, incremental=True)
+path = manager.restore_or_initialize()
+want = np.load(expected)
+got = [v.numpy() for v in list(m.frozen) + list(m.adapter)]
+bad = [i for i in range(len(got)) if not np.array_equal(got[i], want[f"arr_{i}"])]
+print("restored", path, "wrong:", bad)
+sys.exit(1 if path is None or bad else 0)
+"""
+
+
+def _restore_latest_in_a_new_process(directory: Path, want: List[np.ndarray]) -> str:
+    """A restart: a fresh process builds the model, restores the manager's latest checkpoint and compares
+    every value with ``want``; returns its report."""
+    np.savez(directory.parent / "expected.npz", *want)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", _RESTORE_LATEST, str(directory), str(directory.parent / "expected.npz"),
+                          str(FROZEN), str(N_FROZEN), str(ADAPTER), str(N_ADAPTER)],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def _damage(path: Path, how: str) -> None:
+    """Damage a committed data file as something outside the library would: one byte in its middle
+    rewritten in place (``flip``), the file cut to half its size (``truncate``), or one byte changed with
+    the file's mtime put back (``rot``: bit rot, which leaves size and mtime alone)."""
+    st = os.stat(path)
+    if how == "truncate":
+        os.truncate(path, st.st_size // 2)
+        return
+    with open(path, "r+b") as f:
+        f.seek(st.st_size // 2)
+        byte = f.read(1)
+        f.seek(st.st_size // 2)
+        f.write(bytes([byte[0] ^ 0x10]))
+    if how == "rot":
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _manager_after_one_save(tmp_path: Path, seed: int) -> Tuple[Path, shardckpt.Module, Any, str]:
+    """An incremental manager (max_to_keep=2) of a fresh model in ``tmp_path/ckpts``, after its first save."""
+    folder = tmp_path / "ckpts"
+    model = _model(seed)
+    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(model=model), str(folder), max_to_keep=2,
+                                          incremental=True)
+    first = manager.save()
+    assert first is not None
+    return folder, model, manager, first
+
+
+def _save_after_adapters_change(model: shardckpt.Module, manager: Any, step: int) -> str:
+    for v in model.adapter:
+        v.assign_add(np.full(N_ADAPTER, step + 1, np.float32))
+    path = manager.save()
+    assert path is not None
+    return str(path)
+
+
+def _largest_data_file(prefix: str) -> Tuple[Path, int]:
+    """The checkpoint's largest data file (the frozen tensors fill its middle) and its inode, held open
+    for the rest of the test (a deleted file's inode number is not given to a new file while it is)."""
+    path = max(_data_files(prefix), key=lambda f: f.stat().st_size)
+    held = open(path, "rb")
+    _HELD.append(held)
+    return path, os.fstat(held.fileno()).st_ino
+
+
+_HELD: List[Any] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_held_files() -> Any:
+    yield
+    while _HELD:
+        _HELD.pop().close()
+
+
+def _verify(prefix: str) -> None:
+    from shardckpt.cli.main import main as cli
+
+    assert cli(["verify", prefix]) == 0, f"shardckpt verify {prefix} failed"
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_a_data_file_changed_after_its_commit_is_never_linked_again(tmp_path: Path, how: str) -> None:
+    """One byte of ckpt-1's data file rewritten in place, or the file truncated to half: the next save
+    sees its stamp (size, inode, mtime) differ from the one its commit recorded and writes its tensors
+    from memory; three saves later (ckpt-1 deleted by retention) every checkpoint verifies and a new
+    process restores the latest exactly."""
+    folder, model, manager, first = _manager_after_one_save(tmp_path, 20)
+    damaged, inode = _largest_data_file(first)
+    time.sleep(0.05)  # mtimes tick with the kernel's clock (a few ms): the damage comes later than the commit
+    _damage(damaged, how)
+    for step in range(3):
+        path = _save_after_adapters_change(model, manager, step)
+        assert all(f.stat().st_ino != inode for f in _data_files(path)), "the damaged file was linked"
+        _verify(path)
+        assert _same(_restored(path), _values(model)), path
+    assert not damaged.exists()  # retention deleted ckpt-1: what is left stands on its own
+    for path in manager.checkpoints:
+        _verify(path)
+    report = _restore_latest_in_a_new_process(folder, _values(model))
+    assert "ckpt-4" in report, report
+
+
+def test_bit_rot_is_found_by_the_scrub_and_never_linked_again(tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A byte of ckpt-1's data file changes with size and mtime left alone: the next save links the file
+    (its stamp is unchanged) and queues its scrub (never read back since it was written); the scrub
+    finds the CRC32C mismatch, names file and key, and moves the file's mtime: every later save writes
+    those tensors from memory, verifies, and a new process restores the latest exactly."""
+    from shardckpt.saving.scrub import wait_for_scrubs
+
+    folder, model, manager, first = _manager_after_one_save(tmp_path, 21)
+    damaged, inode = _largest_data_file(first)
+    _damage(damaged, "rot")
+    with caplog.at_level(logging.ERROR, logger="shardckpt"):
+        for step in range(4):
+            path = _save_after_adapters_change(model, manager, step)
+            linked = any(f.stat().st_ino == inode for f in _data_files(path))
+            if step == 0:  # within the scrub's window: linked, and its scrub queued
+                assert linked
+                assert wait_for_scrubs(60)
+                found = [r.getMessage() for r in caplog.records if "scrub" in r.getMessage()]
+                assert found and str(damaged) in found[0] and "/.ATTRIBUTES/VARIABLE_VALUE" in found[0], found
+                assert "checksum does not match" in found[0], found
+                continue
+            assert not linked, f"{path} links the damaged file"
+            _verify(path)
+            assert _same(_restored(path), _values(model)), path
+    for path in manager.checkpoints:
+        _verify(path)
+    report = _restore_latest_in_a_new_process(folder, _values(model))
+    assert "ckpt-5" in report, report
+
+
+def test_linked_files_are_scrubbed_and_never_linked_past_the_proof_limit(tmp_path: Path) -> None:
+    """The documented schedule: a linked file is scrubbed after the first save that links it and again
+    once linked in SCRUB_EVERY saves since its last proof (the sidecar records each file's stamp and the
+    age of its proof); a file whose last proof is LINK_LIMIT saves old is written again, not linked."""
+    from shardckpt.saving.scrub import LINK_LIMIT, SCRUB_EVERY, default_scrubber, wait_for_scrubs
+
+    prefix = str(tmp_path / "ck")
+    model = _model(22)
+    ckpt = shardckpt.Checkpoint(model=model)
+    scrubber = default_scrubber()
+
+    def frozen_file() -> Dict[str, Any]:
+        """The sidecar's record of the data file holding the frozen tensors (the largest), and how it came."""
+        files = json.loads(Path(sidecar_filename(prefix)).read_bytes())["files"]
+        assert all(isinstance(r["id"], list) and len(r["id"]) == 3 for r in files.values()), files
+        shard, record = max(files.items(), key=lambda kv: kv[1]["id"][0])  # local stamp: [size, inode, mtime]
+        origins = data_file_origins(prefix, local_fs)
+        assert origins is not None
+        return dict(record, how=origins[int(shard)]["how"])
+
+    ckpt.write(prefix, options=INCREMENTAL)
+    assert frozen_file() == {"id": frozen_file()["id"], "age": 0, "scrubbed": False, "how": "written"}
+    read_before = scrubber.bytes_read
+    ages = []
+    for step in range(2 * SCRUB_EVERY + 2):  # the last one takes up the last scrub's proof
+        model.adapter[0].assign_add(np.ones(N_ADAPTER, np.float32))
+        ckpt.write(prefix, options=INCREMENTAL)
+        assert wait_for_scrubs(60)
+        record = frozen_file()
+        assert record["how"] == "link", (step, record)
+        ages.append((record["age"], record["scrubbed"]))
+    # scrubbed after its first link; then its proof ages until SCRUB_EVERY, is renewed, ages again
+    assert ages[:SCRUB_EVERY + 1] == [(1, False)] + [(a, True) for a in range(1, SCRUB_EVERY + 1)], ages
+    assert ages[SCRUB_EVERY + 1] == (1, True), ages
+    assert scrubber.bytes_read - read_before >= 2 * FROZEN * N_FROZEN * 4  # two whole scrubs at least
+    # a proof LINK_LIMIT saves old (a scrub that never ended: here the sidecar says so) is not trusted
+    doc = json.loads(Path(sidecar_filename(prefix)).read_bytes())
+    for record in doc["files"].values():
+        record.update(age=LINK_LIMIT, scrubbed=True)
+    Path(sidecar_filename(prefix)).write_text(json.dumps(doc))
+    model.adapter[0].assign_add(np.ones(N_ADAPTER, np.float32))
+    ckpt.write(prefix, options=INCREMENTAL)
+    origins = data_file_origins(prefix, local_fs)
+    assert origins is not None and all(o["how"] == "written" for o in origins.values()), origins
+    assert _same(_restored(prefix), _values(model))
+
+
+def test_retention_keeps_the_newest_sound_checkpoint_while_newer_ones_share_a_damaged_file(
+        tmp_path: Path) -> None:
+    """ckpt-2 writes file B (every frozen tensor changed), B rots, ckpt-3 links it and its scrub finds the
+    damage before ckpt-3's retention runs: ckpt-2 and ckpt-3 share a damaged file, so retention
+    (max_to_keep=2) keeps ckpt-1, which verifies and restores. Once ckpt-4 (B written again from memory)
+    is sound, ckpt-1 goes."""
+    from shardckpt.saving.scrub import wait_for_scrubs
+    from shardckpt.storage.wrappers import FaultInjectingFileSystem
+
+    folder, model, manager, first = _manager_after_one_save(tmp_path, 23)
+    at_first = _values(model)
+    for v in model.frozen:
+        v.assign_add(np.ones(N_FROZEN, np.float32))
+    second = manager.save()
+    assert second is not None
+    file_b, _ = _largest_data_file(second)
+    _damage(file_b, "rot")
+    model.adapter[0].assign_add(np.ones(N_ADAPTER, np.float32))
+    # the scrub queued by ckpt-3's arrange step ends before ckpt-3 commits (its sidecar is written)
+    faulty = FaultInjectingFileSystem(local_fs)
+    faulty.fail("write_atomic", r"ckpt-3\.hashes\.json$", when=lambda: not wait_for_scrubs(60))
+    with mounted(faulty):
+        third = manager.save()
+    assert third is not None
+    assert os.path.exists(first + ".index"), "retention deleted the only sound checkpoint"
+    assert manager.checkpoints == [first, second, third]
+    assert shardckpt.CheckpointManager(shardckpt.Checkpoint(model=_model(99)), str(folder), max_to_keep=2
+                                       ).checkpoints == [first, second, third]  # the state file lists it
+    _verify(first)
+    assert _same(_restored(first), at_first)
+    model.adapter[1].assign_add(np.ones(N_ADAPTER, np.float32))
+    fourth = manager.save()
+    assert fourth is not None
+    _verify(fourth)
+    assert _same(_restored(fourth), _values(model))
+    assert not os.path.exists(first + ".index") and manager.checkpoints == [third, fourth]
+
+
+def test_object_store_never_copies_an_object_replaced_after_its_commit(s3_server: Any) -> None:
+    """On an object store the commit records each data object's size and ETag: an object rewritten in
+    place afterwards (one byte changed, same size) is not copied into the next checkpoint, whose tensors
+    are written from memory and restore exactly."""
+    base = s3_server.url(f"inc-{uuid.uuid4().hex[:10]}")
+    rng = np.random.default_rng(24)
+    values = {f"t{i}": rng.standard_normal(300_000).astype(np.float32) for i in range(4)}
+    opts = CheckpointOptions(incremental=True)
+    shardckpt.save_tensors(base + "/ck-1", values, opts)
+    fs = get_fs(base)
+    data = [n for n in fs.listdir(base) if n.startswith("ck-1.data-")]
+    assert len(data) == 1
+    blob = bytearray(fs.read_bytes(base + "/" + data[0]))
+    blob[len(blob) // 2] ^= 0x10
+    fs.write_atomic(base + "/" + data[0], bytes(blob))
+    values["t2"] = values["t2"] * 2
+    fs.reset_stats()
+    shardckpt.save_tensors(base + "/ck-2", values, opts, previous=base + "/ck-1")
+    assert fs.stats.get("server_copies", 0) == 0, dict(fs.stats)
+    got = _read_all(base + "/ck-2")
+    for k in values:
+        assert np.array_equal(got[k], values[k]), k
+
+
+def test_a_shallow_copy_of_a_variable_never_makes_a_save_store_stale_bytes(tmp_path: Path) -> None:
+    """copy.copy of a Variable (as of a tf.Variable: the variable itself) written through the copy:
+    the next incremental save stores the new bytes, whichever object it holds."""
+    import copy
+
+    original = shardckpt.Variable(np.zeros(N_FROZEN, np.float32))
+    prefix = str(tmp_path / "ck")
+    ckpt = shardckpt.Checkpoint(v=original)
+    ckpt.write(prefix, options=INCREMENTAL)
+    twin = copy.copy(original)
+    twin.assign(np.full(N_FROZEN, 3.0, np.float32))
+    ckpt.write(prefix, options=INCREMENTAL)
+    fresh = shardckpt.Variable(np.zeros(N_FROZEN, np.float32))
+    shardckpt.Checkpoint(v=fresh).read(prefix).assert_existing_objects_matched()
+    assert np.array_equal(fresh.numpy(), np.full(N_FROZEN, 3.0, np.float32))
+    original.assign_add(np.float32(1.0))
+    shardckpt.Checkpoint(v=twin).write(prefix, options=INCREMENTAL)
+    shardckpt.Checkpoint(v=fresh).read(prefix).assert_existing_objects_matched()
+    assert np.array_equal(fresh.numpy(), np.full(N_FROZEN, 4.0, np.float32))
 
 
 # -- crash states of an incremental save ------------------------------------------------------------

@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import InvalidArgumentError, NotFoundError
 from ..format.naming import index_filename
 from ..saving.commit.leftovers import clean_directory
-from ..saving.incremental import sidecar_filename
+from ..saving.incremental import retained_for_damage, sidecar_filename
 from ..saving.options import CheckpointOptions
 from ..storage.base import is_local_path, normalize
 from ..storage.registry import get_fs
@@ -55,7 +55,9 @@ class CheckpointManager:
     With ``incremental`` every save is incremental (``CheckpointOptions(incremental=True)``
     is added to the options of each ``save``): values unchanged since the latest checkpoint
     are linked (or copied server-side) instead of written, and every checkpoint stays
-    complete, so retention deletes old ones safely.
+    complete, so retention deletes old ones safely; it keeps the newest checkpoint not known
+    damaged while every newer one shares a damaged data file
+    (:func:`~shardckpt.saving.incremental.retained_for_damage`).
     """
 
     def __init__(self, checkpoint: Any, directory: str, max_to_keep: Optional[int],
@@ -193,7 +195,13 @@ class CheckpointManager:
             self._maybe_delete.pop(path, None)
             self._maybe_delete[path] = now
             self._latest_checkpoint = path
+            stamps = dict(self._maybe_delete)
             doomed = self._sweep()
+            # incremental: the newest checkpoint not known damaged stays while every newer one is (issue 24)
+            for old in retained_for_damage(doomed, list(self._maybe_delete), fs) if self._incremental else []:
+                doomed.remove(old)
+                self._maybe_delete[old] = stamps[old]
+                self._maybe_delete.move_to_end(old, last=False)
             marked = True  # a marker per doomed checkpoint (every store), so a death below is finished later
             for old in doomed if marked else []:
                 fs.close(fs.open_write(old + DELETING))

@@ -222,6 +222,11 @@ class Variable(Trackable):
         to the live buffer was ever handed out, so every write went through the API."""
         return not self._handed_out
 
+    def __copy__(self) -> "Variable":
+        """The variable itself, as ``copy.copy`` of a ``tf.Variable`` is: a second object sharing the live
+        buffer would write it without moving this one's change stamp (``copy.deepcopy`` copies the value)."""
+        return self
+
     def _after_restore(self, attributes: Iterable[str]) -> None:
         self._changed()
         super()._after_restore(attributes)

@@ -23,7 +23,10 @@ its *sample* (:func:`sample_hash`: its last :data:`HEAD_BYTES` bytes and
 older sidecars and where it was not computed); per shard record: bytes
 written (a linked file: none, and the bytes of its pieces in use), and the data file it was
 linked or copied from (``shardckpt inspect`` shows
-them).
+them); per data file of the checkpoint (``files``, by shard id; absent in older sidecars,
+whose files are then never linked): its *stamp* at the commit (``id``), the number of saves
+since its bytes were last proven good (``age``; 0: written by this save) and whether that
+proof was a scrub (``scrubbed``), see :mod:`shardckpt.saving.scrub`.
 
 **Change detection** (:func:`arrange`, on every client, for its own pieces, before any
 byte is staged or written), cheapest first:
@@ -52,7 +55,10 @@ keeps its recorded one.
 
 **Layout** (:func:`arrange`). A committed data file is never written into, so a data file
 of the previous checkpoint whose pieces all belong to this client is *linked* into the new
-checkpoint whole (its bytes are never copied), and the new index names only its pieces
+checkpoint whole (its bytes are never copied) when its bytes are still proven good
+(:meth:`Previous.reusable`: its stamp is the one its commit recorded, the scrub found no
+damage, its last proof is recent; a file that is not is written from memory, and a linked
+file's scrub is queued when due), and the new index names only its pieces
 that did not change (offsets, sizes, checksums as the previous index has them). The old
 bytes of its pieces that changed stay in the file, named by no entry of the new index
 (TensorFlow's reader, like this one, reads entries by offset; nothing else in the file is
@@ -82,7 +88,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
@@ -98,11 +104,23 @@ from ..format.sstable import read_table
 from ..format.tensor_slice import parse_shape_and_slice
 from ..storage.base import FileSystem
 from .plan import PlanItem, Reuse, SavePlan, ShardPlan
+from .scrub import (
+    LINK_LIMIT,
+    SCRUB_EVERY,
+    Identity,
+    ScrubEntry,
+    Stamp,
+    default_scrubber,
+    file_identity,
+    file_stamp,
+    identities_of,
+    scrubbed_store,
+)
 
 __all__ = ["LIVE_FRACTION", "EXTRA_LINKED_FILES", "HEAD_BYTES", "head_hash", "SAMPLE_WINDOWS", "SAMPLE_BYTES",
            "sample_windows", "sample_hash", "SIDECAR_SUFFIX", "sidecar_filename",
            "content_hash", "new_digest", "Previous", "load_previous", "arrange", "sidecar_bytes", "read_sidecar",
-           "entry_key", "piece_records", "data_file_origins"]
+           "entry_key", "piece_records", "data_file_origins", "checkpoint_damaged", "retained_for_damage"]
 
 _log = logging.getLogger("shardckpt")
 
@@ -219,6 +237,24 @@ class _Record:
     sample: Optional[str] = None
 
 
+@dataclass(frozen=True)
+class FileUse:
+    """A data file of the previous checkpoint that may be linked: its size, the identity and stamp it
+    was checked with now, and the age of its last proof counting the save that links it
+    (:mod:`shardckpt.saving.scrub`)."""
+
+    path: str
+    size: int
+    identity: Identity
+    stamp: Stamp
+    age: int
+    scrubbed: bool
+
+    def record(self) -> Tuple[Tuple[str, Any], ...]:
+        """What the new checkpoint's sidecar records of it (:attr:`Reuse.record`)."""
+        return (("id", self.stamp), ("age", self.age), ("scrubbed", self.scrubbed))
+
+
 @dataclass
 class Previous:
     """What the previous checkpoint says about its pieces (from its index and verified sidecar)."""
@@ -232,23 +268,54 @@ class Previous:
     #: data file (shard id) -> where its last entry ends
     ends: Dict[int, int]
     fs: Optional[FileSystem] = None
-    _sizes: Optional[Dict[int, Optional[int]]] = None
+    #: data file (shard id) -> what the commit recorded of it (``{"id": stamp, "age": n, "scrubbed": b}``)
+    records: Dict[int, Dict[str, Any]] = field(default_factory=dict)
+    _uses: Dict[int, Optional[FileUse]] = field(default_factory=dict)
 
-    def file_size(self, shard_id: int) -> Optional[int]:
-        """The size of data file ``shard_id`` (with bytes no entry names any more), asked of the store
-        once (an object store: a request); ``None`` when it cannot be read (then it is not linked)."""
-        if self._sizes is None:
-            self._sizes = {}
-        if shard_id not in self._sizes:
-            try:
-                assert self.fs is not None
-                size: Optional[int] = max(self.ends.get(shard_id, 0), self.fs.size(
-                    data_filename(self.prefix, shard_id, self.num_shards)))
-            except Exception as exc:  # missing or unreadable: its pieces are compared and written again
-                _log.info("incremental save: data file %d of %s not linked (%s)", shard_id, self.prefix, exc)
-                size = None
-            self._sizes[shard_id] = size
-        return self._sizes[shard_id]
+    def reusable(self, shard_id: int) -> Optional[FileUse]:
+        """Data file ``shard_id`` if a save may link it, asked of the store once (an object store: a
+        request); ``None`` when it must not be (its tensors are then written from memory): its stamp
+        differs from the one its commit recorded (changed, truncated, replaced, missing; or no stamp
+        recorded), the scrub found it damaged, or its last proof is more than
+        :data:`~shardckpt.saving.scrub.LINK_LIMIT` saves old (see :mod:`shardckpt.saving.scrub`)."""
+        if shard_id not in self._uses:
+            self._uses[shard_id] = self._check(shard_id)
+        return self._uses[shard_id]
+
+    def _check(self, shard_id: int) -> Optional[FileUse]:
+        path = data_filename(self.prefix, shard_id, self.num_shards)
+        record = self.records.get(shard_id)
+        if record is None or not isinstance(record.get("id"), list):
+            _log.info("incremental save: %s has no recorded stamp (an older sidecar); not linked", path)
+            return None
+        try:
+            assert self.fs is not None
+            identity = file_identity(self.fs, path)
+        except Exception as exc:  # missing or unreadable: its pieces are compared and written again
+            _log.warning("incremental save: %s not linked (%s); its tensors are written from memory", path, exc)
+            return None
+        stamp = file_stamp(identity)
+        if identity is None or stamp is None or stamp != record["id"]:
+            _log.warning("incremental save: %s changed since its checkpoint was committed (recorded %s, now %s: "
+                         "rewritten, truncated or replaced); not linked, its tensors are written from memory",
+                         path, record["id"], stamp)
+            return None
+        size = int(identity[0])
+        if self.ends.get(shard_id, 0) > size:  # cannot be with a matching stamp; never link past the end
+            return None
+        age, scrubbed = int(record.get("age", LINK_LIMIT)), bool(record.get("scrubbed", False))
+        if scrubbed_store(path):
+            scrubber = default_scrubber()
+            if scrubber.damaged(identity):
+                _log.warning("incremental save: %s was found damaged by the scrub; not linked", path)
+                return None
+            if scrubber.take_pass(identity):
+                age, scrubbed = 0, True
+            if age + 1 > LINK_LIMIT:
+                _log.info("incremental save: %s was last proven %d saves ago (more than %d): not linked, its "
+                          "tensors are written from memory", path, age, LINK_LIMIT)
+                return None
+        return FileUse(path, size, identity, stamp, age + 1, scrubbed)
 
 
 def _index_digest(data: bytes) -> str:
@@ -297,7 +364,19 @@ def load_previous(prefix: str, fs: FileSystem) -> Optional[Previous]:
             shard = int(entry.shard_id)
             files.setdefault(shard, set()).add(key)
             ends[shard] = max(ends.get(shard, 0), int(entry.offset) + int(entry.size))
-    return Previous(prefix, int(header.num_shards), entries, pieces, files, ends, fs)
+    return Previous(prefix, int(header.num_shards), entries, pieces, files, ends, fs, _file_records(sidecar))
+
+
+def _file_records(sidecar: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
+    """The sidecar's ``files`` (data file -> stamp and proof); empty in sidecars written before them."""
+    files = sidecar.get("files")
+    if not isinstance(files, dict):
+        return {}
+    out = {}
+    for number, record in files.items():
+        if isinstance(record, dict) and str(number).isdigit():
+            out[int(number)] = record
+    return out
 
 
 def _same_form(item: PlanItem, entry: pb.BundleEntryProto) -> bool:
@@ -369,7 +448,7 @@ def _detect_all(items: Sequence[PlanItem], previous: Previous, trust_versions: b
     return out
 
 
-def _reuse(previous: Previous, shard_id: int, members: List[PlanItem]) -> Reuse:
+def _reuse(previous: Previous, shard_id: int, members: List[PlanItem], use: FileUse) -> Reuse:
     """The reuse of data file ``shard_id`` of the previous checkpoint holding exactly ``members``."""
     entries: Dict[bytes, pb.BundleEntryProto] = {}
     size = 0
@@ -386,22 +465,23 @@ def _reuse(previous: Previous, shard_id: int, members: List[PlanItem]) -> Reuse:
             full = entries.setdefault(encode_key(item.key), pb.BundleEntryProto(
                 dtype=item.dtype.enum, shape=shape_proto(full_shape)))  # type: ignore[arg-type]
             full.slices.append(tslice.to_proto())
-    source = data_filename(previous.prefix, shard_id, previous.num_shards)
-    return Reuse(source, tuple(sorted((k, e.SerializeToString()) for k, e in entries.items())), size)
+    return Reuse(use.path, tuple(sorted((k, e.SerializeToString()) for k, e in entries.items())), size,
+                 use.record())
 
 
 def _linked_files(candidates: Dict[int, List[PlanItem]], previous: Previous, limit: int) -> Dict[int, List[PlanItem]]:
     """The previous data files to link, from ``candidates`` (file -> its unchanged pieces, every piece
-    it holds being this client's): those whose pieces still in use fill at least :data:`LIVE_FRACTION`
-    of the file, at most ``limit`` of them (the ones with the most bytes in use)."""
+    it holds being this client's): those that may be reused (:meth:`Previous.reusable`) and whose pieces
+    still in use fill at least :data:`LIVE_FRACTION` of the file, at most ``limit`` of them (the ones
+    with the most bytes in use)."""
     live = {shard_id: sum(int(previous.entries[entry_key(m.key, m.slice_spec)].size) for m in members)
             for shard_id, members in candidates.items()}
     kept: List[int] = []
     for shard_id in sorted(live, key=lambda n: (-live[n], n)):  # most bytes in use first; sizes asked lazily
         if len(kept) >= limit:
             break
-        size = previous.file_size(shard_id)
-        if size is not None and live[shard_id] > 0 and live[shard_id] >= LIVE_FRACTION * size:
+        use = previous.reusable(shard_id)
+        if use is not None and live[shard_id] > 0 and live[shard_id] >= LIVE_FRACTION * use.size:
             kept.append(shard_id)
     return {shard_id: candidates[shard_id] for shard_id in sorted(kept)}
 
@@ -430,8 +510,12 @@ def arrange(plan: SavePlan, previous: Optional[Previous], *, trust_versions: boo
     out: List[ShardPlan] = []
     for shard_id, members in linked.items():
         task = members[0].tensor.task
+        use = previous.reusable(shard_id)
+        assert use is not None
+        reuse = _reuse(previous, shard_id, members, use)
+        _scrub_if_due(use, reuse)
         out.append(ShardPlan(len(out), task, tuple(members), tuple(verdicts[id(m)][1] for m in members),
-                             _reuse(previous, shard_id, members), tuple(verdicts[id(m)][2] for m in members),
+                             reuse, tuple(verdicts[id(m)][2] for m in members),
                              tuple(verdicts[id(m)][3] for m in members)))
     for shard in plan.shards:
         rest = [i for i in shard.items if id(i) not in taken]
@@ -450,6 +534,19 @@ def arrange(plan: SavePlan, previous: Optional[Previous], *, trust_versions: boo
     return replace(plan, shards=tuple(out))
 
 
+def _scrub_if_due(use: FileUse, reuse: Reuse) -> None:
+    """Queue the scrub of a file this save links when it is due: never read back since it was written,
+    or linked in :data:`~shardckpt.saving.scrub.SCRUB_EVERY` saves since its last proof."""
+    if not scrubbed_store(use.path) or (use.scrubbed and use.age < SCRUB_EVERY):
+        return
+    checks = []
+    for key, value in reuse.entries:
+        entry = pb.BundleEntryProto.FromString(value)
+        if not entry.slices and entry.size > 0:
+            checks.append(ScrubEntry(key, int(entry.offset), int(entry.size), int(entry.crc32c)))
+    default_scrubber().submit(use.path, use.identity, checks)
+
+
 def piece_records(shard: ShardPlan, hashes: Sequence[Optional[str]],
                   samples: Optional[Sequence[Optional[str]]] = None) -> List[List[Any]]:
     """What a written shard tells the sidecar about its pieces: ``[key, slice spec, hash, token, head,
@@ -460,8 +557,10 @@ def piece_records(shard: ShardPlan, hashes: Sequence[Optional[str]],
             for item, h, head, sample in zip(shard.items, hashes, heads, samples)]
 
 
-def sidecar_bytes(written: Sequence[Written], index: bytes, fs: FileSystem) -> bytes:
-    """The sidecar of a checkpoint whose shards reported ``written`` and whose index is ``index``."""
+def sidecar_bytes(written: Sequence[Written], index: bytes, fs: FileSystem, prefix: str) -> bytes:
+    """The sidecar of the checkpoint at ``prefix`` whose shards reported ``written`` and whose index is
+    ``index``; called at the commit, once every data file has its final name (their stamps are taken now;
+    a linked file's is the one the save checked before linking it)."""
     pieces: List[List[Any]] = []
     shards: List[Dict[str, Any]] = []
     for number, w in enumerate(written):
@@ -472,8 +571,50 @@ def sidecar_bytes(written: Sequence[Written], index: bytes, fs: FileSystem) -> b
                        "how": w.get("how", "written"),
                        "reused_from": fs.basename(str(source)) if source else None})
     doc = {"format": _FORMAT, "version": _VERSION, "index_xxh3_128": _index_digest(index),
-           "pieces": sorted(pieces, key=lambda p: (p[0], p[1])), "shards": shards}
+           "pieces": sorted(pieces, key=lambda p: (p[0], p[1])), "shards": shards,
+           "files": _files_section(written, pieces, index, fs, prefix)}
     return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _files_section(written: Sequence[Written], pieces: List[List[Any]], index: bytes, fs: FileSystem,
+                   prefix: str) -> Dict[str, Dict[str, Any]]:
+    """The sidecar's ``files``: per data file (shard id) its stamp, the age of its last proof (0: written
+    by this save) and whether that proof was a scrub (:mod:`shardckpt.saving.scrub`)."""
+    items = list(read_table(index, index_filename(prefix)))
+    num_shards = int(_parse_header(items[0][0], items[0][1], index_filename(prefix)).num_shards)
+    reused: Dict[int, Written] = {}
+    for number, shard_id in _files_of_records(pieces, items[1:]).items():
+        if written[number].get("file"):
+            reused[shard_id] = written[number]
+    paths = [data_filename(prefix, i, num_shards) for i in range(num_shards)]
+    try:
+        now = identities_of(fs, [p for i, p in enumerate(paths) if reused.get(i, {}).get("how") != "link"])
+    except Exception as exc:  # no stamps: the next save links none of these files
+        _log.warning("incremental save: cannot stamp the data files of %s (%s)", prefix, exc)
+        now = {}
+    files: Dict[str, Dict[str, Any]] = {}
+    for i, path in enumerate(paths):
+        report = reused.get(i)
+        record: Dict[str, Any] = dict(report["file"]) if report else {"age": 0, "scrubbed": False}
+        if not report or report.get("how") != "link":  # written now, or a copy: a file of its own
+            record["id"] = file_stamp(now.get(path))
+        files[str(i)] = record
+    return files
+
+
+def _files_of_records(pieces: Sequence[Sequence[Any]], items: Sequence[Tuple[bytes, bytes]]) -> Dict[int, int]:
+    """Shard record (the sidecar's numbering of the written shards) -> the data file (shard id) its pieces
+    lie in, from the index's ``(key, entry)`` items. Records without pieces are not listed."""
+    record_of = {entry_key(str(p[0]), str(p[1])): int(p[4]) for p in pieces}
+    out: Dict[int, int] = {}
+    for key, value in items:
+        number = record_of.get(key)
+        if number is None or number in out:
+            continue
+        entry = pb.BundleEntryProto.FromString(value)
+        if not entry.slices:
+            out[number] = int(entry.shard_id)
+    return out
 
 
 def data_file_origins(prefix: str, fs: FileSystem) -> Optional[Dict[int, Dict[str, Any]]]:
@@ -484,20 +625,63 @@ def data_file_origins(prefix: str, fs: FileSystem) -> Optional[Dict[int, Dict[st
     if sidecar is None:
         return None
     try:
-        record_of = {entry_key(str(p[0]), str(p[1])): int(p[4]) for p in sidecar["pieces"]}
         shards = sidecar["shards"]
         out: Dict[int, Dict[str, Any]] = {}
-        for key, value in list(read_table(sidecar["_index"], index_filename(prefix)))[1:]:
-            number = record_of.get(key)
-            if number is None:
-                continue
-            entry = pb.BundleEntryProto.FromString(value)
-            if entry.slices or int(entry.shard_id) in out:
+        items = list(read_table(sidecar["_index"], index_filename(prefix)))[1:]
+        for number, shard_id in sorted(_files_of_records(sidecar["pieces"], items).items()):
+            if shard_id in out:
                 continue
             record = shards[number]
-            out[int(entry.shard_id)] = {"how": str(record.get("how", "written")),
-                                        "reused_from": record.get("reused_from")}
+            out[shard_id] = {"how": str(record.get("how", "written")), "reused_from": record.get("reused_from")}
         return out
     except Exception as exc:  # a sidecar that does not parse describes nothing
         _log.info("cannot describe the data files of %s from its sidecar: %s", prefix, exc)
         return None
+
+
+def checkpoint_damaged(prefix: str, fs: FileSystem) -> bool:
+    """Whether a data file of the incremental checkpoint at ``prefix`` is known damaged: its stamp differs
+    from the one the commit recorded (changed, truncated, replaced or missing; a file the scrub found
+    damaged has its mtime moved) or this process's scrub found it damaged. ``False`` for a checkpoint
+    without a sidecar recording stamps (nothing is known of it). Costs a read of the index and sidecar and
+    one stat per data file (an object store: a listing)."""
+    sidecar = read_sidecar(prefix, fs)
+    if sidecar is None:
+        return False
+    records = _file_records(sidecar)
+    if not records:
+        return False
+    try:
+        first = next(iter(read_table(sidecar["_index"], index_filename(prefix))))
+        num_shards = int(_parse_header(first[0], first[1], index_filename(prefix)).num_shards)
+    except Exception:
+        return True  # the index itself does not parse
+    paths = {i: data_filename(prefix, i, num_shards) for i in records if i < num_shards}
+    try:
+        now = identities_of(fs, list(paths.values()))
+    except Exception as exc:
+        _log.info("cannot stamp the data files of %s (%s): taken as undamaged", prefix, exc)
+        return False
+    scrubber = default_scrubber()
+    for i, path in paths.items():
+        identity = now.get(path)
+        if identity is None or file_stamp(identity) != records[i].get("id") or scrubber.damaged(identity):
+            return True
+    return False
+
+
+def retained_for_damage(doomed: Sequence[str], kept: Sequence[str], fs: FileSystem) -> List[str]:
+    """Which of ``doomed`` (checkpoints retention is about to delete, each older than every one of
+    ``kept``, oldest first) must stay: the newest checkpoint not known damaged
+    (:func:`checkpoint_damaged`), when it is among ``doomed``, i.e. when every newer checkpoint shares a
+    data file found damaged. Usually the newest of ``kept`` is sound and this costs one check."""
+    if not doomed:
+        return []
+    for prefix in reversed(list(doomed) + list(kept)):
+        if not checkpoint_damaged(prefix, fs):
+            if prefix in doomed:
+                _log.warning("retention keeps %s: it is the newest checkpoint not known damaged (every newer "
+                             "one shares a data file found changed or damaged)", prefix)
+                return [prefix]
+            return []
+    return []

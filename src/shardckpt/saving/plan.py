@@ -117,12 +117,15 @@ class Reuse:
     ``source`` is the data file's path; ``entries`` the index entries (serialized
     ``BundleEntryProto``) of the shard's pieces, by the key stored in the index (a slice's
     entry under its encoded key; a sliced tensor's full entry lists only this file's
-    slices), with offsets into ``source``; ``size`` the bytes of those pieces.
+    slices), with offsets into ``source``; ``size`` the bytes of those pieces; ``record``
+    what the incremental save tells the new checkpoint's sidecar about the file (its stamp
+    as checked, the age of its last proof: :mod:`shardckpt.saving.scrub`).
     """
 
     source: str
     entries: Tuple[Tuple[bytes, bytes], ...]
     size: int
+    record: Tuple[Tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)

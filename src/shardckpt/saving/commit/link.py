@@ -19,8 +19,11 @@ only those pieces; every other shard is written as usual.
    ever writes into a committed data file.
 2. ``commit``: the merge renames the parts' data files to ``<prefix>.data-I-of-M`` as for
    any save; then ``<prefix>.hashes.json`` (the sidecar, naming the index bytes it
-   belongs to) is written atomically (not fsynced: a lost or torn sidecar fails its
-   checks and only makes the next save a full one), and the index rename commits. A crash between the
+   belongs to, and each data file's stamp: a written file's taken now, under its final
+   name; a linked file's the one the arrange step checked before linking it, so a file
+   changed meanwhile reads as changed) is written atomically (not fsynced: a lost or torn
+   sidecar fails its checks and only makes the next save a full one), and the index
+   rename commits. A crash between the
    two leaves a sidecar whose index is not there: it is ignored, and the next save
    removes the unreferenced data files as usual.
 
@@ -31,7 +34,8 @@ stays alive under the newer one.
 :class:`CopyIndexLastCommitter` (object stores), on top of index-last (:mod:`.index_last`):
 a reused shard is a server-side copy (S3 ``CopyObject``; no byte passes through the
 client) of the previous data object to ``<prefix>.data-I-of-N``, its ETag read back for
-the check before the commit; the sidecar object is written, then the index PUT commits.
+the check before the commit; the sidecar object is written (every data object's size and
+ETag, from one listing), then the index PUT commits.
 Deleting the previous checkpoint's objects afterwards leaves the copies intact.
 """
 
@@ -66,7 +70,7 @@ def _entries(reuse: Reuse, shard_id: int) -> Dict[bytes, pb.BundleEntryProto]:
 def _reused(shard: ShardPlan, how: str) -> Written:
     assert shard.reuse is not None and shard.hashes is not None
     return {"bytes": 0, "reused": shard.reuse.size, "how": how, "source": shard.reuse.source,
-            "pieces": piece_records(shard, shard.hashes)}
+            "pieces": piece_records(shard, shard.hashes), "file": dict(shard.reuse.record)}
 
 
 class LinkRenameCommitter(RenameCommitter):
@@ -96,7 +100,7 @@ class LinkRenameCommitter(RenameCommitter):
         # sidecar lost or torn by a crash only fails its checks (JSON, the index's hash) and makes the
         # next save a full one; it never makes a checkpoint wrong.
         self.location.fs.write_atomic(sidecar_filename(self.location.prefix),
-                                      sidecar_bytes(written, index, self.location.fs))
+                                      sidecar_bytes(written, index, self.location.fs, self.location.prefix))
 
 
 class CopyIndexLastCommitter(IndexLastCommitter):
@@ -117,4 +121,4 @@ class CopyIndexLastCommitter(IndexLastCommitter):
 
     def _before_index(self, written: List[Written], index: bytes) -> None:
         self.location.fs.write_atomic(sidecar_filename(self.location.prefix),
-                                      sidecar_bytes(written, index, self.location.fs))
+                                      sidecar_bytes(written, index, self.location.fs, self.location.prefix))
