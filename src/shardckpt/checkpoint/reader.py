@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from ..errors import NotFoundError
+from ..errors import NoCheckpointError, NotFoundError
 from ..format.bundle_reader import BundleReader
 from ..format.dtypes import DType
 from ..format.naming import index_filename
@@ -19,7 +19,13 @@ __all__ = ["CheckpointReader", "load_checkpoint", "list_variables", "load_variab
 
 
 def resolve_prefix(path: str) -> str:
-    """Turn a checkpoint prefix, a checkpoint directory or a SavedModel directory into a prefix."""
+    """Turn a checkpoint prefix, a checkpoint directory or a SavedModel directory into a prefix.
+
+    A directory without a checkpoint raises :class:`~shardckpt.errors.NoCheckpointError` (a
+    ``ValueError``, as TensorFlow's); a prefix without an index, ``NotFoundError``. Any spelling of
+    a directory works (``./dir``, ``a/../dir``, ``dir/``, absolute): the state file's relative paths
+    are joined to it.
+    """
     path = normalize(os.fspath(path))
     fs = get_fs(path)
     if fs.read_step is not None and fs.exists(index_filename(path)):  # object store: one lookup when a prefix
@@ -31,8 +37,8 @@ def resolve_prefix(path: str) -> str:
         saved_model = fs.join(path, "variables", "variables")
         if fs.exists(index_filename(saved_model)):
             return saved_model
-        raise NotFoundError("no 'checkpoint' state file naming an existing checkpoint, and no "
-                            "SavedModel variables, in this directory", path=path)
+        raise NoCheckpointError("no 'checkpoint' state file naming an existing checkpoint, and no "
+                                "SavedModel variables, in this directory", path=path)
     if not fs.exists(index_filename(path)):
         raise NotFoundError("no checkpoint at this prefix (its .index file is missing)", path=path)
     return path
