@@ -76,14 +76,15 @@ def jobs(request, tmp_path_factory) -> Dict[str, Any]:
     data = tmp / "data"
     data.mkdir()
     saves = _launch(backend, "saves", tmp, data)
-    after_saves = {kind: {"indexes": _indexes(data / kind), "state": get_checkpoint_state(str(data / kind))}
+    after_saves = {kind: {"indexes": _indexes(data / kind),
+                          "state": get_checkpoint_state(str(data / kind)) if (data / kind).is_dir() else None}
                    for kind in KINDS}
     resume = _launch(backend, "resume", tmp, data)
     return {"backend": backend, "saves": saves, "after_saves": after_saves, "resume": resume, "data": data}
 
 
 def _indexes(folder: Path) -> List[str]:
-    return sorted(p.name for p in folder.iterdir() if p.suffix == ".index")
+    return sorted(p.name for p in folder.iterdir() if p.suffix == ".index") if folder.is_dir() else []
 
 
 def _values(results: Dict[int, dict], phase: str) -> List[Any]:
@@ -117,6 +118,7 @@ def test_every_client_sees_the_same_manager_state_after_each_save(jobs, kind: st
     # retention: ckpt-1 deleted by the io client; the state file names the two kept
     after = jobs["after_saves"][kind]
     assert after["indexes"] == ["ckpt-2.index", "ckpt-3.index"]
+    assert after["state"] is not None
     assert after["state"].model_checkpoint_path == str(data / "ckpt-3")
     assert list(after["state"].all_model_checkpoint_paths) == [str(data / "ckpt-2"), str(data / "ckpt-3")]
 
