@@ -92,65 +92,77 @@ def check_values(model, variables, generation: int) -> Dict[str, Any]:
             "plain_ok": bool(np.array_equal(model.plain.numpy(), W.value(W.PLAIN, generation)))}
 
 
-def run_saves(data: str) -> None:
+def saves_of(kind: str, mesh, data: str) -> None:
+    """Three saves of ``kind`` into ``DATADIR/<kind>``, each client's view after each, then a restore of the last."""
     import shardckpt
+
+    directory = os.path.join(data, kind)
+    model, variables = build_model(mesh, 1)
+    ckpt = checkpoint_of(kind, mesh, model)
+    options = shardckpt.CheckpointOptions(enable_async=True) if kind == "async" else None
+    manager = W.phase(f"{kind}/construct",
+                      lambda: shardckpt.CheckpointManager(ckpt, directory, max_to_keep=2))["value"]
+
+    def save():
+        path = manager.save(options=options)
+        if kind == "async":
+            W.set_generation(variables, model.plain, W.CLOBBER_GEN)  # after the return: not in the checkpoint
+            manager.sync()
+        return view(manager, path)
+
+    for generation in range(1, SAVES + 1):
+        W.set_generation(variables, model.plain, generation)
+        W.phase(f"{kind}/save{generation}", save)
+    target, target_vars = build_model(mesh, 0)
+
+    def restore():
+        checkpoint_of(kind, mesh, target).restore(manager.latest_checkpoint).assert_consumed()
+        return check_values(target, target_vars, SAVES)
+
+    W.phase(f"{kind}/restore", restore)
+
+
+def resume_of(kind: str, mesh, data: str) -> None:
+    """A fresh job's manager over ``DATADIR/<kind>``: ``restore_or_initialize``, then one more save."""
+    import shardckpt
+
+    directory = os.path.join(data, kind)
+    model, variables = build_model(mesh, 0)
+    ckpt = shardckpt.Checkpoint(root=model)
+    initialized = []
+    manager = W.phase(f"{kind}/construct", lambda: shardckpt.CheckpointManager(
+        ckpt, directory, max_to_keep=2, init_fn=lambda: initialized.append(True)))["value"]
+
+    def restore_or_initialize():
+        got = manager.restore_or_initialize()
+        out = dict(view(manager, None), returned=got, initialized=bool(initialized))
+        if got is not None:
+            out.update(check_values(model, variables, SAVES))
+        return out
+
+    W.phase(f"{kind}/restore_or_initialize", restore_or_initialize)
+
+    def save_again():
+        W.set_generation(variables, model.plain, SAVES + 1)
+        return view(manager, manager.save())
+
+    W.phase(f"{kind}/save_again", save_again)
+
+
+def run_saves(data: str) -> None:
     from shardckpt import dtensor as dt
 
     mesh = dt.create_distributed_mesh([("x", 2), ("y", 4)])
     for kind in KINDS:
-        directory = os.path.join(data, kind)
-        model, variables = build_model(mesh, 1)
-        ckpt = checkpoint_of(kind, mesh, model)
-        options = shardckpt.CheckpointOptions(enable_async=True) if kind == "async" else None
-        manager = W.phase(f"{kind}/construct", lambda: shardckpt.CheckpointManager(ckpt, directory, max_to_keep=2))
-        manager = manager["value"]
-        for generation in range(1, SAVES + 1):
-            W.set_generation(variables, model.plain, generation)
-
-            def save(generation=generation):
-                path = manager.save(options=options)
-                if kind == "async":
-                    W.set_generation(variables, model.plain, W.CLOBBER_GEN)  # after the return: not in it
-                    manager.sync()
-                return view(manager, path)
-
-            W.phase(f"{kind}/save{generation}", save)
-        target, target_vars = build_model(mesh, 0)
-
-        def restore():
-            checkpoint_of(kind, mesh, target).restore(manager.latest_checkpoint).assert_consumed()
-            return check_values(target, target_vars, SAVES)
-
-        W.phase(f"{kind}/restore", restore)
+        saves_of(kind, mesh, data)
 
 
 def run_resume(data: str) -> None:
-    import shardckpt
     from shardckpt import dtensor as dt
 
     mesh = dt.create_distributed_mesh([("x", 2), ("y", 4)])
     for kind in ("sync", "async", "empty"):
-        directory = os.path.join(data, kind)
-        model, variables = build_model(mesh, 0)
-        ckpt = shardckpt.Checkpoint(root=model)
-        initialized = []
-        manager = W.phase(f"{kind}/construct", lambda: shardckpt.CheckpointManager(
-            ckpt, directory, max_to_keep=2, init_fn=lambda: initialized.append(True)))["value"]
-
-        def restore_or_initialize():
-            got = manager.restore_or_initialize()
-            out = dict(view(manager, None), returned=got, initialized=bool(initialized))
-            if got is not None:
-                out.update(check_values(model, variables, SAVES))
-            return out
-
-        W.phase(f"{kind}/restore_or_initialize", restore_or_initialize)
-
-        def save_again():
-            W.set_generation(variables, model.plain, SAVES + 1)
-            return view(manager, manager.save())
-
-        W.phase(f"{kind}/save_again", save_again)
+        resume_of(kind, mesh, data)
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ from .restore import (
     RestoreSession,
     load_object_graph,
 )
-from .state import latest_checkpoint, update_checkpoint_state
+from .state import clean_path, latest_checkpoint, update_checkpoint_state
 from .trackable import Module, Trackable, Variable, as_trackable
 
 __all__ = ["Checkpoint"]
@@ -159,7 +159,8 @@ class Checkpoint(Module):
         graph_tensor = ShardableTensor.from_value(OBJECT_GRAPH_KEY,
                                                   np.array(graph.proto.SerializeToString(), dtype=object))
         previous = _previous_checkpoint(path) if options.incremental and on_commit is not None else None
-        self._save_graph(path, graph, graph_tensor, options, on_commit, previous)
+        # written at the lexically cleaned path (``a/../d/ck-1`` in ``d``, as TF); the spelling is returned
+        self._save_graph(clean_path(path), graph, graph_tensor, options, on_commit, previous)
         return path
 
     def _collective(self, graph: Optional[SaveableGraph] = None) -> Optional[Collective]:

@@ -42,7 +42,7 @@ from ..saving.options import CheckpointOptions
 from ..saving.request import SharedCommitStep
 from ..storage.base import is_local_path, normalize
 from ..storage.registry import get_fs
-from .state import STATE_FILENAME, CheckpointState, get_checkpoint_state, update_checkpoint_state
+from .state import STATE_FILENAME, CheckpointState, clean_path, get_checkpoint_state, update_checkpoint_state
 
 __all__ = ["CheckpointManager"]
 
@@ -201,7 +201,8 @@ class CheckpointManager:
             # The state file is recorded (and old checkpoints deleted) right after the
             # commit, before the write callbacks run; every client adopts the io client's
             # new state once it knows the save committed.
-            self._checkpoint._write(prefix, options, SharedCommitStep(self._record, self._adopt))
+            self._checkpoint._write(prefix, options,
+                                    SharedCommitStep(lambda _written: self._record(prefix), self._adopt))
         except BaseException:
             counter.assign(previous)
             raise
@@ -212,9 +213,9 @@ class CheckpointManager:
         return prefix
 
     def _record(self, path: str) -> Dict[str, Any]:
-        """Note a committed checkpoint (on the io client): state file first, then delete what is beyond
-        ``max_to_keep`` and what dead saves left in the folder. Returns the new state, which every
-        client adopts (:meth:`_adopt`).
+        """Note the committed checkpoint ``path`` (as this manager spells it; on the io client): state
+        file first, then delete what is beyond ``max_to_keep`` and what dead saves left in the folder.
+        Returns the new state, which every client adopts (:meth:`_adopt`).
 
         Runs under the folder's exclusive lock (``FileSystem.exclusive``), so that two managers
         (or processes) sharing a folder never name a checkpoint the other is deleting: the state
@@ -224,15 +225,16 @@ class CheckpointManager:
         what its own list holds. The manager's own state changes only once the state file names it.
         """
         fs = get_fs(self._directory)
-        with fs.exclusive(self._directory):
-            if not fs.exists(index_filename(path)):
+        folder = clean_path(self._directory)  # paths are kept as spelled (as TF); files are reached cleaned
+        with fs.exclusive(folder):
+            if not fs.exists(index_filename(clean_path(path))):
                 raise NotFoundError("the checkpoint just committed is gone (removed by another process "
                                     "sharing this folder?); the state file was not changed", path=path)
             now = time.time()
             kept = OrderedDict(self._maybe_delete)
             if fs.supports_rename:  # local: another manager sharing this folder may have deleted some
                 for other in [p for p in kept if p != path]:
-                    if not fs.exists(index_filename(other)):
+                    if not fs.exists(index_filename(clean_path(other))):
                         del kept[other]
             kept.pop(path, None)
             kept[path] = now
@@ -240,22 +242,23 @@ class CheckpointManager:
                                        self._last_preserved_timestamp)
             marked = fs.supports_rename  # local: a marker per doomed checkpoint, so a death below is finished later
             for old in doomed if marked else []:
-                fs.close(fs.open_write(old + DELETING))
+                fs.close(fs.open_write(clean_path(old) + DELETING))
             update_checkpoint_state(self._directory, path, list(kept),
                                     all_model_checkpoint_timestamps=list(kept.values()),
                                     last_preserved_timestamp=preserved)
             state = {"latest": path, "kept": [[p, t] for p, t in kept.items()], "preserved": preserved}
             self._adopt(path, state)
             for old in doomed:
-                _delete_checkpoint(old)
+                _delete_checkpoint(clean_path(old))
                 if marked:
-                    fs.remove(old + DELETING)
+                    fs.remove(clean_path(old) + DELETING)
+            tracked = [clean_path(p) for p in kept]
             if marked:
-                _finish_deletions(fs, self._directory, fs.basename(self._prefix), set(kept))
+                _finish_deletions(fs, folder, fs.basename(self._prefix), set(tracked))
             # Other complete checkpoints the state file does not name are left alone, as TensorFlow's
             # manager leaves them (a save killed between its commit and this point leaves one; the
             # next save with the restored counter reuses its number and replaces it).
-            clean_directory(fs, self._directory, fs.basename(self._prefix), list(kept),
+            clean_directory(fs, folder, fs.basename(self._prefix), tracked,
                             remove_untracked=False, state_file=STATE_FILENAME)
         return state
 

@@ -11,9 +11,9 @@ from ..errors import NoCheckpointError, NotFoundError
 from ..format.bundle_reader import BundleReader
 from ..format.dtypes import DType
 from ..format.naming import index_filename
-from ..storage.base import FileSystem, normalize
+from ..storage.base import FileSystem
 from ..storage.registry import get_fs
-from .state import latest_checkpoint
+from .state import clean_path, latest_checkpoint
 
 __all__ = ["CheckpointReader", "load_checkpoint", "list_variables", "load_variable", "resolve_prefix", "open_bundle"]
 
@@ -26,7 +26,7 @@ def resolve_prefix(path: str) -> str:
     a directory works (``./dir``, ``a/../dir``, ``dir/``, absolute): the state file's relative paths
     are joined to it.
     """
-    path = normalize(os.fspath(path))
+    path = clean_path(os.fspath(path))
     fs = get_fs(path)
     if fs.read_step is not None and fs.exists(index_filename(path)):  # object store: one lookup when a prefix
         return path
@@ -52,7 +52,7 @@ def open_bundle(path: str, fs: Optional[FileSystem] = None) -> BundleReader:
     index GET answer what the index lookup would have asked, one request fewer; only
     when no index is there is ``path`` resolved as a directory.
     """
-    path = normalize(os.fspath(path))
+    path = clean_path(os.fspath(path))
     store = fs if fs is not None else get_fs(path)
     if store.read_step is not None:
         try:

@@ -31,10 +31,17 @@ from ..storage.base import is_local_path, normalize
 from ..storage.registry import get_fs
 
 __all__ = ["CheckpointState", "get_checkpoint_state", "latest_checkpoint", "update_checkpoint_state",
-           "STATE_FILENAME"]
+           "STATE_FILENAME", "clean_path"]
 
 STATE_FILENAME = "checkpoint"
 _log = logging.getLogger("shardckpt")
+
+
+def clean_path(path: str) -> str:
+    """The path file operations use: a local path cleaned lexically, as TensorFlow's file system cleans
+    it (``./d/`` is ``d``; ``a/../d`` is ``d``, even where ``a`` does not exist); other paths as they are."""
+    path = normalize(os.fspath(path))
+    return os.path.normpath(path) if path and is_local_path(path) else path
 
 
 def _absolute(directory: str, path: str) -> str:
@@ -54,7 +61,7 @@ def get_checkpoint_state(checkpoint_dir: str, latest_filename: Optional[str] = N
     """
     checkpoint_dir = normalize(checkpoint_dir)
     fs = get_fs(checkpoint_dir)
-    path = fs.join(checkpoint_dir, latest_filename or STATE_FILENAME)
+    path = fs.join(clean_path(checkpoint_dir), latest_filename or STATE_FILENAME)
     if not fs.isfile(path):
         return None
     raw = fs.read_bytes(path)
@@ -84,7 +91,8 @@ def latest_checkpoint(checkpoint_dir: str, latest_filename: Optional[str] = None
         return None
     prefix = state.model_checkpoint_path
     fs = get_fs(prefix)
-    if fs.exists(index_filename(prefix)) or fs.isfile(prefix):
+    found = clean_path(prefix)
+    if fs.exists(index_filename(found)) or fs.isfile(found):
         return prefix
     _log.warning("checkpoint state file in %s names %s, which does not exist", checkpoint_dir, prefix)
     return None
@@ -114,6 +122,7 @@ def update_checkpoint_state(checkpoint_dir: str, model_checkpoint_path: str,
 
     paths = [rel(p) for p in (all_model_checkpoint_paths or [])]
     latest = rel(model_checkpoint_path)
+    checkpoint_dir = clean_path(checkpoint_dir)
     if not paths or paths[-1] != latest:
         paths = [p for p in paths if p != latest] + [latest]
     state = CheckpointState(model_checkpoint_path=latest, all_model_checkpoint_paths=paths)
