@@ -11,6 +11,8 @@ no coordinator passed anywhere. What is held:
 * after each of three saves every client reports the same manager state: ``latest_checkpoint``,
   ``checkpoints`` (the newest two), the checkpoint's number and ``save_counter``; retention
   deleted ``ckpt-1`` and the state file names ``ckpt-2``, ``ckpt-3``;
+* clients whose graphs disagree (one lacks a variable it holds pieces of) fail the save together: nothing is
+  committed and every manager still knows no checkpoint, its number given back;
 * only client 0 (the io client) reads ``checkpoint`` state files, at construction and at each save;
 * a fresh job's ``restore_or_initialize`` restores ``ckpt-3`` on every client, exactly, and its
   next save deletes ``ckpt-2`` on every client's view; over an empty folder every client
@@ -168,3 +170,13 @@ def test_job_without_checkpoint_initializes_on_every_client(jobs) -> None:
         assert value["returned"] is None and value["initialized"] and value["latest"] is None, f"rank {r}: {value}"
     state = _same_on_every_client(_values(jobs["resume"], "empty/save_again"), "empty/save_again")
     assert state["latest"] == str(jobs["data"] / "empty" / "ckpt-1") and state["save_counter"] == 1
+
+
+def test_disagreeing_graphs_fail_the_save_on_every_client(jobs) -> None:
+    for r, res in sorted(jobs["saves"].items()):
+        entry = res["phases"]["disagree/save"]
+        assert not entry["ok"] and entry["coordination"], f"rank {r}: {entry}"
+        assert "on_xy" in entry["message"], f"rank {r}: {entry['message']}"
+    state = _same_on_every_client(_values(jobs["saves"], "disagree/after"), "disagree/after")
+    assert state == {"latest": None, "checkpoints": [], "number": None, "save_counter": 0}
+    assert _indexes(jobs["data"] / "disagree") == []

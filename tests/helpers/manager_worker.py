@@ -16,6 +16,8 @@ one (torchrun's or mpiexec's) is used.
   ``legacy`` (``dtensor.DTensorCheckpoint(mesh, root=model)``). After each save every client
   records its manager's view (``latest_checkpoint``, ``checkpoints``, the returned path's number,
   ``save_counter``); then ``ckpt-3`` is restored onto a zeroed model and compared.
+  Last, ``disagree``: client :data:`ODD`'s model lacks ``on_xy``; its manager's save must fail on
+  every client, commit nothing, and leave every manager without a checkpoint.
 * ``resume``: a fresh job: for ``sync`` and ``async``, a new manager over a zeroed model runs
   ``restore_or_initialize`` (recording whether ``init_fn`` ran and what was restored), then saves
   once more (generation 4); for an empty folder ``DATADIR/empty``, ``restore_or_initialize``.
@@ -38,6 +40,7 @@ import dtensor_worker as W  # noqa: E402  (tests/helpers)
 
 KINDS = ("sync", "async", "legacy")
 SAVES = 3
+ODD = 3  # the client whose model lacks a variable in the ``disagree`` phase
 STATE_READS: Dict[str, int] = {}
 
 
@@ -57,15 +60,16 @@ def count_state_reads() -> None:
         setattr(LocalFileSystem, method, wrapper)
 
 
-def build_model(mesh, generation: int):
-    """The model: a Module with one DVariable per layout of W.VARS and a plain Variable."""
+def build_model(mesh, generation: int, leave_out: str = ""):
+    """The model: a Module with one DVariable per layout of W.VARS (but ``leave_out``) and a plain Variable."""
     import shardckpt
 
     model = shardckpt.Module()
     variables = W.dvariables(mesh, generation) if generation else W.zero_dvariables(
         mesh, {name: spec for name, (spec, _, _) in W.VARS.items()})
     for name, var in variables.items():
-        setattr(model, name, var)
+        if name != leave_out:
+            setattr(model, name, var)
     model.plain = shardckpt.Variable(W.value(W.PLAIN, generation) if generation
                                      else np.zeros((3, 4), np.float32))
     return model, variables
@@ -149,12 +153,25 @@ def resume_of(kind: str, mesh, data: str) -> None:
     W.phase(f"{kind}/save_again", save_again)
 
 
+def disagreeing_save(mesh, data: str) -> None:
+    """Client :data:`ODD` leaves ``on_xy`` (whose pieces it writes) out of its model: the save fails on
+    every client, nothing is committed, and every client's manager still knows no checkpoint."""
+    import shardckpt
+
+    model, _ = build_model(mesh, 1, leave_out="on_xy" if W.result["rank"] == ODD else "")
+    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(root=model), os.path.join(data, "disagree"),
+                                          max_to_keep=2)
+    W.phase("disagree/save", manager.save)
+    W.phase("disagree/after", lambda: view(manager, None))
+
+
 def run_saves(data: str) -> None:
     from shardckpt import dtensor as dt
 
     mesh = dt.create_distributed_mesh([("x", 2), ("y", 4)])
     for kind in KINDS:
         saves_of(kind, mesh, data)
+    disagreeing_save(mesh, data)
 
 
 def run_resume(data: str) -> None:
