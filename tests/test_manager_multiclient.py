@@ -23,7 +23,6 @@ torch, mpi4py and Open MPI are test dependencies: their absence fails these test
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +40,7 @@ WORKER = HELPERS / "manager_worker.py"
 if str(HELPERS) not in sys.path:
     sys.path.insert(0, str(HELPERS))
 
-from launchers import clean_env, launch_command, run_launched  # noqa: E402  (tests/helpers)
+from launchers import clean_env, launch_command, rank_results, run_launched  # noqa: E402  (tests/helpers)
 from manager_worker import KINDS, SAVES  # noqa: E402  (tests/helpers)
 
 NPROC = 4
@@ -58,14 +57,7 @@ def _launch(backend: str, mode: str, tmp: Path, data: Path) -> Dict[int, dict]:
         tail = (proc.stdout + proc.stderr)[-5000:]
     except subprocess.TimeoutExpired as exc:
         rc, tail = "timeout", str(exc.stdout or "")[-5000:]
-    results = {}
-    for r in range(NPROC):
-        path = out / f"rank{r}.json"
-        assert path.exists(), f"rank {r} wrote no result (launcher exit {rc}); log:\n{tail}"
-        results[r] = json.loads(path.read_text())
-        assert "fatal" not in results[r], f"rank {r} crashed:\n{results[r]['fatal']}\nlog:\n{tail}"
-        assert results[r].get("done"), f"rank {r} did not finish (launcher exit {rc}); log:\n{tail}"
-        assert results[r]["rank"] == r and results[r]["size"] == NPROC and results[r]["backend"] == backend
+    results = rank_results(out, NPROC, backend, rc, tail)
     assert rc == 0, f"launcher exit {rc}; log:\n{tail}"
     return results
 

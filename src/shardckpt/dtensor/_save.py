@@ -1,5 +1,6 @@
 """Collective saves of DTensors: ``sharded_save``, ``name_based_save`` / ``name_based_restore`` and
-``DTensorCheckpoint``.
+``DTensorCheckpoint`` (the compatible name: a ``Checkpoint`` holding multi-client DVariables
+saves collectively by itself, :mod:`shardckpt.checkpoint.collective`).
 
 Each distinct piece of a DTensor is written once, by the client holding its
 writer device: the lowest device id that holds it (as TensorFlow DTensor does)
