@@ -14,9 +14,10 @@ no coordinator passed anywhere. What is held:
 * clients whose graphs disagree (one lacks a variable it holds pieces of) fail the save together: nothing is
   committed and every manager still knows no checkpoint, its number given back;
 * only client 0 (the io client) reads ``checkpoint`` state files, at construction and at each save;
-* a fresh job's ``restore_or_initialize`` restores ``ckpt-3`` on every client, exactly, and its
-  next save deletes ``ckpt-2`` on every client's view; over an empty folder every client
-  runs ``init_fn``.
+* ``restore_or_initialize`` in the job that saved, and in a fresh job, restores ``ckpt-3`` on every
+  client (exactly), and the fresh job's next save deletes ``ckpt-2`` in every client's view; over
+  an empty folder every client runs ``init_fn``;
+* ``Checkpoint(root=model)`` restores funnelled through one client (``io_device``) exactly.
 
 torch, mpi4py and Open MPI are test dependencies: their absence fails these tests.
 """
@@ -120,6 +121,20 @@ def test_every_client_sees_the_same_manager_state_after_each_save(jobs, kind: st
 @pytest.mark.parametrize("kind", KINDS)
 def test_checkpoint_of_multiclient_dvariables_restores_exactly(jobs, kind: str) -> None:
     for r, value in enumerate(_values(jobs["saves"], f"{kind}/restore")):
+        assert _exact(value), f"rank {r}: {value}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_restore_or_initialize_after_saves_restores_on_every_client(jobs, kind: str) -> None:
+    """The issue's report: in the job that saved, client 0 restored while the others ran ``init_fn``."""
+    values = _values(jobs["saves"], f"{kind}/restore_or_initialize")
+    want = str(jobs["data"] / kind / f"ckpt-{SAVES}")
+    assert values == [{"returned": want, "initialized": False}] * NPROC
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_checkpoint_root_model_restores_funnelled_through_one_client(jobs, kind: str) -> None:
+    for r, value in enumerate(_values(jobs["resume"], f"{kind}/restore_funnelled")):
         assert _exact(value), f"rank {r}: {value}"
 
 

@@ -15,12 +15,14 @@ one (torchrun's or mpiexec's) is used.
   ``CheckpointOptions(enable_async=True)``, each save followed by ``manager.sync()``) and
   ``legacy`` (``dtensor.DTensorCheckpoint(mesh, root=model)``). After each save every client
   records its manager's view (``latest_checkpoint``, ``checkpoints``, the returned path's number,
-  ``save_counter``); then ``ckpt-3`` is restored onto a zeroed model and compared.
+  ``save_counter``); then ``ckpt-3`` is restored onto a zeroed model and compared, and the same
+  manager's ``restore_or_initialize`` records whether it restored or initialized.
   Last, ``disagree``: client :data:`ODD`'s model lacks ``on_xy``; its manager's save must fail on
   every client, commit nothing, and leave every manager without a checkpoint.
 * ``resume``: a fresh job: for ``sync`` and ``async``, a new manager over a zeroed model runs
   ``restore_or_initialize`` (recording whether ``init_fn`` ran and what was restored), then saves
-  once more (generation 4); for an empty folder ``DATADIR/empty``, ``restore_or_initialize``.
+  once more (generation 4), which is then restored funnelled through client 1
+  (``CheckpointOptions(io_device=...task:1...)``); for an empty folder ``DATADIR/empty``, ``restore_or_initialize``.
 
 Each client counts its reads of ``checkpoint`` state files (``LocalFileSystem.read_bytes``,
 ``isfile``, ``exists`` of a file named ``checkpoint``) per phase. Results go to ``OUTDIR/rank<R>.json``.
@@ -124,6 +126,10 @@ def saves_of(kind: str, mesh, data: str) -> None:
         return check_values(target, target_vars, SAVES)
 
     W.phase(f"{kind}/restore", restore)
+    init = []
+    manager._init_fn = lambda: init.append(True)  # the same process, as the issue's report: no mix
+    W.phase(f"{kind}/restore_or_initialize", lambda: {"returned": manager.restore_or_initialize(),
+                                                      "initialized": bool(init)})
 
 
 def resume_of(kind: str, mesh, data: str) -> None:
@@ -151,6 +157,16 @@ def resume_of(kind: str, mesh, data: str) -> None:
         return view(manager, manager.save())
 
     W.phase(f"{kind}/save_again", save_again)
+    if kind == "empty":
+        return
+    funnelled, funnelled_vars = build_model(mesh, 0)
+
+    def restore_funnelled():  # only client 1 reads; the others receive their pieces
+        shardckpt.Checkpoint(root=funnelled).restore(
+            manager.latest_checkpoint, options=shardckpt.CheckpointOptions(io_device=W.IO_DEVICE)).assert_consumed()
+        return check_values(funnelled, funnelled_vars, SAVES + 1)
+
+    W.phase(f"{kind}/restore_funnelled", restore_funnelled)
 
 
 def disagreeing_save(mesh, data: str) -> None:
