@@ -32,7 +32,6 @@ torch, mpi4py and Open MPI are test dependencies: their absence fails these test
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -55,7 +54,7 @@ if str(HELPERS) not in sys.path:
     sys.path.insert(0, str(HELPERS))
 
 import dtensor_worker as W  # noqa: E402  (tests/helpers)
-from launchers import clean_env, launch_command  # noqa: E402  (tests/helpers)
+from launchers import clean_env, launch_command, rank_results  # noqa: E402  (tests/helpers)
 
 LAUNCH_TIMEOUT = 150
 GRACE = 1.0  # the backends' grace period for a late rank 0 (max(1 s, 10 % of the timeout))
@@ -76,20 +75,12 @@ def _launch(backend: str, nproc: int, mode: str, tmp: Path, data: Path, *, fault
         except subprocess.TimeoutExpired:
             rc = "timeout"
     tail = log.read_text(errors="replace")[-5000:]
-    results = {}
-    for r in range(nproc):
-        path = out / f"rank{r}.json"
-        assert path.exists(), f"rank {r} wrote no result (launcher exit {rc}); log:\n{tail}"
-        results[r] = json.loads(path.read_text())
-        assert "fatal" not in results[r], f"rank {r} crashed:\n{results[r]['fatal']}\nlog:\n{tail}"
-        assert results[r].get("done"), f"rank {r} did not finish (launcher exit {rc}); log:\n{tail}"
+    results = rank_results(out, nproc, backend, rc, tail)
     # Under torchrun the victim of the fault phase is SIGKILLed: the launcher reports that failure.
     if not (fault and backend == "torch"):
         assert rc == 0, f"launcher exit {rc}; log:\n{tail}"
     else:
         assert rc != "timeout", f"launcher timed out; log:\n{tail}"
-    for r, res in results.items():
-        assert res["rank"] == r and res["size"] == nproc and res["backend"] == backend, res
     return results
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "CorruptIndexError",
     "CheckpointReplacedError",
     "NotFoundError",
+    "NoCheckpointError",
     "InvalidArgumentError",
     "UnsupportedError",
     "AlreadyExistsError",
@@ -88,6 +89,11 @@ class CheckpointReplacedError(DataLossError):
 
 class NotFoundError(ShardckptError, KeyError, FileNotFoundError):
     """A checkpoint, a data file or a key does not exist."""
+
+
+class NoCheckpointError(NotFoundError, ValueError):
+    """A directory holds no checkpoint to read: no ``checkpoint`` state file naming an existing one
+    (TensorFlow's ``load_checkpoint`` raises ``ValueError`` there)."""
 
 
 class InvalidArgumentError(ShardckptError, ValueError):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Dict
 
 BIN = Path(sys.executable).parent
 
@@ -54,3 +55,19 @@ def run_launched(cmd: list, *, tries: int = 3, **kwargs: Any) -> subprocess.Comp
         if proc.returncode == 0 or not any(m in proc.stdout + proc.stderr for m in LAUNCHER_STARTUP_FAILURES):
             return proc
     return proc
+
+
+def rank_results(out: Path, nproc: int, backend: str, rc: Any, tail: str) -> Dict[int, dict]:
+    """Every client's ``out/rank<R>.json`` (a worker's record), each checked: written, without a ``fatal``
+    traceback, ``done``, and from rank R of ``nproc`` clients of ``backend``. ``rc`` (the launcher's
+    exit) and ``tail`` (its log's end) go into the failure messages."""
+    results: Dict[int, dict] = {}
+    for r in range(nproc):
+        path = out / f"rank{r}.json"
+        assert path.exists(), f"rank {r} wrote no result (launcher exit {rc}); log:\n{tail}"
+        res = json.loads(path.read_text())
+        assert "fatal" not in res, f"rank {r} crashed:\n{res['fatal']}\nlog:\n{tail}"
+        assert res.get("done"), f"rank {r} did not finish (launcher exit {rc}); log:\n{tail}"
+        assert res["rank"] == r and res["size"] == nproc and res["backend"] == backend, res
+        results[r] = res
+    return results

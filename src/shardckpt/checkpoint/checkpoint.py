@@ -5,6 +5,10 @@
     ckpt = shardckpt.Checkpoint(model=model, optimizer=opt)
     path = ckpt.save("/train/ckpt")          # /train/ckpt-1, and the `checkpoint` state file
     ckpt.restore(shardckpt.latest_checkpoint("/train")).assert_consumed()
+
+A graph holding values laid out over several clients (DVariables on a mesh of several
+clients) is saved by every client together (:mod:`shardckpt.checkpoint.collective`):
+each client calls ``save``/``write``/``restore`` with the same graph.
 """
 
 from __future__ import annotations
@@ -17,14 +21,16 @@ import numpy as np
 
 from ..errors import DataLossError, InvalidArgumentError, NotFoundError
 from ..saving.async_save import AsyncSaver
+from ..saving.funnel_restore import funnelled_reader
 from ..saving.options import CheckpointOptions
 from ..saving.pieces import pieces_of
 from ..saving.save import save_tensors
 from ..sharding.shardable import ShardableTensor
 from ..storage.base import is_local_path, normalize
 from ..storage.registry import get_fs
+from .collective import Collective, find_collective, save_collective
 from .graph import OBJECT_GRAPH_KEY, SaveableGraph, build_graph
-from .reader import open_bundle
+from .reader import open_bundle, resolve_prefix
 from .registration import get_saver
 from .restore import (
     CheckpointLoadStatus,
@@ -33,7 +39,7 @@ from .restore import (
     RestoreSession,
     load_object_graph,
 )
-from .state import latest_checkpoint, update_checkpoint_state
+from .state import clean_path, latest_checkpoint, update_checkpoint_state
 from .trackable import AutoTrackable, Trackable, Variable, as_trackable
 
 __all__ = ["Checkpoint"]
@@ -155,12 +161,26 @@ class Checkpoint(AutoTrackable):
         graph_tensor = ShardableTensor.from_value(OBJECT_GRAPH_KEY,
                                                   np.array(graph.proto.SerializeToString(), dtype=object))
         previous = _previous_checkpoint(path) if options.incremental and on_commit is not None else None
-        self._save_graph(path, graph, graph_tensor, options, on_commit, previous)
+        # written at the lexically cleaned path (``a/../d/ck-1`` in ``d``, as TF); the spelling is returned
+        self._save_graph(clean_path(path), graph, graph_tensor, options, on_commit, previous)
         return path
+
+    def _collective(self, graph: Optional[SaveableGraph] = None) -> Optional[Collective]:
+        """How the clients save this checkpoint together (``None``: this client saves alone): when
+        ``graph`` (default: the current one) holds a value laid out over several clients."""
+        if graph is None:
+            root, extra = self._graph_root()
+            graph = build_graph(root, extra)
+        return find_collective(graph)
 
     def _save_graph(self, path: str, graph: SaveableGraph, graph_tensor: ShardableTensor,
                     options: CheckpointOptions, on_commit: Any, previous: Optional[str] = None) -> None:
         """Save the graph's values (in graph order) and then the graph itself."""
+        collective = self._collective(graph)
+        if collective is not None:
+            save_collective(collective, path, graph, graph_tensor, options, on_commit=on_commit,
+                            saver=self._async_saver(options), on_failure=self._pending_rollback, previous=previous)
+            return
         tensors: List[ShardableTensor] = []
         for t in graph.tensors:  # a distributed value (a DVariable's DTensor) lists its distinct pieces
             tensors += pieces_of(t.key, t.value, trackable=t.obj)
@@ -209,7 +229,15 @@ class Checkpoint(AutoTrackable):
         return status
 
     def _open_for_restore(self, save_path: str, options: CheckpointOptions) -> Any:
-        """What a restore reads through (a :class:`BundleReader`; a funnelled reader in collective restores)."""
+        """What a restore reads through: a :class:`BundleReader`; with ``options.io_device`` in a collective
+        checkpoint of several clients, a funnelled reader (only the io client reads; collective)."""
+        if options.io_device is not None:
+            collective = self._collective()
+            if collective is not None:
+                funnel = funnelled_reader(save_path, options, collective.coordinator, resolve=resolve_prefix,
+                                          preload=[OBJECT_GRAPH_KEY])
+                if funnel is not None:
+                    return funnel
         return open_bundle(save_path)
 
     def _restore_from(self, reader: Any, options: CheckpointOptions) -> Any:

@@ -12,6 +12,15 @@ an empty ``<old>.deleting`` marker per checkpoint beyond ``max_to_keep``; the st
 deleted (index first) and their markers removed; markers a dead process left finished
 (their checkpoints deleted unless named again); what dead saves left removed
 (:func:`~shardckpt.saving.commit.leftovers.clean_directory`).
+
+Several clients (a checkpoint saved collectively: DVariables on a mesh of several
+clients, a ``DTensorCheckpoint``): every client runs the same manager calls. Only the
+io client touches the folder: at construction it reads the state file and broadcasts
+what it found; at each save it records the commit (the steps above) and its new state
+(the kept checkpoints, their timestamps, the latest) travels with the save's outcome, so
+every client adopts the same state once it knows the save committed (an asynchronous
+save: on its background thread). ``restore_or_initialize`` takes the io client's choice,
+so every client restores, or every client initializes.
 """
 
 from __future__ import annotations
@@ -21,18 +30,20 @@ import os
 import re
 import time
 from collections import OrderedDict
-from typing import Any, Callable, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
+from ..distributed.coordinator import CoordinationError, Coordinator
 from ..errors import InvalidArgumentError, NotFoundError
 from ..format.naming import index_filename
 from ..saving.commit.leftovers import clean_directory
 from ..saving.incremental import retained_for_damage, sidecar_filename
 from ..saving.options import CheckpointOptions
+from ..saving.request import SharedCommitStep
 from ..storage.base import is_local_path, normalize
 from ..storage.registry import get_fs
-from .state import STATE_FILENAME, get_checkpoint_state, update_checkpoint_state
+from .state import STATE_FILENAME, CheckpointState, clean_path, get_checkpoint_state, update_checkpoint_state
 
 __all__ = ["CheckpointManager"]
 
@@ -85,16 +96,47 @@ class CheckpointManager:
         # TF: one second back, so that a manager re-created at once does not race the last one.
         self._last_preserved_timestamp = now - 1.0
         self._latest_checkpoint: Optional[str] = None
-        state = get_checkpoint_state(self._directory)
+        state = self._shared(lambda: _recovered(get_checkpoint_state(self._directory)),
+                             f"read the state file of {self._directory}")
         if state is not None:
-            self._latest_checkpoint = state.model_checkpoint_path
-            self._last_preserved_timestamp = _clock_checked(state.last_preserved_timestamp, now)
-            paths = list(state.all_model_checkpoint_paths)
-            stamps = list(state.all_model_checkpoint_timestamps) or [self._last_preserved_timestamp] * len(paths)
+            self._latest_checkpoint = state["latest"]
+            self._last_preserved_timestamp = _clock_checked(state["preserved"], now)
+            paths = state["paths"]
+            stamps = state["stamps"] or [self._last_preserved_timestamp] * len(paths)
             for path, stamp in zip(paths, stamps):
                 stamp = min(stamp, now)
                 if stamp > self._last_preserved_timestamp:
                     self._maybe_delete[path] = stamp
+
+    # -- several clients ----------------------------------------------------------
+    def _coordinator(self) -> Optional[Coordinator]:
+        """The clients' coordinator when the checkpoint is saved by several clients together, else ``None``."""
+        find = getattr(self._checkpoint, "_collective", None)
+        collective = find() if find is not None else None
+        if collective is None or int(collective.coordinator.size) == 1:
+            return None
+        return collective.coordinator  # type: ignore[no-any-return]
+
+    def _shared(self, decide: Callable[[], Any], what: str) -> Any:
+        """``decide()`` on this client alone, or, with several clients, on the io client (client 0), whose
+        result (or error) every client receives."""
+        coordinator = self._coordinator()
+        if coordinator is None:
+            return decide()
+        error: Optional[Exception] = None
+        reply: Any = None
+        if coordinator.rank == 0:
+            try:
+                reply = {"ok": True, "value": decide()}
+            except Exception as exc:
+                error = exc
+                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        reply = coordinator.broadcast(reply, root=0)
+        if error is not None:
+            raise error
+        if not reply["ok"]:
+            raise CoordinationError(f"client 0 could not {what}: {reply['error']}")
+        return reply["value"]
 
     @property
     def directory(self) -> str:
@@ -160,8 +202,10 @@ class CheckpointManager:
         object.__setattr__(self._checkpoint, "_pending_rollback", rollback)
         try:
             # The state file is recorded (and old checkpoints deleted) right after the
-            # commit, before the write callbacks run.
-            self._checkpoint._write(prefix, options, self._record)
+            # commit, before the write callbacks run; every client adopts the io client's
+            # new state once it knows the save committed.
+            self._checkpoint._write(prefix, options,
+                                    SharedCommitStep(lambda _written: self._record(prefix), self._adopt))
         except BaseException:
             counter.assign(previous)
             raise
@@ -171,79 +215,111 @@ class CheckpointManager:
             self._last_checkpoint_step = _value(self._step_counter)
         return prefix
 
-    def _record(self, path: str) -> None:
-        """Note a committed checkpoint: state file first, then delete what is beyond ``max_to_keep``
-        and what dead saves left in the folder.
+    def _record(self, path: str) -> Dict[str, Any]:
+        """Note the committed checkpoint ``path`` (as this manager spells it; on the io client): state
+        file first, then delete what is beyond ``max_to_keep`` and what dead saves left in the folder.
+        Returns the new state, which every client adopts (:meth:`_adopt`).
 
         Runs under the folder's exclusive lock (``FileSystem.exclusive``), so that two managers
         (or processes) sharing a folder never name a checkpoint the other is deleting: the state
         file is written only while the checkpoints it names are there (locally, kept checkpoints
         another manager deleted are dropped from the list first). Two managers sharing a folder: the
         last to record names its checkpoint latest (last record wins), and each deletes only
-        what its own list holds.
+        what its own list holds. The manager's own state changes only once the state file names it.
         """
         fs = get_fs(self._directory)
-        with fs.exclusive(self._directory):
-            if not fs.exists(index_filename(path)):
+        folder = clean_path(self._directory)  # paths are kept as spelled (as TF); files are reached cleaned
+        with fs.exclusive(folder):
+            if not fs.exists(index_filename(clean_path(path))):
                 raise NotFoundError("the checkpoint just committed is gone (removed by another process "
                                     "sharing this folder?); the state file was not changed", path=path)
             now = time.time()
+            kept = OrderedDict(self._maybe_delete)
             if fs.supports_rename:  # local: another manager sharing this folder may have deleted some
-                for kept in [p for p in self._maybe_delete if p != path]:
-                    if not fs.exists(index_filename(kept)):
-                        del self._maybe_delete[kept]
-            self._maybe_delete.pop(path, None)
-            self._maybe_delete[path] = now
-            self._latest_checkpoint = path
-            stamps = dict(self._maybe_delete)
-            doomed = self._sweep()
+                for other in [p for p in kept if p != path]:
+                    if not fs.exists(index_filename(clean_path(other))):
+                        del kept[other]
+            kept.pop(path, None)
+            kept[path] = now
+            stamps = dict(kept)
+            doomed, preserved = _sweep(kept, self._max_to_keep, self._keep_every_hours,
+                                       self._last_preserved_timestamp)
             # incremental: the newest checkpoint not known damaged stays while every newer one is (issue 24)
-            for old in retained_for_damage(doomed, list(self._maybe_delete), fs) if self._incremental else []:
+            for old in retained_for_damage(doomed, list(kept), fs) if self._incremental else []:
                 doomed.remove(old)
-                self._maybe_delete[old] = stamps[old]
-                self._maybe_delete.move_to_end(old, last=False)
+                kept[old] = stamps[old]
+                kept.move_to_end(old, last=False)
             marked = True  # a marker per doomed checkpoint (every store), so a death below is finished later
             for old in doomed if marked else []:
-                fs.close(fs.open_write(old + DELETING))
-            update_checkpoint_state(self._directory, path, list(self._maybe_delete),
-                                    all_model_checkpoint_timestamps=list(self._maybe_delete.values()),
-                                    last_preserved_timestamp=self._last_preserved_timestamp)
+                fs.close(fs.open_write(clean_path(old) + DELETING))
+            update_checkpoint_state(self._directory, path, list(kept),
+                                    all_model_checkpoint_timestamps=list(kept.values()),
+                                    last_preserved_timestamp=preserved)
+            state = {"latest": path, "kept": [[p, t] for p, t in kept.items()], "preserved": preserved}
+            self._adopt(path, state)
             for old in doomed:
-                _delete_checkpoint(old)
+                _delete_checkpoint(clean_path(old))
                 if marked:
-                    fs.remove(old + DELETING)
+                    fs.remove(clean_path(old) + DELETING)
+            tracked = [clean_path(p) for p in kept]
             if marked:
-                _finish_deletions(fs, self._directory, fs.basename(self._prefix), set(self._maybe_delete))
+                _finish_deletions(fs, folder, fs.basename(self._prefix), set(tracked))
             # Other complete checkpoints the state file does not name are left alone, as TensorFlow's
             # manager leaves them (a save killed between its commit and this point leaves one; the
             # next save with the restored counter reuses its number and replaces it).
-            clean_directory(fs, self._directory, fs.basename(self._prefix), list(self._maybe_delete),
+            clean_directory(fs, folder, fs.basename(self._prefix), tracked,
                             remove_untracked=False, state_file=STATE_FILENAME)
+        return state
 
-    def _sweep(self) -> List[str]:
-        """Drop checkpoints beyond ``max_to_keep`` (keeping one every N hours); return those to delete."""
-        doomed: List[str] = []
-        if not self._max_to_keep:
-            return doomed
-        while len(self._maybe_delete) > self._max_to_keep:
-            path, stamp = self._maybe_delete.popitem(last=False)
-            if self._keep_every_hours and stamp - self._keep_every_hours * 3600.0 >= self._last_preserved_timestamp:
-                self._last_preserved_timestamp = stamp
-                continue
-            doomed.append(path)
-        return doomed
+    def _adopt(self, path: str, state: Optional[Dict[str, Any]]) -> None:
+        """Take the state the io client recorded for the save of ``path`` (every client, once the commit
+        is known; the attributes are replaced, never changed in place, so readers on other threads
+        see the old state or the new one)."""
+        if state is None:
+            return
+        self._maybe_delete = OrderedDict((str(p), float(t)) for p, t in state["kept"])
+        self._last_preserved_timestamp = float(state["preserved"])
+        self._latest_checkpoint = str(state["latest"])
 
     def restore_or_initialize(self) -> Optional[str]:
-        """Restore the latest checkpoint and return its path; else run ``init_fn`` and return ``None``."""
-        if self._latest_checkpoint is not None:
-            self._checkpoint.restore(self._latest_checkpoint)
+        """Restore the latest checkpoint and return its path; else run ``init_fn`` and return ``None``.
+
+        With several clients the io client's latest checkpoint is every client's choice: every
+        client restores it, or every client initializes."""
+        latest = self._shared(lambda: self._latest_checkpoint, "choose between restoring and initializing")
+        if latest is not None:
+            self._checkpoint.restore(latest)
             if self._checkpoint_interval is not None:
                 self._last_checkpoint_step = _value(self._step_counter)
-            return self._latest_checkpoint
+            return latest  # type: ignore[no-any-return]
         if self._init_fn is not None:
             self._init_fn()
         return None
 
+
+def _sweep(kept: "OrderedDict[str, float]", max_to_keep: Optional[int], keep_every_hours: Optional[float],
+           preserved: float) -> Tuple[List[str], float]:
+    """Drop checkpoints beyond ``max_to_keep`` from ``kept`` (keeping one every N hours, which moves the
+    last preserved timestamp); return those to delete and the new last preserved timestamp."""
+    doomed: List[str] = []
+    if not max_to_keep:
+        return doomed, preserved
+    while len(kept) > max_to_keep:
+        path, stamp = kept.popitem(last=False)
+        if keep_every_hours and stamp - keep_every_hours * 3600.0 >= preserved:
+            preserved = stamp
+            continue
+        doomed.append(path)
+    return doomed, preserved
+
+
+def _recovered(state: Optional[CheckpointState]) -> Optional[Dict[str, Any]]:
+    """What a manager takes from a parsed state file, as JSON (``None``: no state file)."""
+    if state is None:
+        return None
+    return {"latest": state.model_checkpoint_path, "paths": list(state.all_model_checkpoint_paths),
+            "stamps": list(state.all_model_checkpoint_timestamps),
+            "preserved": float(state.last_preserved_timestamp)}
 
 def _finish_deletions(fs: Any, directory: str, base: str, tracked: Set[str]) -> None:
     """Finish the retention deletions a dead manager began: ``<base>-<N>.deleting`` markers.

@@ -7,20 +7,26 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from ..errors import NotFoundError
+from ..errors import NoCheckpointError, NotFoundError
 from ..format.bundle_reader import BundleReader
 from ..format.dtypes import DType
 from ..format.naming import index_filename
-from ..storage.base import FileSystem, normalize
+from ..storage.base import FileSystem
 from ..storage.registry import get_fs
-from .state import latest_checkpoint
+from .state import clean_path, latest_checkpoint
 
 __all__ = ["CheckpointReader", "load_checkpoint", "list_variables", "load_variable", "resolve_prefix", "open_bundle"]
 
 
 def resolve_prefix(path: str) -> str:
-    """Turn a checkpoint prefix, a checkpoint directory or a SavedModel directory into a prefix."""
-    path = normalize(os.fspath(path))
+    """Turn a checkpoint prefix, a checkpoint directory or a SavedModel directory into a prefix.
+
+    A directory without a checkpoint raises :class:`~shardckpt.errors.NoCheckpointError` (a
+    ``ValueError``, as TensorFlow's); a prefix without an index, ``NotFoundError``. Any spelling of
+    a directory works (``./dir``, ``a/../dir``, ``dir/``, absolute): the state file's relative paths
+    are joined to it.
+    """
+    path = clean_path(os.fspath(path))
     fs = get_fs(path)
     if fs.read_step is not None and fs.exists(index_filename(path)):  # object store: one lookup when a prefix
         return path
@@ -31,8 +37,8 @@ def resolve_prefix(path: str) -> str:
         saved_model = fs.join(path, "variables", "variables")
         if fs.exists(index_filename(saved_model)):
             return saved_model
-        raise NotFoundError("no 'checkpoint' state file naming an existing checkpoint, and no "
-                            "SavedModel variables, in this directory", path=path)
+        raise NoCheckpointError("no 'checkpoint' state file naming an existing checkpoint, and no "
+                                "SavedModel variables, in this directory", path=path)
     if not fs.exists(index_filename(path)):
         raise NotFoundError("no checkpoint at this prefix (its .index file is missing)", path=path)
     return path
@@ -46,7 +52,7 @@ def open_bundle(path: str, fs: Optional[FileSystem] = None) -> BundleReader:
     index GET answer what the index lookup would have asked, one request fewer; only
     when no index is there is ``path`` resolved as a directory.
     """
-    path = normalize(os.fspath(path))
+    path = clean_path(os.fspath(path))
     store = fs if fs is not None else get_fs(path)
     if store.read_step is not None:
         try:

@@ -25,6 +25,7 @@ from ..errors import InvalidArgumentError
 from ..format.bundle_reader import BundleReader
 from ..format.bundle_writer import byte_view
 from ..format.tensor_slice import Box, box_shape
+from ..sharding.shardable import canonical_device
 from ._layout import Layout
 from ._mesh import Mesh
 
@@ -83,13 +84,25 @@ class DTensor:
         """The regions :meth:`restore_from` reads (one per distinct local piece), for a restore to announce."""
         return list(self.local_pieces())
 
+    @property
+    def spanned_clients(self) -> int:
+        """How many clients hold pieces of this value (its mesh's clients): a ``Checkpoint`` holding a
+        value of several clients saves collectively."""
+        return self.layout.mesh.num_clients
+
+    def device_of_client(self, rank: int) -> str:
+        """The device through which client ``rank`` writes the values that are not laid out (the
+        lowest device of this value's mesh on that client) in a collective save."""
+        return client_device(self.layout.mesh, rank)
+
     def shardable_pieces(self, key: str, *, clients: int = 1, replica_writer: str = "lowest") -> List[Any]:
         """The distinct pieces this client writes under ``key`` when ``clients`` clients save together
         (:class:`~shardckpt.saving.pieces.DistributedValue`)."""
         if self.layout.mesh.num_clients != clients:
             if clients == 1:
-                raise InvalidArgumentError(f"{key!r} lies on a mesh of several clients: save it with "
-                                           "dtensor.DTensorCheckpoint or dtensor.sharded_save")
+                raise InvalidArgumentError(f"{key!r} lies on a mesh of {self.layout.mesh.num_clients} clients: "
+                                           "every client must save it together (Checkpoint.save, "
+                                           "dtensor.sharded_save), not one client alone")
             raise InvalidArgumentError(f"{key!r} lies on a mesh of {self.layout.mesh.num_clients} clients, "
                                        f"but {clients} clients are saving")
         from ._save import dtensor_pieces
@@ -125,6 +138,12 @@ class DTensor:
 
     def __repr__(self) -> str:
         return f"DTensor(shape={list(self.shape)}, dtype={self.dtype}, layout={self.layout.sharding_specs})"
+
+
+def client_device(mesh: Mesh, rank: int) -> str:
+    """The name of client ``rank``'s lowest device of ``mesh`` (a task's CPU when it holds none)."""
+    devices = [d for d in mesh.global_device_ids().reshape(-1).tolist() if mesh.client_of(d) == rank]
+    return mesh.device_name(min(devices)) if devices else canonical_device(f"/task:{rank}")
 
 
 def pack(components: Sequence[Any], layout: Layout) -> DTensor:

@@ -1,5 +1,6 @@
 """Collective saves of DTensors: ``sharded_save``, ``name_based_save`` / ``name_based_restore`` and
-``DTensorCheckpoint``.
+``DTensorCheckpoint`` (the compatible name: a ``Checkpoint`` holding multi-client DVariables
+saves collectively by itself, :mod:`shardckpt.checkpoint.collective`).
 
 Each distinct piece of a DTensor is written once, by the client holding its
 writer device: the lowest device id that holds it (as TensorFlow DTensor does)
@@ -17,8 +18,8 @@ from typing import Any, List, Mapping, Optional, Sequence
 import numpy as np
 
 from ..checkpoint.checkpoint import Checkpoint
-from ..checkpoint.graph import OBJECT_GRAPH_KEY, SaveableGraph
-from ..checkpoint.reader import resolve_prefix
+from ..checkpoint.collective import Collective, collective_options
+from ..checkpoint.graph import SaveableGraph
 from ..distributed import get_coordinator
 from ..distributed.coordinator import Coordinator
 from ..errors import InvalidArgumentError, NotFoundError
@@ -29,9 +30,8 @@ from ..saving.distributed import io_rank_of, save_tensors_distributed
 from ..saving.funnel_restore import funnelled_reader, run_funnelled
 from ..saving.options import CheckpointOptions
 from ..saving.pieces import pieces_of
-from ..sharding.callback import ShardByDevicePolicy
-from ..sharding.shardable import ShardableTensor, canonical_device
-from ._api import DTensor, as_dtensor, get_default_mesh, is_dtensor
+from ..sharding.shardable import ShardableTensor
+from ._api import DTensor, as_dtensor, client_device, get_default_mesh, is_dtensor
 from ._layout import UNSHARDED
 from ._mesh import Mesh
 
@@ -60,13 +60,6 @@ def dtensor_pieces(key: str, value: DTensor, replica_writer: str = "lowest") -> 
     return out
 
 
-def _options(options: Optional[CheckpointOptions]) -> CheckpointOptions:
-    options = options or CheckpointOptions()
-    if options.sharding_callback is None:
-        options = options.replace(sharding_callback=ShardByDevicePolicy())
-    return options
-
-
 def sharded_save(mesh: Mesh, file_prefix: str, tensor_names: Sequence[str], shape_and_slices: Sequence[str],
                  tensors: Sequence[Any], options: Optional[CheckpointOptions] = None, *,
                  coordinator: Optional[Coordinator] = None, replica_writer: str = "lowest",
@@ -81,12 +74,12 @@ def sharded_save(mesh: Mesh, file_prefix: str, tensor_names: Sequence[str], shap
     if any(s for s in shape_and_slices):
         raise InvalidArgumentError("sharded_save takes only empty shape_and_slices (layouts place the pieces)")
     coordinator = coordinator or get_coordinator()
-    options = _options(options)
+    options = collective_options(options)
     io = io_rank_of(options, coordinator.size)
     local: List[ShardableTensor] = []
     for name, value in zip(tensor_names, tensors):
         local += pieces_of(name, as_dtensor(value) if is_dtensor(value) else value, clients=coordinator.size,
-                           writes_whole=coordinator.rank == io, device=_io_device(mesh, io),
+                           writes_whole=coordinator.rank == io, device=client_device(mesh, io),
                            replica_writer=replica_writer)
     return save_tensors_distributed(os.fspath(file_prefix), local, options, coordinator, io_rank=io,
                                     timeout=timeout)
@@ -151,13 +144,15 @@ def _restore_named(reader: Any, checkpoint_prefix: str,
     return targets
 
 
-def _io_device(mesh: Mesh, rank: int) -> str:
-    devices = [d for d in mesh.global_device_ids().reshape(-1).tolist() if mesh.client_of(d) == rank]
-    return mesh.device_name(min(devices)) if devices else canonical_device(f"/task:{rank}")
-
-
 class DTensorCheckpoint(Checkpoint):
     """``Checkpoint`` over DVariables and ordinary variables, saved collectively by every client.
+
+    The compatible name TensorFlow deprecates in favour of ``tf.train.Checkpoint``: a
+    :class:`~shardckpt.Checkpoint` holding DVariables of a mesh of several clients saves
+    them collectively too, with the same guarantees (agreement on the pieces, atomic
+    commit, ``enable_async``; see :mod:`shardckpt.checkpoint.collective`). This class adds
+    a ``mesh`` (whose io client's first device writes the values that are not laid out), an
+    explicit ``coordinator`` and ``replica_writer``, and is collective even on one client.
 
     All clients build the same object graph and call ``save``/``write``/``restore``
     together; each writes its own pieces, the io client commits and updates the
@@ -180,36 +175,8 @@ class DTensorCheckpoint(Checkpoint):
         """The mesh given at construction (its io client's first device writes the non-DTensor values)."""
         return self._mesh  # type: ignore[attr-defined, no-any-return]
 
-    def _coord(self) -> Coordinator:
-        return self._coordinator or get_coordinator()  # type: ignore[attr-defined, no-any-return]
-
-    def _save_graph(self, path: str, graph: SaveableGraph, graph_tensor: ShardableTensor,
-                    options: CheckpointOptions, on_commit: Any, previous: Optional[str] = None) -> None:
-        if graph.registered:
-            raise InvalidArgumentError("registered savers are not supported in multi-client DTensor checkpoints")
-        coordinator = self._coord()
-        options = _options(options)
-        io = io_rank_of(options, coordinator.size)
-        io_device = _io_device(self.mesh, io)
-        local: List[ShardableTensor] = []
-        for t in graph.tensors:
-            local += pieces_of(t.key, t.value, clients=coordinator.size, writes_whole=coordinator.rank == io,
-                               device=io_device, trackable=t.obj,
-                               replica_writer=self._replica_writer)  # type: ignore[attr-defined]
-        if coordinator.rank == io:
-            local.append(ShardableTensor.from_value(graph_tensor.checkpoint_key, graph_tensor.tensor,
-                                                    device=io_device))
-        save_tensors_distributed(path, local, options, coordinator, io_rank=io, on_commit=on_commit,
-                                 saver=self._async_saver(options), on_failure=self._pending_rollback,
-                                 previous=previous)
-
-    def _open_for_restore(self, save_path: str, options: CheckpointOptions) -> Any:
-        """With ``options.io_device`` on several clients: a funnelled, collective restore."""
-        funnel = funnelled_reader(save_path, options, self._coord(), resolve=resolve_prefix,
-                                  preload=[OBJECT_GRAPH_KEY])
-        return funnel if funnel is not None else super()._open_for_restore(save_path, options)
-
-    def save(self, file_prefix: str, options: Optional[CheckpointOptions] = None) -> str:
-        """Collective ``save``: only the io client updates the ``checkpoint`` file."""
-        return super().save(file_prefix, options)
-
+    def _collective(self, graph: Optional[SaveableGraph] = None) -> Collective:
+        """Always collective: over the given coordinator (else the process's), through ``mesh``'s devices."""
+        mesh = self.mesh
+        return Collective(self._coordinator or get_coordinator(),  # type: ignore[attr-defined]
+                          lambda rank: client_device(mesh, rank), self._replica_writer)  # type: ignore[attr-defined]

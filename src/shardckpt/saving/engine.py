@@ -32,7 +32,9 @@ is trivial. Steps (``io``: the request's io client; ``all``: every client)::
                    everywhere, nothing committed, committer.abort() on the io client
     commit    io   committer.commit(): the commit point; then committer.finish()
                    and the request's on_commit (the state file)   -> broadcast
-    after     all  write callbacks, on every client once the commit is known
+                   (with a SharedCommitStep's result)
+    after     all  a SharedCommitStep's adopt (a manager's state), then write
+                   callbacks, on every client once the commit is known
 
 When a step fails on some client, every client raises the same
 :class:`~shardckpt.distributed.CoordinationError` naming the client(s) and their errors
@@ -60,7 +62,7 @@ from .context import default_context
 from .funnel import describe_plan, receive_plan, send_plan
 from .incremental import arrange, load_previous
 from .plan import SavePlan, ShardPlan, TensorsToSave, make_save_plan
-from .request import SaveRequest, default_workers
+from .request import SaveRequest, SharedCommitStep, default_workers
 
 __all__ = ["save", "run_save", "SaveStats"]
 
@@ -250,7 +252,9 @@ def _run_save(plan: SavePlan, request: SaveRequest, coordinator: Coordinator) ->
             committer.finish()
             if request.on_commit is not None:
                 try:
-                    request.on_commit(prefix)
+                    recorded = request.on_commit(prefix)
+                    if isinstance(request.on_commit, SharedCommitStep):
+                        outcome["shared"] = recorded
                 except Exception as exc:
                     commit_error = exc
                     outcome = {"ok": False, "error": f"after the commit: {_describe(exc)}"}
@@ -258,6 +262,8 @@ def _run_save(plan: SavePlan, request: SaveRequest, coordinator: Coordinator) ->
     if not outcome["ok"]:
         _fail(coordinator, commit_error,
               CoordinationError(f"the save of {prefix} failed on client {io}: {outcome['error']}"))
+    if isinstance(request.on_commit, SharedCommitStep):
+        request.on_commit.adopt(prefix, outcome.get("shared"))
     request.options.run_write_callbacks(prefix)
     return SaveStats(prefix, committer.num_shards, sum(int(w["bytes"]) for w in written),
                      time.perf_counter() - started, sum(int(w.get("reused", 0)) for w in written))

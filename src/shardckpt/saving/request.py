@@ -9,18 +9,35 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from ..storage.location import Location
 from .commit.base import BundleMaker
 from .options import CheckpointOptions
 
-__all__ = ["SaveRequest", "default_workers"]
+__all__ = ["SaveRequest", "SharedCommitStep", "default_workers"]
 
 
 def default_workers(num_shards: int) -> int:
     """Threads writing shards in parallel: one per shard, at most two per core."""
     return max(1, min(num_shards, 2 * (os.cpu_count() or 1)))
+
+
+class SharedCommitStep:
+    """An ``on_commit`` whose result every client learns: the io client runs ``record(prefix)``
+    right after the commit; its result (JSON: dicts, lists, strings, numbers, ``None``) travels
+    with the commit's outcome, and every client (the io client too) then runs
+    ``adopt(prefix, result)``, on the save's own thread (an asynchronous save's background
+    thread), before the write callbacks. A failed ``record`` fails the save everywhere and
+    nobody adopts anything.
+    """
+
+    def __init__(self, record: Callable[[str], Any], adopt: Callable[[str, Any], None]) -> None:
+        self.record = record
+        self.adopt = adopt
+
+    def __call__(self, prefix: str) -> Any:
+        return self.record(prefix)
 
 
 @dataclass(frozen=True)
@@ -37,7 +54,8 @@ class SaveRequest:
       timeout: seconds each collective may wait (``None``: the coordinator's).
       extra_bundles: registered savers' step, run by the io client before the shards.
       on_commit: the front door's step right after the commit (e.g. the state file),
-        on the io client; its failure is the save's failure.
+        on the io client; its failure is the save's failure. A :class:`SharedCommitStep`
+        also tells every client its result.
       on_failure: run when an asynchronous save's error is raised to the caller.
       previous: with ``options.incremental``, the checkpoint whose unchanged data files
         may be reused (``None``: the checkpoint at ``location`` itself, if any).
