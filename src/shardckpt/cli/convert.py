@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
             name_map = load_name_map(f.read(), args.map)
     rules = Rules(keep=args.keep, drop=args.drop, rename=args.rename, name_map=name_map, transpose=args.transpose,
                   casts=args.dtype)
-    with _warnings_on_stderr(), progress_bar("convert", None, enabled=not args.json) as advance:
+    # the handler takes sys.stderr as the bar leaves it (rich's proxy prints above the bar)
+    with progress_bar("convert", None, enabled=not args.json) as advance, _warnings_on_stderr():
         result = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format, rules=rules,
                          preset=args.preset, strings=args.strings, max_shard_size=args.max_shard_size,
                          trust_pickle=args.trust_pickle, progress=advance)
