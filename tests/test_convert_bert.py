@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -149,3 +150,58 @@ def test_electra_preset_matches_transformers(tmp_path: Path) -> None:
     outcome = json.loads(report.read_text())
     assert outcome["missing"] == [] and outcome["unexpected"] == [] and outcome["unequal"] == []
     assert outcome["compared"] > 30
+
+
+# -- issue 29: back to google-research's names (--preset bert-tf), and the round trip ----------------------------------
+
+def released(values: dict) -> dict:
+    """``values`` without the optimizer's slots and ``global_step`` (what ``--preset bert`` keeps)."""
+    return {k: v for k, v in values.items() if not k.endswith(("/adam_m", "/adam_v")) and k != "global_step"}
+
+
+def test_bert_tf_preset_undoes_bert_name_by_name() -> None:
+    """Every name ``bert`` makes (with a fine-tuned SQuAD head and a top-level classifier) comes back as it was,
+    transposed exactly where ``bert`` transposed; transformers' tied copies and buffers are left out."""
+    from shardckpt.convert.presets import bert_name, bert_tf_name
+
+    names = list(released(bert_variables())) + ["cls/squad/output_weights", "cls/squad/output_bias",
+                                                 "output_weights", "output_bias"]
+    for name in names:
+        hf = bert_name(name)
+        assert hf is not None and hf[0] != name
+        assert bert_tf_name(hf[0]) == (name, hf[1]), name
+    for tied in ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias", "bert.embeddings.position_ids"):
+        assert bert_tf_name(tied) is None
+
+
+def test_bert_round_trip_tf_hf_tf_is_bit_exact(tmp_path: Path, tf_oracle) -> None:  # type: ignore[no-untyped-def]
+    """google-research TF -> HF (``--preset bert``) -> TF (``--preset bert-tf``), with no ``--map``: the same names
+    and bytes as the original (``shardckpt diff`` exits 0), TensorFlow reads it, and transformers' own
+    ``load_tf_weights_in_bert`` makes of it the model ``from_pretrained`` makes of the HF folder."""
+    values = bert_variables(3)
+    google = str(tmp_path / "google" / "bert_model.ckpt")
+    shardckpt.save_tensors(google, values)
+    (tmp_path / "google" / "bert_config.json").write_text(json.dumps(CONFIG))
+    hf = tmp_path / "hf"
+    convert(google, str(hf), dst_format="hf", preset="bert")
+    back = str(tmp_path / "back" / "bert_model.ckpt")
+    result = convert(str(hf), back, dst_format="tf", preset="bert-tf")
+    assert result.warnings == [] and result.left_out == []
+
+    want = released(values)
+    original = str(tmp_path / "released" / "bert_model.ckpt")  # the original, less what bert leaves out
+    shardckpt.save_tensors(original, want)
+    diff = subprocess.run([sys.executable, "-m", "shardckpt.cli.main", "diff", original, back],
+                          capture_output=True, text=True, timeout=120)
+    assert diff.returncode == 0, diff.stdout + diff.stderr
+    got, errors, _ = tf_oracle.load_checkpoint(back)
+    assert errors == {} and sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert np.asarray(got[k]).tobytes() == v.tobytes(), k
+
+    report = tmp_path / "report.json"
+    side = subprocess.run([find_tf_python(), "-c", SIDE, str(hf), back, str(report)], capture_output=True,
+                          text=True, timeout=300)
+    assert side.returncode == 0, side.stderr[-4000:]
+    outcome = json.loads(report.read_text())
+    assert outcome["keys_differ"] == [] and outcome["unequal"] == [] and outcome["compared"] > 30

@@ -258,7 +258,11 @@ def _dcp_folder(tmp_path: Path) -> str:
 
 
 def _distcp(folder: str) -> str:
-    (name,) = [n for n in os.listdir(folder) if n.endswith(".distcp")]
+    """The data file that holds tensor ``a`` (each tensor has its own)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(folder).read_metadata().storage_data
+    (name,) = {info.relative_path for index, info in storage.items() if index.fqn == "a"}
     return os.path.join(folder, name)
 
 

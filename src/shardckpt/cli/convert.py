@@ -12,10 +12,13 @@ error naming the tensor before anything is written; ``--dtype`` casts explicitly
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import sys
+from typing import Iterator
 
-from ..convert import Rules, convert, parse_size
+from ..convert import ConvertResult, Rules, convert, parse_size
 from ..convert.detect import FORMATS
 from ..convert.presets import PRESETS
 from ..convert.select import load_name_map
@@ -42,7 +45,9 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
                    help="reverse the axes of matching tensors")
     p.add_argument("--dtype", action="append", default=[], metavar="[REGEX=]DTYPE",
                    help="cast floating-point tensors (or those matching REGEX) to DTYPE; nothing is cast otherwise")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="rename a google-research TF checkpoint for transformers")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="rename for transformers: bert, electra, albert take google-research TF names to "
+                        "transformers'; bert-tf takes transformers' BERT names back to google-research's")
     p.add_argument("--strings", choices=("skip", "metadata"), default="skip",
                    help="string tensors into safetensors __metadata__ (default: left out with a warning)")
     p.add_argument("--max-shard-size", metavar="SIZE", type=parse_size,
@@ -53,6 +58,34 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
     p.set_defaults(func=run)
 
 
+@contextlib.contextmanager
+def _warnings_on_stderr() -> Iterator[None]:
+    """Every warning the library logs while converting, once, as ``warning: ...`` on stderr.
+
+    The library logs each warning (``ConvertResult.warnings`` and the ones only a source knows, such as
+    a DCP folder's pickle) on the ``shardckpt`` logger; this handler is the one place they are printed.
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("warning: %(message)s"))
+    logger = logging.getLogger("shardckpt")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
+def _summary(result: ConvertResult) -> str:
+    text = (f"converted {result.tensors} tensors ({result.bytes} bytes) from {result.source_format} "
+            f"{result.source} to {result.dest_format} {result.dest} in {result.seconds:.2f} s")
+    if result.in_metadata:
+        text += f"; {len(result.in_metadata)} string tensors kept in __metadata__"
+    if result.left_out:
+        text += f"; {len(result.left_out)} left out"
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
     name_map = {}
     if args.map:
@@ -60,16 +93,13 @@ def run(args: argparse.Namespace) -> int:
             name_map = load_name_map(f.read(), args.map)
     rules = Rules(keep=args.keep, drop=args.drop, rename=args.rename, name_map=name_map, transpose=args.transpose,
                   casts=args.dtype)
-    with progress_bar("convert", None, enabled=not args.json) as advance:
+    # the handler takes sys.stderr as the bar leaves it (rich's proxy prints above the bar)
+    with progress_bar("convert", None, enabled=not args.json) as advance, _warnings_on_stderr():
         result = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format, rules=rules,
                          preset=args.preset, strings=args.strings, max_shard_size=args.max_shard_size,
                          trust_pickle=args.trust_pickle, progress=advance)
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
     else:
-        for w in result.warnings:
-            print(f"warning: {w}", file=sys.stderr)
-        print(f"converted {result.tensors} tensors ({result.bytes} bytes) from {result.source_format} "
-              f"{result.source} to {result.dest_format} {result.dest} in {result.seconds:.2f} s"
-              + (f"; {len(result.left_out)} left out" if result.left_out else ""))
+        print(_summary(result))
     return 0

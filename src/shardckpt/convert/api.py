@@ -28,7 +28,7 @@ from .detect import dest_format, source_format
 from .hf import HFSink, HFSource
 from .model import NO_PROGRESS, Progress, Sink, Source, TensorInfo
 from .npz import NpzSink, NpzSource
-from .presets import PRESETS, model_config
+from .presets import PRESETS, model_config, unrecognised
 from .safetensors import SafetensorsSink, SafetensorsSource
 from .select import Planned, Rules, plan
 from .strings import encode_string_tensor, string_entries
@@ -50,6 +50,8 @@ class ConvertResult:
     tensors: int = 0
     bytes: int = 0
     left_out: List[str] = field(default_factory=list)
+    #: string tensors kept as ``__metadata__`` entries (``strings="metadata"``), by source name
+    in_metadata: List[str] = field(default_factory=list)
     warnings: List[str] = field(default_factory=list)
     files: List[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -96,12 +98,28 @@ def _preset_config(source: Source, preset: str) -> Optional[bytes]:
     beside the source checkpoint, if there is one."""
     fs = get_fs(source.path)
     chosen = PRESETS[preset]
+    if chosen.config_file is None:
+        return None
     directory = source.path if fs.isdir(source.path) else fs.dirname(source.path)
     candidate = fs.join(directory, chosen.config_file) if directory else chosen.config_file
     if not fs.isfile(candidate):
         return None
     config = model_config(chosen, fs.read_bytes(candidate).decode("utf-8"))
     return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _warn_unrecognised(result: ConvertResult, preset: str, names: List[str]) -> None:
+    """A warning when ``preset`` does not recognise some of ``names`` (kept as they are)."""
+    chosen = PRESETS[preset]
+    missed = unrecognised(chosen.rule, names)
+    if not missed:
+        return
+    examples = ", ".join(repr(n) for n in missed[:3]) + (", ..." if len(missed) > 3 else "")
+    text = (f"--preset {preset} does not recognise {len(missed)} of {len(names)} tensor names, kept as they are "
+            f"({examples})")
+    if chosen.reverse is not None and len(missed) == len(names):
+        text += f"; --preset {chosen.reverse} goes the other way"
+    result.warnings.append(text)
 
 
 def convert(src: str, dst: str, *, src_format: Optional[str] = None, dst_format: Optional[str] = None,
@@ -111,7 +129,9 @@ def convert(src: str, dst: str, *, src_format: Optional[str] = None, dst_format:
     """Convert the checkpoint at ``src`` into ``dst``; see the module docstring.
 
     Formats: ``tf``, ``safetensors``, ``hf``, ``npz``, ``dcp`` (detected from the paths
-    unless given). ``preset`` is ``"bert"``, ``"electra"`` or ``"albert"``. ``strings`` is ``"skip"``
+    unless given). ``preset`` is ``"bert"``, ``"electra"``, ``"albert"`` (google-research TF names to
+    transformers') or ``"bert-tf"`` (transformers' BERT names to google-research's); names it does not
+    recognise are kept as they are, with a warning. ``strings`` is ``"skip"``
     or ``"metadata"``. ``max_shard_size`` (bytes) shards ``tf`` and ``hf`` output.
     ``progress(name, nbytes)`` is called after each tensor is written (and
     ``progress.set_total(nbytes)``, if it has that attribute, once before the first).
@@ -134,6 +154,8 @@ def convert(src: str, dst: str, *, src_format: Optional[str] = None, dst_format:
             metadata = {}
         infos = source.tensors() + [TensorInfo(k, STRING, tuple(v.shape)) for k, v in extras.items()]
         planned, result.left_out = plan(infos, rules)
+        if preset is not None:
+            _warn_unrecognised(result, preset, [p.source.name for p in planned])
         outputs: List[Planned] = []
         for p in planned:
             if p.out.dtype.is_variant:
@@ -142,6 +164,8 @@ def convert(src: str, dst: str, *, src_format: Optional[str] = None, dst_format:
                 if strings == "metadata" and dfmt in ("safetensors", "hf"):
                     value = extras[p.source.name] if p.source.name in extras else source.read(p.source.name)
                     metadata[p.out.name] = encode_string_tensor(value)
+                    result.in_metadata.append(p.source.name)
+                    continue
                 else:
                     how = "; --strings metadata keeps it in __metadata__" if dfmt in ("safetensors", "hf") else ""
                     result.warnings.append(f"{p.source.name}: {dfmt} cannot hold string tensors; left out{how}")

@@ -13,8 +13,11 @@ the tensor, whatever torch raised.
 Writing uses ``torch.distributed.checkpoint.save`` (``no_dist=True``) into a temporary
 sibling folder (claimed while the conversion lives; dead conversions' folders are
 removed first, see :mod:`.atomic`) that is renamed into place when complete. DCP's API takes the whole
-state dict at once, so this direction holds every tensor in memory (the other
-destinations stream). Local paths only.
+state dict at once, so it is given placeholders (tensors on torch's ``meta`` device: a shape and a
+dtype, no values) to plan the save from, and a planner whose ``resolve_data`` fetches each value
+only when torch writes it. Each tensor goes to its own ``__0_N.distcp`` data file (torch holds every
+tensor of one data file until that file is closed), so at most about two tensors are in memory at a
+time, as for the other destinations. Local paths only.
 """
 
 from __future__ import annotations
@@ -186,6 +189,47 @@ class DCPSource(Source):
         self.cache = {n: to_numpy(holder[n], self.infos[n].dtype) for n in batch}
 
 
+def _streaming_planner(infos: Sequence[TensorInfo], fetch: Fetch, path: str, progress: Progress) -> Any:
+    """A ``DefaultSavePlanner`` that hands ``dcp.save`` each value when it writes it (see the module
+    docstring); the class is made here so that torch stays an optional import."""
+    _torch()
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class Planner(DefaultSavePlanner):
+        def __init__(self) -> None:
+            super().__init__()
+            self.index = {info.name: i for i, info in enumerate(infos)}
+            self.pending: Optional[TensorInfo] = None  # resolved, being written
+            self.error: Optional[BaseException] = None  # what fetching a value raised (torch wraps it)
+
+        def placeholders(self) -> Dict[str, Any]:
+            torch = _torch()
+            return {info.name: torch.empty(info.shape, dtype=getattr(torch, _TORCH[info.dtype.name]),
+                                           device="meta") for info in infos}
+
+        def resolve_data(self, write_item: Any) -> Any:
+            if write_item.type == WriteItemType.BYTE_IO:
+                return super().resolve_data(write_item)
+            self.done()  # the one resolved before is written by now
+            i = self.index[write_item.index.fqn]
+            try:
+                value = fetch(i)
+                check_value(value, infos[i], path)
+            except BaseException as exc:
+                self.error = exc
+                raise
+            self.pending = infos[i]
+            return to_torch(value, infos[i].dtype)
+
+        def done(self) -> None:
+            if self.pending is not None:
+                progress(self.pending.name, self.pending.nbytes)
+                self.pending = None
+
+    return Planner()
+
+
 class DCPSink(Sink):
     format = "dcp"
 
@@ -207,15 +251,18 @@ class DCPSink(Sink):
         fs = get_fs(parent)
         temp, claim = temp_folder(fs, parent, os.path.basename(final))  # dead conversions' folders removed
         try:
-            state: Dict[str, Any] = {}
-            for i, info in enumerate(infos):
-                value = fetch(i)
-                check_value(value, info, final)
-                state[info.name] = to_torch(value, info.dtype)
-                progress(info.name, info.nbytes)
+            streaming = _streaming_planner(infos, fetch, final, progress)
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(temp), no_dist=True)
+                # one data file per tensor: torch keeps every tensor of a data file until the file is done
+                writer = dcp.FileSystemWriter(temp, single_file_per_rank=False)
+                try:
+                    dcp.save(streaming.placeholders(), storage_writer=writer, planner=streaming, no_dist=True)
+                except BaseException:
+                    if streaming.error is not None:  # the source's own error, not torch's wrapper of it
+                        raise streaming.error from None
+                    raise
+            streaming.done()
             if os.path.isdir(final):
                 if not os.path.isfile(os.path.join(final, ".metadata")) and os.listdir(final):
                     raise InvalidArgumentError("destination is a non-empty folder that is not a DCP checkpoint",

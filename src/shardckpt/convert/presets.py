@@ -39,6 +39,24 @@ rules above apply (``kernel`` transposed, ``gamma``/``beta``, ``*_embeddings``):
 * a leading ``module/`` (TF-Hub exports) is dropped; optimizer slots (LAMB's ``adam_m``/
   ``adam_v``) and ``global_step`` are left out as for ``bert``.
 
+``bert-tf``: the other way, a transformers BERT state dict (``BertForPreTraining``, ``BertModel``
+with ``bert.`` or without it, a fine-tuned model's ``classifier``) to google-research's TF names, the
+names transformers' own ``load_tf_weights_in_bert`` reads; it undoes ``bert`` exactly, so TF -> HF
+(``--preset bert``) -> TF (``--preset bert-tf``) gives back the same names and values:
+
+* ``layer.N`` -> ``layer_N``; ``.`` -> ``/``; ``classifier`` -> ``squad``;
+* a ``weight`` -> ``kernel``, **transposed**, except: under ``LayerNorm`` -> ``gamma``; of an
+  ``*_embeddings`` table, dropped (``bert/embeddings/word_embeddings``); under ``seq_relationship``
+  or ``classifier``, or alone -> ``output_weights`` (not transposed: already ``[out, in]``);
+* a ``bias`` under ``LayerNorm`` -> ``beta``; under ``predictions``, ``seq_relationship``,
+  ``classifier``, or alone -> ``output_bias``;
+* transformers' tied copies (``cls.predictions.decoder.weight``/``.bias``: the word embeddings and
+  ``cls.predictions.bias``) and the ``position_ids`` buffer are left out.
+
+A name a preset does not recognise (it would leave the name as it is: HF names given to ``bert``,
+TF names to ``bert-tf``) is kept as it is, and :func:`unrecognised` finds them so that ``convert``
+warns with their count and a few examples.
+
 Each preset (:class:`ModelPreset`) also names the config file google-research puts beside the
 checkpoint (``bert_config.json``, ``albert_config.json``); :func:`model_config` turns it into a
 transformers ``config.json`` (:func:`bert_config` for the BERT family; for ALBERT, :func:`albert_config`).
@@ -49,12 +67,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Pattern, Tuple
+from typing import Any, Callable, Dict, List, Optional, Pattern, Sequence, Tuple
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["PRESETS", "ModelPreset", "bert_name", "electra_name", "albert_name", "bert_config",
-           "albert_config", "model_config"]
+__all__ = ["PRESETS", "ModelPreset", "bert_name", "electra_name", "albert_name", "bert_tf_name", "unrecognised",
+           "bert_config", "albert_config", "model_config"]
 
 _SKIP = {"adam_v", "adam_m", "AdamWeightDecayOptimizer", "AdamWeightDecayOptimizer_1", "global_step"}
 _LAYER = re.compile(r"^layer_(\d+)$")
@@ -86,6 +104,55 @@ def bert_name(name: str) -> Optional[Tuple[str, bool]]:
             if last and part.endswith("_embeddings"):
                 out.append("weight")
     return ".".join(out), transpose
+
+
+#: transformers-only entries with no google-research variable: tied copies and a buffer
+_HF_ONLY = re.compile(r"(^|\.)(cls\.predictions\.decoder\.(weight|bias)|position_ids)$")
+_OUTPUT_LAYERS = ("seq_relationship", "classifier")  # whose weights are already [out, in]
+
+
+def bert_tf_name(name: str) -> Optional[Tuple[str, bool]]:
+    """The google-research TF name of a transformers BERT tensor and whether it is transposed (None: left out).
+
+    The inverse of :func:`bert_name` (see the module docstring).
+    """
+    if _HF_ONLY.search(name):
+        return None
+    parts = name.split(".")
+    out: List[str] = []
+    transpose = False
+    i = 0
+    while i < len(parts):
+        part = parts[i]
+        parent = parts[i - 1] if i else None
+        last = i == len(parts) - 1
+        if part == "layer" and not last and parts[i + 1].isdigit():
+            out.append(f"layer_{parts[i + 1]}")
+            i += 1
+        elif part == "classifier":
+            out.append("squad")
+        elif last and part == "weight":
+            if parent is None or parent in _OUTPUT_LAYERS:
+                out.append("output_weights")
+            elif parent == "LayerNorm":
+                out.append("gamma")
+            elif not parent.endswith("_embeddings"):
+                out.append("kernel")
+                transpose = True
+        elif last and part == "bias":
+            if parent is None or parent == "predictions" or parent in _OUTPUT_LAYERS:
+                out.append("output_bias")
+            else:
+                out.append("beta" if parent == "LayerNorm" else "bias")
+        else:
+            out.append(part)
+        i += 1
+    return "/".join(out), transpose
+
+
+def unrecognised(rule: Callable[[str], Optional[Tuple[str, bool]]], names: Sequence[str]) -> List[str]:
+    """The ``names`` a preset's ``rule`` does not recognise: it would keep them as they are."""
+    return [n for n in names if rule(n) == (n, False)]
 
 
 def electra_name(name: str) -> Optional[Tuple[str, bool]]:
@@ -161,20 +228,26 @@ class ModelPreset:
     rule: Callable[[str], Optional[Tuple[str, bool]]]
     architecture: str
     model_type: str
-    config_file: str = "bert_config.json"
+    #: the google-research config beside the checkpoint, made into ``config.json`` for ``hf`` output
+    #: (None: the preset reads transformers names, and writes no ``config.json``)
+    config_file: Optional[str] = "bert_config.json"
     #: ``config(text, filename)`` -> the transformers ``config.json`` as a dict.
     config: Optional[Callable[[str, str], Dict[str, Any]]] = None
+    #: the preset that goes the other way (named when every name is unrecognised)
+    reverse: Optional[str] = None
 
 
 def model_config(preset: ModelPreset, text: str) -> Dict[str, Any]:
     """The transformers ``config.json`` (as a dict) from the text of ``preset.config_file``."""
+    filename = preset.config_file or "config.json"
     if preset.config is not None:
-        return preset.config(text, preset.config_file)
-    return bert_config(text, preset.architecture, preset.model_type, preset.config_file)
+        return preset.config(text, filename)
+    return bert_config(text, preset.architecture, preset.model_type, filename)
 
 
 PRESETS: Dict[str, ModelPreset] = {
-    "bert": ModelPreset(bert_name, "BertForPreTraining", "bert"),
+    "bert": ModelPreset(bert_name, "BertForPreTraining", "bert", reverse="bert-tf"),
+    "bert-tf": ModelPreset(bert_tf_name, "BertForPreTraining", "bert", None, reverse="bert"),
     "electra": ModelPreset(electra_name, "ElectraForPreTraining", "electra"),
     "albert": ModelPreset(albert_name, "AlbertForPreTraining", "albert", "albert_config.json", albert_config),
 }
