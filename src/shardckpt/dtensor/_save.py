@@ -5,14 +5,18 @@ Each distinct piece of a DTensor is written once, by the client holding its
 writer device: the lowest device id that holds it (as TensorFlow DTensor does)
 or, with ``replica_writer="balanced"``, the replicas take turns piece by piece.
 Pieces go to one shard per device (TF DTensor's layout of files); values that
-are not DTensors are written by the io client.
+are not DTensors are written by the io client. Every client also lists every value
+it holds, written by it or not (name, dtype, global shape, layout, mesh): the save
+commits only when those lists are the same on every client
+(:mod:`shardckpt.saving.agreement`, step 3), so a replicated variable that one client
+lacks or names otherwise fails the save on every client instead of vanishing.
 """
 
 from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import Any, List, Mapping, Optional, Sequence
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -25,6 +29,7 @@ from ..errors import InvalidArgumentError, NotFoundError
 from ..format.bundle_reader import BundleReader
 from ..format.dtypes import as_dtype
 from ..format.tensor_slice import FULL, TensorSlice, format_shape_and_slice, full_box
+from ..saving.agreement import Held, describe_held
 from ..saving.distributed import io_rank_of, save_tensors_distributed
 from ..saving.funnel_restore import funnelled_reader, run_funnelled
 from ..saving.options import CheckpointOptions
@@ -84,12 +89,12 @@ def sharded_save(mesh: Mesh, file_prefix: str, tensor_names: Sequence[str], shap
     options = _options(options)
     io = io_rank_of(options, coordinator.size)
     local: List[ShardableTensor] = []
-    for name, value in zip(tensor_names, tensors):
-        local += pieces_of(name, as_dtensor(value) if is_dtensor(value) else value, clients=coordinator.size,
-                           writes_whole=coordinator.rank == io, device=_io_device(mesh, io),
-                           replica_writer=replica_writer)
+    values = [(name, as_dtensor(value) if is_dtensor(value) else value) for name, value in zip(tensor_names, tensors)]
+    for name, value in values:
+        local += pieces_of(name, value, clients=coordinator.size, writes_whole=coordinator.rank == io,
+                           device=_io_device(mesh, io), replica_writer=replica_writer)
     return save_tensors_distributed(os.fspath(file_prefix), local, options, coordinator, io_rank=io,
-                                    timeout=timeout)
+                                    timeout=timeout, held=_held(values, coordinator))
 
 
 def name_based_save(mesh: Mesh, checkpoint_prefix: str, name_tensor_dict: Mapping[str, Any],
@@ -151,6 +156,11 @@ def _restore_named(reader: Any, checkpoint_prefix: str,
     return targets
 
 
+def _held(values: Sequence[Tuple[str, Any]], coordinator: Coordinator) -> Optional[List[Held]]:
+    """What this client holds, for the clients to agree on before the save commits (several clients only)."""
+    return describe_held(values) if coordinator.size > 1 else None
+
+
 def _io_device(mesh: Mesh, rank: int) -> str:
     devices = [d for d in mesh.global_device_ids().reshape(-1).tolist() if mesh.client_of(d) == rank]
     return mesh.device_name(min(devices)) if devices else canonical_device(f"/task:{rank}")
@@ -201,7 +211,7 @@ class DTensorCheckpoint(Checkpoint):
                                                     device=io_device))
         save_tensors_distributed(path, local, options, coordinator, io_rank=io, on_commit=on_commit,
                                  saver=self._async_saver(options), on_failure=self._pending_rollback,
-                                 previous=previous)
+                                 previous=previous, held=_held([(t.key, t.value) for t in graph.tensors], coordinator))
 
     def _open_for_restore(self, save_path: str, options: CheckpointOptions) -> Any:
         """With ``options.io_device`` on several clients: a funnelled, collective restore."""
