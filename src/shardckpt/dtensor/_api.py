@@ -101,7 +101,12 @@ class DTensor:
     def held_layout(self) -> Tuple[str, str]:
         """How this value lies, as clients of a collective save compare it: its sharding specs, and its
         mesh's dimensions with a digest of its device ids, their clients and type (not its name)."""
-        return ",".join(self.layout.sharding_specs), _mesh_signature(self.layout.mesh)
+        layout = self.layout
+        told = layout.__dict__.get("_held_layout")  # once per layout object (layouts are not changed in place)
+        if told is None or told[0] != layout.sharding_specs:
+            told = layout.__dict__["_held_layout"] = (list(layout.sharding_specs), ",".join(layout.sharding_specs),
+                                                      _mesh_signature(layout.mesh))
+        return told[1], told[2]
 
     def restore_from(self, reader: BundleReader, key: str) -> None:
         """Fill the components from checkpoint ``key``: each distinct local piece is read once

@@ -219,26 +219,31 @@ def describe_held(named_values: Iterable[Tuple[str, Any]]) -> List[Held]:
     """
     from ..format.dtypes import as_dtype
 
+    names: Dict[Any, str] = {}  # dtype -> its name, looked up once per dtype
+
+    def dtype_text(dtype: Any) -> str:
+        text = names.get(dtype)
+        if text is None:
+            try:
+                text = str(as_dtype(dtype).name)
+            except Exception:  # noqa: BLE001 - a dtype the format does not know still has a name to compare
+                text = str(dtype)
+            names[dtype] = text
+        return text
+
     out: List[Held] = []
     for name, value in named_values:
         tell = getattr(value, "held_layout", None)
-        if callable(tell):
+        if tell is not None:
             layout, mesh = tell()
-            out.append([name, _dtype_text(as_dtype, value.dtype), [int(d) for d in value.shape], layout, mesh])
+            out.append([name, dtype_text(value.dtype), list(map(int, value.shape)), layout, mesh])
         elif callable(value):
             out.append([name, "", [], WHOLE, ""])
         else:
             array = value if hasattr(value, "dtype") and hasattr(value, "shape") else np.asarray(value)
-            out.append([name, _dtype_text(as_dtype, array.dtype), [int(d) for d in array.shape], WHOLE, ""])
+            out.append([name, dtype_text(array.dtype), list(map(int, array.shape)), WHOLE, ""])
     out.sort(key=lambda e: e[0])
     return out
-
-
-def _dtype_text(as_dtype: Any, dtype: Any) -> str:
-    try:
-        return str(as_dtype(dtype).name)
-    except Exception:  # noqa: BLE001 - a dtype the format does not know still has a name to compare
-        return str(dtype)
 
 
 def held_digest(held: Optional[Sequence[Held]]) -> Optional[str]:
