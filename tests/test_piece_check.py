@@ -283,3 +283,7 @@ def test_a_client_that_lists_nothing_is_named_and_problems_are_capped() -> None:
     digests = [held_digest(many), held_digest([])]
     problem = held_problem(digests, {0: many, 1: []}) or ""
     assert problem.count("is held by rank(s) [0] but not by rank(s) [1]") == 8, problem
+    twice = [["a", "float32", [1], WHOLE, ""], ["a", "float32", [1], WHOLE, ""]]
+    digests = [held_digest(twice[:1]), held_digest(twice)]
+    assert held_problem(digests, {0: twice[:1], 1: twice}) == \
+        "clients disagree on the variables they hold: the lists of rank(s) [0], rank(s) [1] differ"

@@ -275,32 +275,41 @@ def held_problem(digests: Sequence[Optional[str]], lists: Mapping[int, Optional[
     for rank, digest in enumerate(digests):
         ranks_of.setdefault(digest, []).append(rank)
     silent: List[int] = []
-    by_name: Dict[str, Dict[Tuple[Any, ...], List[int]]] = {}
+    groups: List[List[int]] = []  # the ranks of each digest whose list was sent
+    by_name: Dict[str, Dict[Tuple[Any, ...], List[int]]] = {}  # name -> kind -> groups holding it so
     for ranks in ranks_of.values():
         held = lists.get(ranks[0])
         if held is None:
             silent += ranks
             continue
+        group = len(groups)
+        groups.append(ranks)
         for name, dtype, shape, layout, mesh in held:
-            by_name.setdefault(str(name), {}).setdefault((dtype, tuple(shape), layout, mesh), []).extend(ranks)
-    everyone = [r for r in range(len(digests)) if r not in set(silent)]
+            by_name.setdefault(str(name), {}).setdefault((dtype, tuple(shape), layout, mesh), []).append(group)
+    listed = sum(len(g) for g in groups)
     problems = []
     if silent:
-        problems.append(f"rank(s) {_ranks(silent)} did not list what they hold")
+        problems.append(f"rank(s) {_ranks(sorted(silent))} did not list what they hold")
     for name in sorted(by_name):
-        kinds = by_name[name]
+        by_kind = by_name[name]
+        if len(by_kind) == 1 and sum(len(groups[g]) for kinds in by_kind.values() for g in kinds) == listed:
+            continue  # every client that listed anything holds it alike: the work stays linear in the lists
+        kinds = {kind: sorted({r for g in gs for r in groups[g]}) for kind, gs in by_kind.items()}
         holding = sorted({r for ranks in kinds.values() for r in ranks})
-        reference = max(kinds, key=lambda k: (len(kinds[k]), -min(kinds[k])))
-        missing = sorted(set(everyone) - set(holding))
-        if missing:
+        reference = max(kinds, key=lambda k: (len(kinds[k]), -kinds[k][0]))
+        if len(holding) < listed:
+            held_by = set(holding)
+            missing = sorted(r for g in groups for r in g if r not in held_by)
             problems.append(f"variable {name!r} ({_held_text(reference)}) is held by rank(s) {_ranks(holding)} but "
                             f"not by rank(s) {_ranks(missing)}")
-        for kind, ranks in sorted(kinds.items(), key=lambda kv: min(kv[1])):
+        for kind, ranks in sorted(kinds.items(), key=lambda kv: kv[1][0]):
             if kind != reference:
-                problems.append(f"variable {name!r}: rank(s) {_ranks(sorted(ranks))} hold it as {_held_text(kind)}, "
-                                f"rank(s) {_ranks(sorted(kinds[reference]))} as {_held_text(reference)}")
+                problems.append(f"variable {name!r}: rank(s) {_ranks(ranks)} hold it as {_held_text(kind)}, "
+                                f"rank(s) {_ranks(kinds[reference])} as {_held_text(reference)}")
         if len(problems) >= 8:
             break
+    if not problems and len(groups) > 1:  # the same variables, listed otherwise (one named twice, say)
+        problems.append("the lists of " + ", ".join(f"rank(s) {_ranks(g)}" for g in groups) + " differ")
     if not problems:
         return None
     return "clients disagree on the variables they hold: " + "; ".join(problems[:8])

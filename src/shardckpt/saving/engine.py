@@ -354,8 +354,6 @@ def _held_verdict(coordinator: Coordinator, request: SaveRequest, ask: List[int]
             said = held_problem(digests, {r: lists[r] for r in ask})
         except Exception as exc:  # a list that does not parse: every client fails alike
             said = f"client {io} could not compare what the clients hold: {_describe(exc)}"
-        if said is None:  # the digests differ, the lists do not: still not one agreed list
-            said = f"clients disagree on the variables they hold (digests {sorted(set(map(str, digests)))})"
     result: Optional[str] = coordinator.broadcast(said, root=io, timeout=timeout)
     return result
 
