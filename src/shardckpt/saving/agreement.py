@@ -40,6 +40,7 @@ import numpy as np
 
 from ..distributed.coordinator import Coordinator
 from ..errors import ShardingValidationError
+from ..format.dtypes import as_dtype
 from ..format.tensor_slice import Box, full_box, parse_shape_and_slice
 from .piece_check import check_packed
 from .piece_table import pack_table, table_as_dict, unpack_table
@@ -180,8 +181,6 @@ def _majority(values: List[Any]) -> Any:
 
 
 def _dtype_name(enum: int) -> str:
-    from ..format.dtypes import as_dtype
-
     try:
         return as_dtype(enum).name
     except Exception:  # noqa: BLE001 - only for the message
@@ -217,8 +216,6 @@ def describe_held(named_values: Iterable[Tuple[str, Any]]) -> List[Held]:
     tells its own ``dtype``, ``shape`` and layout; any other value is written whole by the io
     client (its dtype and shape, unless it is a callable, which is not called here).
     """
-    from ..format.dtypes import as_dtype
-
     names: Dict[Any, str] = {}  # dtype -> its name, looked up once per dtype
 
     def dtype_text(dtype: Any) -> str:
