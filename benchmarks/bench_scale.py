@@ -8,14 +8,17 @@ entries. Phases, each timed:
 
 * ``client``: what every client other than the io client does for the save's metadata:
   ``make_save_plan`` of its ``T`` pieces (``plan`` alone also reported), the description
-  of its pieces packed for the io client (``describe_pieces`` + ``pack_pieces``); its
+  of its pieces packed for the io client (``describe_pieces`` + ``pack_pieces``), the
+  digest of the list of every variable it holds (``describe_held`` of its ``T`` DTensors +
+  ``held_digest``; ``held`` alone also reported); its
   process's peak RSS then ("client peak": such a client only sends its table and receives
   the verdict);
 * ``gather``: the bytes a client contributes to the save's gathers (packed piece
   descriptions for the agreement check; index entries on object stores), per entry;
 * ``agree``: the io client's agreement check: the gathered JSON of every client decoded,
   as the coordinator's ``gather`` does, then ``check_pieces`` of all clients' packed
-  tables (streaming, vectorized), and the verdict with the shard counts encoded for the
+  tables (streaming, vectorized) and the comparison of their digests of what they hold
+  (``held_representatives``), and the verdict with the shard counts encoded for the
   broadcast; its peak RSS alone ("agree peak", where the peak can be reset);
 * ``merge_mem``: the io client's merge of all clients' entries held in memory and the
   index bytes (the object-store commit: each client's gathered entries decoded,
@@ -78,6 +81,7 @@ def _status_kib(field: str) -> int:
 def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
     import numpy as np
 
+    from shardckpt.dtensor import DTensor, Layout, Mesh
     from shardckpt.format import crc
     from shardckpt.format.bundle_reader import BundleReader
     from shardckpt.format.bundle_writer import make_header  # noqa: F401 - imported by merge
@@ -86,7 +90,14 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
     from shardckpt.format.ordered_code import encode_tensor_name_slice
     from shardckpt.format.protos import tensor_bundle_pb2 as pb
     from shardckpt.format.tensor_slice import TensorSlice
-    from shardckpt.saving.agreement import check_pieces, describe_pieces, pack_pieces
+    from shardckpt.saving.agreement import (
+        check_pieces,
+        describe_held,
+        describe_pieces,
+        held_digest,
+        held_representatives,
+        pack_pieces,
+    )
     from shardckpt.saving.commit.index_last import _decode_entries, _encode_entries
     from shardckpt.saving.plan import make_save_plan
     from shardckpt.sharding.shardable import ShardableTensor
@@ -107,8 +118,18 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
     plan = make_save_plan(pieces)
     out["plan_s"] = time.perf_counter() - t0
     described = describe_pieces(plan)
-    mine = json.dumps({"shards": 1, "pieces": pack_pieces(described)})  # what it sends the io client
-    out["client_s"] = time.perf_counter() - t0
+    packed = pack_pieces(described)
+    pieces_s = time.perf_counter() - t0
+    # what it holds: T DTensors sliced along rows over a mesh of N clients (one device each); made untimed
+    mesh = Mesh(["x"], np.arange(n), [0], ["/job:worker/replica:0/task:0/device:CPU:0"],
+                client_of={i: i for i in range(n)})
+    layout = Layout(["x", "unsharded"], mesh)
+    values = [(k, DTensor(layout, (rows, COLS), {0: piece})) for k in keys]
+    t0 = time.perf_counter()
+    digest = held_digest(describe_held(values))
+    out["held_s"] = time.perf_counter() - t0
+    mine = json.dumps({"shards": 1, "pieces": packed, "held": digest})  # what it sends the io client
+    out["client_s"] = pieces_s + time.perf_counter() - t0
     out["client_peak_mib"] = _status_kib("VmHWM") / 1024
     out["gather_pieces_json_bytes_per_entry"] = len(json.dumps(described)) / t
     out["gather_pieces_bytes_per_entry"] = len(mine) / t
@@ -116,19 +137,20 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
 
     # agreement, on the io client: every client's descriptions (client r's boxes: its rows), gathered
     gathered_pieces = [json.dumps({"shards": 1, "pieces": pack_pieces(
-        {k: [d, s, [[[r * ROWS, (r + 1) * ROWS], [0, COLS]]]] for k, (d, s, _) in described.items()})})
-        for r in range(n)]
+        {k: [d, s, [[[r * ROWS, (r + 1) * ROWS], [0, COLS]]]] for k, (d, s, _) in described.items()}),
+        "held": digest}) for r in range(n)]
     peak_before = _status_kib("VmHWM")
     windowed = C.reset_peak_rss()
     start_rss = _rss_kib()
     t0 = time.perf_counter()
     received = [json.loads(g) for g in gathered_pieces]  # the coordinator's decoding of the gather
-    verdict = {"counts": [g["shards"] for g in received], "problem": check_pieces([g["pieces"] for g in received])}
+    verdict = {"counts": [g["shards"] for g in received], "problem": check_pieces([g["pieces"] for g in received]),
+               "held_from": held_representatives([g["held"] for g in received])}
     json.dumps(verdict)  # the broadcast
     out["agree_s"] = time.perf_counter() - t0
     out["agree_peak_mib"] = _status_kib("VmHWM") / 1024 if windowed else None
     out["agree_added_mib"] = (_status_kib("VmHWM") - start_rss) / 1024 if windowed else None
-    assert verdict["problem"] is None, verdict["problem"]
+    assert verdict["problem"] is None and verdict["held_from"] is None, verdict
     del gathered_pieces, received
     peak_before = max(peak_before, _status_kib("VmHWM"))
 
@@ -243,7 +265,8 @@ def main() -> None:
         return
     rows: List[Dict[str, Any]] = []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")]))
-    print(f"{'clients':>7} {'tensors':>7} {'entries':>9} {'plan s':>7} {'client s':>8} {'client peak MiB':>15} "
+    print(f"{'clients':>7} {'tensors':>7} {'entries':>9} {'plan s':>7} {'held s':>7} {'client s':>8} "
+          f"{'client peak MiB':>15} "
           f"{'agree s':>8} {'agree peak MiB (+added)':>23} "
           f"{'merge mem s':>11} {'merge files s':>13} {'open s':>7} {'open+read s':>11} {'open+part s':>11} "
           f"{'index MB':>8} {'io peak MiB (+above base)':>25} {'peak mem/files MiB (+added)':>27} "
@@ -260,7 +283,7 @@ def main() -> None:
                 continue
             r = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
             rows.append(r)
-            print(f"{n:>7} {t:>7} {r['entries']:>9} {r['plan_s']:>7.3f} {r['client_s']:>8.3f} "
+            print(f"{n:>7} {t:>7} {r['entries']:>9} {r['plan_s']:>7.3f} {r['held_s']:>7.3f} {r['client_s']:>8.3f} "
                   f"{r['client_peak_mib']:>15.0f} {r['agree_s']:>8.3f} "
                   f"{_mib(r['agree_peak_mib']):>15} (+{_mib(r['agree_added_mib'])}) "
                   f"{r['merge_mem_s']:>11.3f} "

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import List
 
+import numpy as np
 from helpers.launchers import clean_env
 
 from shardckpt.format.bundle_reader import BundleReader
@@ -119,3 +120,32 @@ def test_a_killed_process_is_named_and_nothing_is_committed(tmp_path: Path) -> N
         assert "[2]" in r["error"], r
         assert r["latest"] == str(tmp_path / "ckpt-1")
     assert not (tmp_path / "ckpt-2.index").exists() and (tmp_path / "ckpt-1.index").exists()
+
+
+def test_a_replicated_leaf_not_every_process_holds_fails_the_save_on_every_process(tmp_path: Path) -> None:
+    """Issue 24, section 1, through shardckpt.jax: a replicated leaf (written by process 0 alone) that only
+    process 0 holds, only process 1 holds, or that process 1 names otherwise: every process raises the same
+    CoordinationError naming the processes and the leaf; nothing is left; ``good-1`` stays latest."""
+    results = launch("replicated", 2, tmp_path)
+    assert all(r.get("ok") and r["returncode"] == 0 for r in results), results
+    expected = {"only0": ["'params/extra' (float32[12], layout [()] on mesh x=2,y=2 #",
+                          "is held by rank(s) [0] but not by rank(s) [1]"],
+                "only1": ["'params/extra' (float32[12], layout [()] on mesh x=2,y=2 #",
+                          "is held by rank(s) [1] but not by rank(s) [0]"],
+                "renamed": ["'params/extra' (float32[12]", "is held by rank(s) [0] but not by rank(s) [1]",
+                            "'params/extra2' (float32[12]", "is held by rank(s) [1] but not by rank(s) [0]"]}
+    for case, texts in expected.items():
+        messages = set()
+        for r in results:
+            outcome = r["outcomes"][case]
+            assert not outcome["ok"] and outcome["type"] == "CoordinationError", (case, r["rank"], outcome)
+            assert "not committed" in outcome["message"], outcome
+            for text in texts:
+                assert text in outcome["message"], (case, text, outcome["message"])
+            messages.add(outcome["message"])
+        assert len(messages) == 1, messages
+        assert not list((tmp_path / "mgr").glob(f"{case}*")), case  # nothing committed, nothing left
+    good = str(tmp_path / "mgr" / "good-1")
+    assert all(r["outcomes"]["good"]["ok"] and r["latest"] == good for r in results), results
+    with BundleReader(good) as reader:
+        assert reader.read("params/extra").tolist() == (np.arange(12, dtype=np.float32) / 4).tolist()

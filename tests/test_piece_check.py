@@ -5,6 +5,9 @@ message of ``pieces_problem`` (Python objects per piece) for any set of descript
 tilings of random tensors (sliced along one axis, cut in grids, scalars, empty tensors and
 slices), then broken at random (a slice dropped, repeated on another client, moved, cut
 short, outside the tensor; a client's dtype, shape or key name changed).
+
+The agreement on what every client holds, written or not (``describe_held``, ``held_digest``,
+``held_representatives``, ``held_problem``), is checked on lists of 2 and 1024 clients.
 """
 
 from __future__ import annotations
@@ -23,7 +26,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardckpt.errors import ShardingValidationError
-from shardckpt.saving.agreement import check_pieces, pack_pieces, unpack_pieces
+from shardckpt.saving.agreement import (
+    WHOLE,
+    check_pieces,
+    describe_held,
+    held_digest,
+    held_problem,
+    held_representatives,
+    pack_pieces,
+    unpack_pieces,
+)
 
 Described = List[Dict[str, List[Any]]]
 
@@ -177,3 +189,101 @@ def test_the_check_is_linear_and_quick() -> None:
     reference = time.perf_counter() - t0
     assert fast < reference / 3, (fast, reference)
     assert np.isfinite(fast)
+
+
+# -- what every client holds, written or not (issue 24, section 1) ------------------------------------------------
+
+
+def _two_client_views(specs: List[str]) -> List[Any]:
+    """The DTensor ``b`` (4 x 6, ``specs`` over a mesh x=2, y=2 of 2 clients) as client 0 and client 1 hold it."""
+    from shardckpt import dtensor as dt
+
+    ids = np.arange(4).reshape(2, 2)
+    client_of = {0: 0, 1: 0, 2: 1, 3: 1}
+    views = []
+    for rank in (0, 1):
+        local = [d for d in range(4) if client_of[d] == rank]
+        mesh = dt.Mesh(["x", "y"], ids, local, [f"/job:worker/replica:0/task:{rank}/device:CPU:{i}" for i in (0, 1)],
+                       client_of=client_of)
+        views.append(dt.from_global(np.arange(24, dtype=np.float32).reshape(4, 6), dt.Layout(specs, mesh)))
+    return views
+
+
+def _held(rank_lists: List[Any]) -> Any:
+    """Every client's digest and the io client's verdict, as the engine runs it."""
+    digests = [held_digest(h) for h in rank_lists]
+    ask = held_representatives(digests)
+    return ask, (held_problem(digests, {r: rank_lists[r] for r in ask}) if ask is not None else None)
+
+
+def test_clients_describe_one_variable_alike_whatever_devices_they_hold() -> None:
+    for specs in (["unsharded", "unsharded"], ["x", "unsharded"], ["unsharded", "y"]):
+        zero, one = _two_client_views(specs)
+        held = [describe_held([("b", zero), ("step", np.int64(3))]), describe_held([("step", np.int64(3)), ("b", one)])]
+        assert held[0] == held[1], held  # sorted by name; the mesh digest ignores which devices are local
+        assert held[0][0][:4] == ["b", "float32", [4, 6], ",".join(specs)] and held[0][0][4].startswith("x=2,y=2 #")
+        assert held[0][1] == ["step", "int64", [], WHOLE, ""]
+        assert _held(held) == (None, None)
+    replicated, sharded = _two_client_views(["unsharded", "unsharded"])[0], _two_client_views(["x", "unsharded"])[1]
+    ask, problem = _held([describe_held([("b", replicated)]), describe_held([("b", sharded)])])
+    assert ask == [0, 1]
+    assert problem is not None and "variable 'b': rank(s) [1] hold it as float32[4, 6], layout [x,unsharded]" in problem
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("only0", ["variable 'b' (float32[4], layout [unsharded] on mesh x=2 #0) is held by rank(s) [0] but not by "
+               "rank(s) [1]"]),
+    ("only1", ["variable 'b' (float32[4], layout [unsharded] on mesh x=2 #0) is held by rank(s) [1] but not by "
+               "rank(s) [0]"]),
+    ("renamed", ["variable 'b' (float32[4], layout [unsharded] on mesh x=2 #0) is held by rank(s) [0] but not by "
+                 "rank(s) [1]", "variable 'b2' (float32[4], layout [unsharded] on mesh x=2 #0) is held by rank(s) [1] "
+                 "but not by rank(s) [0]"]),
+    ("dtype", ["variable 'b': rank(s) [1] hold it as float64[4], layout [unsharded] on mesh x=2 #0, rank(s) [0] as "
+               "float32[4]"]),
+    ("mesh", ["variable 'b': rank(s) [1] hold it as float32[4], layout [unsharded] on mesh x=4 #1, rank(s) [0] as "
+              "float32[4], layout [unsharded] on mesh x=2 #0"]),
+])
+def test_two_clients_that_hold_a_replicated_variable_differently_are_named_with_it(case: str, expected: List[str]
+                                                                                    ) -> None:
+    w = ["w", "float32", [8], "x", "x=2 #0"]
+    b = ["b", "float32", [4], "unsharded", "x=2 #0"]
+    other = {"only0": [w], "only1": [w, b], "renamed": [["b2"] + b[1:], w], "dtype": [b[:1] + ["float64"] + b[2:], w],
+             "mesh": [b[:4] + ["x=4 #1"], w]}[case]
+    mine = [w] if case == "only1" else [b, w]
+    ask, problem = _held([mine, other])
+    assert ask == [0, 1] and problem is not None
+    assert problem.startswith("clients disagree on the variables they hold: ")
+    for text in expected:
+        assert text in problem, problem
+    assert "'w'" not in problem  # the variable they agree on is not named
+
+
+def test_one_odd_client_of_1024_is_named_and_only_one_list_a_digest_travels() -> None:
+    keys = [["k%05d" % i, "float32", [2048, 4], "x,unsharded", "x=1024 #ab"] for i in range(2000)]
+    odd = [k for k in keys if k[0] != "k00042"]
+    lists = [odd if r == 513 else keys for r in range(1024)]
+    digests = [held_digest(h) for h in lists]
+    assert len(set(digests)) == 2 and all(len(d or "") == 32 for d in digests)
+    ask = held_representatives(digests)
+    assert ask == [0, 513]  # one client of each digest sends its list
+    t0 = time.perf_counter()
+    problem = held_problem(digests, {r: lists[r] for r in ask})
+    assert time.perf_counter() - t0 < 2.0  # linear in the lists sent, not in clients x entries
+    assert problem == ("clients disagree on the variables they hold: variable 'k00042' (float32[2048, 4], layout "
+                       "[x,unsharded] on mesh x=1024 #ab) is held by rank(s) [0-512, 514-1023] but not by rank(s) "
+                       "[513]")
+
+
+def test_a_client_that_lists_nothing_is_named_and_problems_are_capped() -> None:
+    digests = [held_digest([["a", "float32", [1], WHOLE, ""]]), held_digest(None)]
+    assert held_representatives(digests) == [0, 1]
+    problem = held_problem(digests, {0: [["a", "float32", [1], WHOLE, ""]], 1: None})
+    assert problem == "clients disagree on the variables they hold: rank(s) [1] did not list what they hold"
+    many = [[f"v{i}", "float32", [1], WHOLE, ""] for i in range(20)]
+    digests = [held_digest(many), held_digest([])]
+    problem = held_problem(digests, {0: many, 1: []}) or ""
+    assert problem.count("is held by rank(s) [0] but not by rank(s) [1]") == 8, problem
+    twice = [["a", "float32", [1], WHOLE, ""], ["a", "float32", [1], WHOLE, ""]]
+    digests = [held_digest(twice[:1]), held_digest(twice)]
+    assert held_problem(digests, {0: twice[:1], 1: twice}) == \
+        "clients disagree on the variables they hold: the lists of rank(s) [0], rank(s) [1] differ"

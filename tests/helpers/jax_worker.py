@@ -15,7 +15,12 @@
   alike on every rank naming the right ranks, and leave the coordinator usable);
 * ``hang`` / ``die``: all processes save ``ckpt-1`` through a ``CheckpointManager``,
   then the last rank sleeps past the others' timeout (``hang``) or exits at once
-  (``die``) instead of saving ``ckpt-2``; the others report the error they got.
+  (``die``) instead of saving ``ckpt-2``; the others report the error they got;
+* ``replicated``: a replicated leaf ``params/extra`` (``P()``, written by process 0 alone)
+  that not every process holds, through a ``CheckpointManager`` over a ``PyTreeCheckpoint``
+  in ``DIR/mgr`` (cases ``only0``, ``only1``: only that process holds it; ``renamed``:
+  process 1 names it ``params/extra2``), after a ``good`` save where everyone holds it; each
+  outcome, and what the state file names as latest afterwards, go to the result.
 
 Each process writes ``DIR/result-<rank>.json``.
 """
@@ -165,6 +170,29 @@ def main() -> None:
                 result.update(ok=False, error=str(e), missing=list(e.missing),
                               seconds=time.monotonic() - started)
             result["latest"] = shardckpt.latest_checkpoint(DIR)
+    elif MODE == "replicated":
+        extra = np.arange(12, dtype=np.float32) / 4
+
+        def state_for(case: str) -> dict:
+            state = save_state()
+            mesh = state["params"]["w"].sharding.mesh
+            leaf = jax.make_array_from_callback(extra.shape, NamedSharding(mesh, P()), lambda index: extra[index])
+            if case == "good" or (case == "only0" and RANK == 0) or (case == "only1" and RANK == 1):
+                state["params"]["extra"] = leaf
+            elif case == "renamed":
+                state["params"]["extra2" if RANK == 1 else "extra"] = leaf
+            return state
+
+        outcomes = {}
+        for case in ("good", "only0", "only1", "renamed"):
+            manager = shardckpt.CheckpointManager(sj.PyTreeCheckpoint(state_for(case)), os.path.join(DIR, "mgr"),
+                                                  max_to_keep=5, checkpoint_name=case)
+            try:
+                manager.save(options=shardckpt.CheckpointOptions(timeout=60))
+                outcomes[case] = {"ok": True}
+            except Exception as e:  # judged by the test
+                outcomes[case] = {"ok": False, "type": type(e).__name__, "message": str(e)}
+        result.update(ok=True, outcomes=outcomes, latest=shardckpt.latest_checkpoint(os.path.join(DIR, "mgr")))
     write(result)
 
 

@@ -10,8 +10,10 @@ graph, in the same order:
   by the client of its lowest holder device, or in turns with ``replica_writer="balanced"``);
 * values that are not laid out, and the object graph itself, are written once, by the io
   client (``CheckpointOptions(io_device=...)``, else client 0), through its lowest device;
-* the one save path (:mod:`shardckpt.saving.engine`) agrees on the pieces before anything
-  is committed, commits atomically on the io client (which then runs ``on_commit``: the
+* the one save path (:mod:`shardckpt.saving.engine`) agrees on the pieces, and on every
+  client's full list of the variables it holds (written by it or not, so a replicated
+  variable one client lacks or names otherwise fails the save), before anything is committed,
+  commits atomically on the io client (which then runs ``on_commit``: the
   ``checkpoint`` state file, a manager's record), and tells every client the outcome; with
   ``enable_async`` all of that runs on each client's background thread.
 
@@ -27,6 +29,7 @@ from typing import Any, Callable, List, Optional
 from ..distributed import get_coordinator
 from ..distributed.coordinator import Coordinator
 from ..errors import InvalidArgumentError
+from ..saving.agreement import describe_held
 from ..saving.async_save import AsyncSaver
 from ..saving.distributed import io_rank_of, save_tensors_distributed
 from ..saving.options import CheckpointOptions
@@ -99,5 +102,7 @@ def save_collective(collective: Collective, path: str, graph: SaveableGraph, gra
                            trackable=t.obj, replica_writer=collective.replica_writer)
     if is_io:
         local.append(ShardableTensor.from_value(graph_tensor.checkpoint_key, graph_tensor.tensor, device=io_device))
+    # every client's full list of what it holds, written by it or not, is agreed before the commit
+    held = describe_held([(t.key, t.value) for t in graph.tensors]) if collective.several else None
     save_tensors_distributed(path, local, options, coordinator, io_rank=io, on_commit=on_commit, saver=saver,
-                             on_failure=on_failure, previous=previous)
+                             on_failure=on_failure, previous=previous, held=held)

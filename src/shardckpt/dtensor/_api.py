@@ -15,6 +15,8 @@ same order, as TensorFlow's SPMD ops are.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import threading
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -109,6 +111,16 @@ class DTensor:
 
         return dtensor_pieces(key, self, replica_writer)
 
+    def held_layout(self) -> Tuple[str, str]:
+        """How this value lies, as clients of a collective save compare it: its sharding specs, and its
+        mesh's dimensions with a digest of its device ids, their clients and type (not its name)."""
+        layout = self.layout
+        told = layout.__dict__.get("_held_layout")  # once per layout object (layouts are not changed in place)
+        if told is None or told[0] != layout.sharding_specs:
+            told = layout.__dict__["_held_layout"] = (list(layout.sharding_specs), ",".join(layout.sharding_specs),
+                                                      _mesh_signature(layout.mesh))
+        return told[1], told[2]
+
     def restore_from(self, reader: BundleReader, key: str) -> None:
         """Fill the components from checkpoint ``key``: each distinct local piece is read once
         (only the bytes overlapping it), then copied to the other local replicas."""
@@ -144,6 +156,18 @@ def client_device(mesh: Mesh, rank: int) -> str:
     """The name of client ``rank``'s lowest device of ``mesh`` (a task's CPU when it holds none)."""
     devices = [d for d in mesh.global_device_ids().reshape(-1).tolist() if mesh.client_of(d) == rank]
     return mesh.device_name(min(devices)) if devices else canonical_device(f"/task:{rank}")
+
+
+def _mesh_signature(mesh: Mesh) -> str:
+    """``x=2,y=4 #<digest>``: the same on every client of one mesh (computed once per mesh object)."""
+    cached = mesh.__dict__.get("_held_signature")
+    if cached is None:
+        ids = mesh.global_device_ids().reshape(-1).tolist()
+        what = [mesh.device_type(), mesh.dim_names, list(mesh.shape), ids, [mesh.client_of(d) for d in ids]]
+        digest = hashlib.blake2b(json.dumps(what).encode(), digest_size=4).hexdigest()
+        cached = mesh.__dict__["_held_signature"] = ",".join(f"{n}={s}" for n, s in zip(mesh.dim_names, mesh.shape)) \
+            + f" #{digest}"
+    return str(cached)
 
 
 def pack(components: Sequence[Any], layout: Layout) -> DTensor:

@@ -6,14 +6,18 @@ Each distinct piece of a DTensor is written once, by the client holding its
 writer device: the lowest device id that holds it (as TensorFlow DTensor does)
 or, with ``replica_writer="balanced"``, the replicas take turns piece by piece.
 Pieces go to one shard per device (TF DTensor's layout of files); values that
-are not DTensors are written by the io client.
+are not DTensors are written by the io client. Every client also lists every value
+it holds, written by it or not (name, dtype, global shape, layout, mesh): the save
+commits only when those lists are the same on every client
+(:mod:`shardckpt.saving.agreement`, step 3), so a replicated variable that one client
+lacks or names otherwise fails the save on every client instead of vanishing.
 """
 
 from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import Any, List, Mapping, Optional, Sequence
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -26,6 +30,7 @@ from ..errors import InvalidArgumentError, NotFoundError
 from ..format.bundle_reader import BundleReader
 from ..format.dtypes import as_dtype
 from ..format.tensor_slice import FULL, TensorSlice, format_shape_and_slice, full_box
+from ..saving.agreement import Held, describe_held
 from ..saving.distributed import io_rank_of, save_tensors_distributed
 from ..saving.funnel_restore import funnelled_reader, run_funnelled
 from ..saving.options import CheckpointOptions
@@ -77,12 +82,12 @@ def sharded_save(mesh: Mesh, file_prefix: str, tensor_names: Sequence[str], shap
     options = collective_options(options)
     io = io_rank_of(options, coordinator.size)
     local: List[ShardableTensor] = []
-    for name, value in zip(tensor_names, tensors):
-        local += pieces_of(name, as_dtensor(value) if is_dtensor(value) else value, clients=coordinator.size,
-                           writes_whole=coordinator.rank == io, device=client_device(mesh, io),
-                           replica_writer=replica_writer)
+    values = [(name, as_dtensor(value) if is_dtensor(value) else value) for name, value in zip(tensor_names, tensors)]
+    for name, value in values:
+        local += pieces_of(name, value, clients=coordinator.size, writes_whole=coordinator.rank == io,
+                           device=client_device(mesh, io), replica_writer=replica_writer)
     return save_tensors_distributed(os.fspath(file_prefix), local, options, coordinator, io_rank=io,
-                                    timeout=timeout)
+                                    timeout=timeout, held=_held(values, coordinator))
 
 
 def name_based_save(mesh: Mesh, checkpoint_prefix: str, name_tensor_dict: Mapping[str, Any],
@@ -142,6 +147,11 @@ def _restore_named(reader: Any, checkpoint_prefix: str,
     for name, target in targets.items():
         target.restore_from(reader, name)
     return targets
+
+
+def _held(values: Sequence[Tuple[str, Any]], coordinator: Coordinator) -> Optional[List[Held]]:
+    """What this client holds, for the clients to agree on before the save commits (several clients only)."""
+    return describe_held(values) if coordinator.size > 1 else None
 
 
 class DTensorCheckpoint(Checkpoint):

@@ -4,7 +4,10 @@ Every process calls ``save(path, pytree)`` with the same structure. Each lists
 what it writes: of every ``jax.Array`` the shards it holds with
 ``replica_id == 0`` (so each distinct piece is written once in the whole job);
 the non-array leaves and the structure (:data:`~shardckpt.jax._tree.METADATA_KEY`)
-are written by the io process. The pieces go to
+are written by the io process. Every process also lists every leaf it holds (key,
+dtype, global shape, sharding): the save commits only when those lists agree on every
+process (:mod:`shardckpt.saving.agreement`), so a replicated leaf that one process lacks
+or names otherwise fails the save everywhere instead of vanishing. The pieces go to
 :func:`~shardckpt.saving.save_tensors_distributed`, the engine every front door
 shares: one shard (one data file) per device by default, written in parallel,
 merged and committed atomically by the io process (see
@@ -26,13 +29,14 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import jax
 
 from ..distributed.coordinator import Coordinator
 from ..distributed.single import SingleProcessCoordinator
 from ..errors import InvalidArgumentError
+from ..saving.agreement import describe_held
 from ..saving.async_save import AsyncSaver
 from ..saving.context import default_context
 from ..saving.distributed import io_rank_of, save_tensors_distributed
@@ -103,15 +107,17 @@ def save_pytree(path: str, pytree: Any, options: Optional[CheckpointOptions], *,
     pieces: List[ShardableTensor] = []
     kinds: Dict[str, str] = {}
     arrays: List[jax.Array] = []
+    values: List[Tuple[str, Any]] = []  # what this process holds, for the processes to agree on
     for key, leaf in leaves_with_keys(pytree):
         kind = leaf_kind(key, leaf)
         kinds[key] = kind
         if kind == "jax":
             arrays.append(leaf)
-            pieces += pieces_of(key, JaxValue(leaf), clients=coordinator.size)
+            values.append((key, JaxValue(leaf)))
+            pieces += pieces_of(key, values[-1][1], clients=coordinator.size)
         else:
-            pieces += pieces_of(key, host_value(key, kind, leaf), clients=coordinator.size, writes_whole=is_io,
-                                device=io_device)
+            values.append((key, host_value(key, kind, leaf)))
+            pieces += pieces_of(key, values[-1][1], clients=coordinator.size, writes_whole=is_io, device=io_device)
     if is_io:
         pieces.append(ShardableTensor.from_value(METADATA_KEY, encode_metadata(pytree, kinds, extra_metadata),
                                                  device=io_device))
@@ -121,4 +127,5 @@ def save_pytree(path: str, pytree: Any, options: Optional[CheckpointOptions], *,
                 if shard.replica_id == 0:
                     shard.data.copy_to_host_async()
     return save_tensors_distributed(path, pieces, options, coordinator, io_rank=io, timeout=timeout,
-                                    on_commit=on_commit, saver=saver, on_failure=on_failure)
+                                    on_commit=on_commit, saver=saver, on_failure=on_failure,
+                                    held=describe_held(values) if coordinator.size > 1 else None)

@@ -17,7 +17,10 @@ bytes) and placed on every local device that holds it.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import functools
+import hashlib
+import json
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -88,6 +91,23 @@ class JaxValue:
                                        shape=box_shape(box), slice_spec=spec, device=device_name(shard.device)))
         return out
 
+    @property
+    def dtype(self) -> Any:
+        """The array's dtype."""
+        return self.array.dtype
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """The array's global shape."""
+        return tuple(int(d) for d in self.array.shape)
+
+    def held_layout(self) -> Tuple[str, str]:
+        """How the array lies, as the processes of a collective save compare it
+        (:func:`~shardckpt.saving.agreement.describe_held`): its partition spec (else its sharding's
+        type) and its mesh's axes (else its device count) with a digest of which device, on which
+        process, holds which region."""
+        return _held_sharding(self.array.sharding, self.shape)
+
     def regions_to_read(self) -> List[Box]:
         """The regions :meth:`restore_from` reads (this process's distinct ones), for a restore to announce."""
         return list(distinct_boxes(self.array.sharding, tuple(int(d) for d in self.array.shape)))
@@ -95,6 +115,26 @@ class JaxValue:
     def restore_from(self, reader: Any, key: str) -> None:
         """Replace ``array`` with checkpoint ``key`` read onto the same sharding (JAX arrays are immutable)."""
         self.array = read_onto(reader, key, self.array.shape, self.array.dtype, self.array.sharding)
+
+
+def _held_sharding(sharding: Any, shape: Tuple[int, ...]) -> Tuple[str, str]:
+    try:
+        return _held_sharding_cached(sharding, shape)
+    except TypeError:  # a sharding that is not hashable
+        return _held_sharding_cached.__wrapped__(sharding, shape)
+
+
+@functools.lru_cache(maxsize=256)
+def _held_sharding_cached(sharding: Any, shape: Tuple[int, ...]) -> Tuple[str, str]:
+    spec = getattr(sharding, "spec", None)
+    layout = str(tuple(spec)) if spec is not None else type(sharding).__name__
+    placed = sorted((int(d.id), int(d.process_index), box_of(index, shape))
+                    for d, index in sharding.devices_indices_map(shape).items())
+    digest = hashlib.blake2b(json.dumps(placed).encode(), digest_size=4).hexdigest()
+    mesh = getattr(sharding, "mesh", None)
+    axes = getattr(mesh, "shape", None)
+    where = ",".join(f"{n}={k}" for n, k in axes.items()) if isinstance(axes, Mapping) else f"{len(placed)} devices"
+    return layout, f"{where} #{digest}"
 
 
 class ShardBytes:

@@ -13,27 +13,51 @@
    shard counts. Any disagreement fails the save on every client with the same error
    naming the disagreeing clients and keys; nothing is written, nothing committed, the
    previous checkpoint stays latest.
+3. **What every client holds, written or not.** A replicated piece is written by one
+   client only, so step 2 cannot see a client that lacks a variable (or names it
+   otherwise) when another client writes it. Front doors that save several clients'
+   values list, per client, every variable it holds: ``(name, dtype, global shape,
+   layout, mesh)`` (:func:`describe_held`; a :class:`~.pieces.DistributedValue` may tell
+   its layout and mesh with ``held_layout()``, any other value is written whole by the
+   io client). Each client sends only a digest of its sorted list with its pieces
+   (:func:`held_digest`: 32 hex characters); when the io client sees more than one
+   digest, one client of each digest (:func:`held_representatives`) sends its whole
+   list in one more gather, and :func:`held_problem` names, per variable, the clients
+   that hold it otherwise or not at all. The verdict travels with step 2's; a
+   disagreement fails the save like step 2's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import threading
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
 
 from ..distributed.coordinator import Coordinator
 from ..errors import ShardingValidationError
+from ..format.dtypes import as_dtype
 from ..format.tensor_slice import Box, full_box, parse_shape_and_slice
 from .piece_check import check_packed
 from .piece_table import pack_table, table_as_dict, unpack_table
 from .plan import SavePlan
 
 __all__ = ["save_identity", "identity_problem", "describe_pieces", "pack_pieces", "unpack_pieces",
-           "check_pieces", "problems_message"]
+           "check_pieces", "problems_message", "Held", "describe_held", "held_digest", "held_representatives",
+           "held_problem"]
 
 #: One holder of a key: ``(rank, dtype enum, global shape, boxes)``.
 Holder = Tuple[int, int, Tuple[int, ...], List[Box]]
+
+#: One variable a client holds: ``[name, dtype name, global shape, layout, mesh]`` (JSON-able: it may travel).
+Held = List[Any]
+
+#: The layout of a value that is not distributed: written whole, by the io client.
+WHOLE = "whole (written by the io client)"
 
 _COUNTERS: "weakref.WeakKeyDictionary[Coordinator, itertools.count]" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
@@ -157,8 +181,6 @@ def _majority(values: List[Any]) -> Any:
 
 
 def _dtype_name(enum: int) -> str:
-    from ..format.dtypes import as_dtype
-
     try:
         return as_dtype(enum).name
     except Exception:  # noqa: BLE001 - only for the message
@@ -182,3 +204,131 @@ def _most_overlapping_ranks(boxes: List[Tuple[int, Box]], limit: int = 4096) -> 
         return []
     top = max(count.values())
     return sorted(r for r, c in count.items() if c == top)
+
+
+# -- what every client holds (step 3) --------------------------------------------------------------------------
+
+
+def describe_held(named_values: Iterable[Tuple[str, Any]]) -> List[Held]:
+    """What this client holds: ``[name, dtype, global shape, layout, mesh]`` per ``(name, value)``, sorted by name.
+
+    A value with ``held_layout()`` (a DTensor: its sharding specs and a digest of its mesh)
+    tells its own ``dtype``, ``shape`` and layout; any other value is written whole by the io
+    client (its dtype and shape, unless it is a callable, which is not called here).
+    """
+    names: Dict[Any, str] = {}  # dtype -> its name, looked up once per dtype
+
+    def dtype_text(dtype: Any) -> str:
+        text = names.get(dtype)
+        if text is None:
+            try:
+                text = str(as_dtype(dtype).name)
+            except Exception:  # noqa: BLE001 - a dtype the format does not know still has a name to compare
+                text = str(dtype)
+            names[dtype] = text
+        return text
+
+    out: List[Held] = []
+    for name, value in named_values:
+        tell = getattr(value, "held_layout", None)
+        if tell is not None:
+            layout, mesh = tell()
+            out.append([name, dtype_text(value.dtype), list(map(int, value.shape)), layout, mesh])
+        elif callable(value):
+            out.append([name, "", [], WHOLE, ""])
+        else:
+            array = value if hasattr(value, "dtype") and hasattr(value, "shape") else np.asarray(value)
+            out.append([name, dtype_text(array.dtype), list(map(int, array.shape)), WHOLE, ""])
+    out.sort(key=lambda e: e[0])
+    return out
+
+
+def held_digest(held: Optional[Sequence[Held]]) -> Optional[str]:
+    """A digest of :func:`describe_held`'s list, in name order (``None`` for ``None``: the front door lists
+    nothing): 32 hex characters of BLAKE2b over its JSON."""
+    if held is None:
+        return None
+    text = json.dumps(sorted(held, key=lambda e: str(e[0])), separators=(",", ":"), ensure_ascii=True)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def held_representatives(digests: Sequence[Optional[str]]) -> Optional[List[int]]:
+    """``None`` when every client sent the same digest; else the lowest rank of each distinct digest."""
+    first: Dict[Optional[str], int] = {}
+    for rank, digest in enumerate(digests):
+        first.setdefault(digest, rank)
+    return None if len(first) == 1 else sorted(first.values())
+
+
+def held_problem(digests: Sequence[Optional[str]], lists: Mapping[int, Optional[Sequence[Held]]]) -> Optional[str]:
+    """What differs between the clients' lists of what they hold (``None``: nothing).
+
+    ``digests[r]``: client ``r``'s :func:`held_digest`; ``lists[r]``: the list of each
+    representative ``r`` (:func:`held_representatives`), standing for every client with its
+    digest. Per variable: the clients that lack it, and those that hold it otherwise than
+    most (ties: the lowest rank's). At most 8 problems are told, in name order.
+    """
+    ranks_of: Dict[Optional[str], List[int]] = {}
+    for rank, digest in enumerate(digests):
+        ranks_of.setdefault(digest, []).append(rank)
+    silent: List[int] = []
+    groups: List[List[int]] = []  # the ranks of each digest whose list was sent
+    by_name: Dict[str, Dict[Tuple[Any, ...], List[int]]] = {}  # name -> kind -> groups holding it so
+    for ranks in ranks_of.values():
+        held = lists.get(ranks[0])
+        if held is None:
+            silent += ranks
+            continue
+        group = len(groups)
+        groups.append(ranks)
+        for name, dtype, shape, layout, mesh in held:
+            by_name.setdefault(str(name), {}).setdefault((dtype, tuple(shape), layout, mesh), []).append(group)
+    listed = sum(len(g) for g in groups)
+    problems = []
+    if silent:
+        problems.append(f"rank(s) {_ranks(sorted(silent))} did not list what they hold")
+    for name in sorted(by_name):
+        by_kind = by_name[name]
+        if len(by_kind) == 1 and sum(len(groups[g]) for kinds in by_kind.values() for g in kinds) == listed:
+            continue  # every client that listed anything holds it alike: the work stays linear in the lists
+        kinds = {kind: sorted({r for g in gs for r in groups[g]}) for kind, gs in by_kind.items()}
+        holding = sorted({r for ranks in kinds.values() for r in ranks})
+        reference = max(kinds, key=lambda k: (len(kinds[k]), -kinds[k][0]))
+        if len(holding) < listed:
+            held_by = set(holding)
+            missing = sorted(r for g in groups for r in g if r not in held_by)
+            problems.append(f"variable {name!r} ({_held_text(reference)}) is held by rank(s) {_ranks(holding)} but "
+                            f"not by rank(s) {_ranks(missing)}")
+        for kind, ranks in sorted(kinds.items(), key=lambda kv: kv[1][0]):
+            if kind != reference:
+                problems.append(f"variable {name!r}: rank(s) {_ranks(ranks)} hold it as {_held_text(kind)}, "
+                                f"rank(s) {_ranks(kinds[reference])} as {_held_text(reference)}")
+        if len(problems) >= 8:
+            break
+    if not problems and len(groups) > 1:  # the same variables, listed otherwise (one named twice, say)
+        problems.append("the lists of " + ", ".join(f"rank(s) {_ranks(g)}" for g in groups) + " differ")
+    if not problems:
+        return None
+    return "clients disagree on the variables they hold: " + "; ".join(problems[:8])
+
+
+def _held_text(kind: Tuple[Any, ...]) -> str:
+    dtype, shape, layout, mesh = kind
+    where = f"layout [{layout}]" + (f" on mesh {mesh}" if mesh else "")
+    return f"{dtype or '?'}{list(shape)}, {where}"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """``[0, 1, 3-1023]``: ranks in order, runs of three or more as ``first-last``."""
+    parts: List[str] = []
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{ranks[i]}-{ranks[j]}")
+        else:
+            parts.extend(str(r) for r in ranks[i:j + 1])
+        i = j + 1
+    return "[" + ", ".join(parts) + "]"

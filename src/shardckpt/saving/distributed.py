@@ -9,7 +9,7 @@ values to that client, which alone touches storage).
 from __future__ import annotations
 
 import re
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 from ..distributed.coordinator import Coordinator
 from ..errors import InvalidArgumentError
@@ -48,7 +48,8 @@ def save_tensors_distributed(prefix: str, local_tensors: List[ShardableTensor], 
                              io_rank: Optional[int] = None, funnel: Optional[bool] = None,
                              on_commit: Optional[Callable[[str], None]] = None, timeout: Optional[float] = None,
                              saver: Optional[AsyncSaver] = None, on_failure: Optional[Callable[[], None]] = None,
-                             fs: Optional[FileSystem] = None, previous: Optional[str] = None) -> str:
+                             fs: Optional[FileSystem] = None, previous: Optional[str] = None,
+                             held: Optional[Sequence[List[Any]]] = None) -> str:
     """Collective save of every client's ``local_tensors`` into one checkpoint at ``prefix``.
 
     ``io_rank`` (default: from ``options.io_device``, else 0) prepares, commits and runs
@@ -62,6 +63,10 @@ def save_tensors_distributed(prefix: str, local_tensors: List[ShardableTensor], 
 
     ``previous``: with ``options.incremental``, the checkpoint whose unchanged data files
     may be reused (default: the one at ``prefix``, if any).
+
+    ``held``: every variable this client holds, written by it or not
+    (:func:`~shardckpt.saving.agreement.describe_held`): the save commits only when every
+    client's list is the same (``None``: only the written pieces are compared).
     """
     size = coordinator.size
     request = SaveRequest(
@@ -69,5 +74,5 @@ def save_tensors_distributed(prefix: str, local_tensors: List[ShardableTensor], 
         io_rank=io_rank_of(options, size) if io_rank is None else io_rank,
         funnel=(options.io_device is not None and size > 1) if funnel is None else funnel,
         timeout=timeout if timeout is not None else options.timeout,
-        on_commit=on_commit, on_failure=on_failure, previous=previous)
+        on_commit=on_commit, on_failure=on_failure, previous=previous, held=held)
     return save(local_tensors, request, coordinator, saver)

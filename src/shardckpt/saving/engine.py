@@ -21,10 +21,15 @@ is trivial. Steps (``io``: the request's io client; ``all``: every client)::
                    first + sum(counts[:r]) + i; committer.plan(total)
     write     all  committer.write_shard() per own shard, in parallel, on a helper
                    thread, while on this thread:
-    number    all  gather of piece descriptions to the io client, which checks
-                   that the pieces tile each tensor (agreement.py) and broadcasts
-                   its verdict; a disagreement fails every client alike once all
-                   writes ended (a barrier), before anything is committed.
+    number    all  gather of piece descriptions (and a digest of the list of every
+                   variable the client holds, written or not) to the io client,
+                   which checks that the pieces tile each tensor and the digests
+                   are one (agreement.py) and broadcasts its verdict; only when the
+                   digests differ, one more gather brings one list per digest to
+                   the io client, which names the clients and variables that
+                   differ (one more broadcast); a disagreement fails every client
+                   alike once all writes ended (a barrier), before anything is
+                   committed.
                    With funnelling (the io client first receives everyone's
                    values) the counts come with this step and the writes follow it
     agree     all  barrier (a dead client is named), then one all-gather of every
@@ -54,7 +59,16 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..distributed.coordinator import CoordinationError, CoordinationTimeout, Coordinator, raise_failures
-from .agreement import check_pieces, describe_pieces, identity_problem, pack_pieces, save_identity
+from .agreement import (
+    check_pieces,
+    describe_pieces,
+    held_digest,
+    held_problem,
+    held_representatives,
+    identity_problem,
+    pack_pieces,
+    save_identity,
+)
 from .async_save import AsyncSaver
 from .commit import Committer, committer_for
 from .commit.base import Written
@@ -296,27 +310,58 @@ def _number_shards(plan: SavePlan, request: SaveRequest, coordinator: Coordinato
             send_plan(plan, coordinator, io)
             shards = []
     # Only the io client receives and checks every client's pieces; everyone learns its verdict.
-    verdict = _pieces_verdict(coordinator, io, timeout, len(shards), pack_pieces(pieces), with_counts=True)
+    verdict = _pieces_verdict(coordinator, request, len(shards), pack_pieces(pieces), with_counts=True)
     counts = verdict["counts"]
     return shards, sum(counts), sum(counts[:rank]), verdict["problem"]
 
 
-def _pieces_verdict(coordinator: Coordinator, io: int, timeout: Optional[float], shards: int, packed: str, *,
+def _pieces_verdict(coordinator: Coordinator, request: SaveRequest, shards: int, packed: str, *,
                     with_counts: bool) -> Dict[str, Any]:
-    """Gather every client's shard count and packed pieces to the io client, which checks them;
-    return its verdict, broadcast to all: ``{"problem": message or None}`` and, ``with_counts``,
-    ``"counts"`` (every client's shard count)."""
-    gathered = coordinator.gather({"shards": shards, "pieces": packed}, root=io, timeout=timeout)
+    """Gather every client's shard count, packed pieces and digest of what it holds to the io client,
+    which checks them; return its verdict, broadcast to all: ``{"problem": message or None}`` and,
+    ``with_counts``, ``"counts"`` (every client's shard count). Only when the digests differ, one
+    client of each digest sends its whole list in one more gather (:func:`_held_verdict`)."""
+    io, timeout = request.io_rank, request.timeout
+    held = request.held if coordinator.size > 1 else None
+    gathered = coordinator.gather({"shards": shards, "pieces": packed, "held": held_digest(held)}, root=io,
+                                  timeout=timeout)
     verdict: Dict[str, Any] = {}
+    digests: List[Optional[str]] = []
     if gathered is not None:
         if with_counts:
             verdict["counts"] = [int(g["shards"]) for g in gathered]
+        digests = [g.get("held") for g in gathered]
+        ask = held_representatives(digests)
+        if ask is not None:
+            verdict["held_from"] = ask
         try:
             verdict["problem"] = check_pieces([g["pieces"] for g in gathered])
         except Exception as exc:  # a table that does not decode: every client fails alike
             verdict["problem"] = f"client {io} could not check the clients' pieces: {_describe(exc)}"
         del gathered
-    return dict(coordinator.broadcast(verdict, root=io, timeout=timeout))
+    verdict = dict(coordinator.broadcast(verdict, root=io, timeout=timeout))
+    if verdict.get("held_from") is not None:
+        held_said = _held_verdict(coordinator, request, verdict["held_from"], digests)
+        if held_said is not None:
+            verdict["problem"] = "; ".join(p for p in (verdict["problem"], held_said) if p)
+    return verdict
+
+
+def _held_verdict(coordinator: Coordinator, request: SaveRequest, ask: List[int],
+                  digests: List[Optional[str]]) -> Optional[str]:
+    """The clients in ``ask`` send the io client their lists of what they hold; it names what differs
+    (:func:`~.agreement.held_problem`), broadcast to all (``digests``: every client's, on the io client)."""
+    io, timeout = request.io_rank, request.timeout
+    mine = list(request.held) if request.held is not None and coordinator.rank in ask else None
+    lists = coordinator.gather(mine, root=io, timeout=timeout)
+    said: Optional[str] = None
+    if lists is not None:
+        try:
+            said = held_problem(digests, {r: lists[r] for r in ask})
+        except Exception as exc:  # a list that does not parse: every client fails alike
+            said = f"client {io} could not compare what the clients hold: {_describe(exc)}"
+    result: Optional[str] = coordinator.broadcast(said, root=io, timeout=timeout)
+    return result
 
 
 def _write_checking_pieces(plan: SavePlan, request: SaveRequest, coordinator: Coordinator, committer: Committer,
@@ -328,7 +373,7 @@ def _write_checking_pieces(plan: SavePlan, request: SaveRequest, coordinator: Co
     client alike (with the verdict's error) once every client's writes ended (a barrier), so nothing
     is committed and the io client's ``abort`` removes what was written. Collectives stay on this thread.
     """
-    rank, io, timeout, prefix = coordinator.rank, request.io_rank, request.timeout, request.prefix
+    rank, timeout, prefix = coordinator.rank, request.timeout, request.prefix
     total, first = sum(counts), committer.first_shard_id
     committer.plan(first + total)
     if total == 0:
@@ -339,7 +384,7 @@ def _write_checking_pieces(plan: SavePlan, request: SaveRequest, coordinator: Co
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardckpt-save")
         writes = pool.submit(_write_shards, committer, plan.shards, first + sum(counts[:rank]), request.max_workers)
     try:
-        verdict = _pieces_verdict(coordinator, io, timeout, len(plan.shards), pack_pieces(describe_pieces(plan)),
+        verdict = _pieces_verdict(coordinator, request, len(plan.shards), pack_pieces(describe_pieces(plan)),
                                   with_counts=False)
     finally:  # never leave a write running behind a failed collective (the io client's abort removes its files)
         written: List[Written] = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 from ..storage.location import Location
 from .commit.base import BundleMaker
@@ -59,6 +59,9 @@ class SaveRequest:
       on_failure: run when an asynchronous save's error is raised to the caller.
       previous: with ``options.incremental``, the checkpoint whose unchanged data files
         may be reused (``None``: the checkpoint at ``location`` itself, if any).
+      held: every variable this client holds, written by it or not
+        (:func:`~shardckpt.saving.agreement.describe_held`); clients whose lists differ fail
+        the save (``None``: the front door lists nothing, only the pieces are compared).
     """
 
     location: Location
@@ -72,6 +75,7 @@ class SaveRequest:
     on_commit: Optional[Callable[[str], None]] = None
     on_failure: Optional[Callable[[], None]] = None
     previous: Optional[str] = None
+    held: Optional[Sequence[List[Any]]] = None
 
     @property
     def prefix(self) -> str:
