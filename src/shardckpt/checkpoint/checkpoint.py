@@ -210,13 +210,12 @@ class Checkpoint(AutoTrackable):
         if save_path is None:
             return InitializationOnlyStatus()
         self.save_counter  # noqa: B018 - created so that it is restored too
-        return self._restore(_saved_model_variables(os.fspath(save_path)), options)
+        return self._restore(os.fspath(save_path), options, saved_model=True)
 
-    def _restore(self, save_path: str, options: Optional[CheckpointOptions]) -> Any:
+    def _restore(self, save_path: str, options: Optional[CheckpointOptions], saved_model: bool = False) -> Any:
         options = options or CheckpointOptions()
         self._wait_for_pending()  # never restore around a save in flight
-        _refuse_directory(os.fspath(save_path))
-        reader = self._open_for_restore(os.fspath(save_path), options)
+        reader = self._open_for_restore(os.fspath(save_path), options, saved_model)
         finish = getattr(reader, "finish", None)  # a funnelled restore's exchange (collective)
         if finish is None:
             return self._restore_from(reader, options)
@@ -228,17 +227,28 @@ class Checkpoint(AutoTrackable):
         finish()
         return status
 
-    def _open_for_restore(self, save_path: str, options: CheckpointOptions) -> Any:
+    def _open_for_restore(self, save_path: str, options: CheckpointOptions, saved_model: bool = False) -> Any:
         """What a restore reads through: a :class:`BundleReader`; with ``options.io_device`` in a collective
-        checkpoint of several clients, a funnelled reader (only the io client reads; collective)."""
+        checkpoint of several clients, a funnelled reader (only the io client reads; collective).
+
+        The path is looked at only where it is opened (the io client of a funnelled restore): a
+        SavedModel directory becomes its variables' prefix when ``saved_model``, another directory
+        raises, as in TF."""
+
+        def checked(path: str) -> str:
+            path = _saved_model_variables(path) if saved_model else path
+            _refuse_directory(path)
+            return path
+
         if options.io_device is not None:
             collective = self._collective()
             if collective is not None:
-                funnel = funnelled_reader(save_path, options, collective.coordinator, resolve=resolve_prefix,
+                funnel = funnelled_reader(save_path, options, collective.coordinator,
+                                          resolve=lambda path: resolve_prefix(checked(path)),
                                           preload=[OBJECT_GRAPH_KEY])
                 if funnel is not None:
                     return funnel
-        return open_bundle(save_path)
+        return open_bundle(checked(save_path))
 
     def _restore_from(self, reader: Any, options: CheckpointOptions) -> Any:
         root, extra = self._graph_root()
