@@ -179,7 +179,7 @@ def main() -> None:
             store.reset_stats()
             calls.clear()
             t0 = time.perf_counter()
-            shardckpt.Checkpoint(model=target).restore(ckpt_prefix).assert_consumed()
+            shardckpt.Checkpoint(model=target).read(ckpt_prefix).assert_consumed()  # write()/read(): no save_counter
             down_ckpt.append(time.perf_counter() - t0)
             ckpt_calls = dict(calls)
             ckpt_gets = store.stats["read_requests"]
