@@ -53,13 +53,14 @@ LAUNCH_TIMEOUT = 300
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
 
-def launch(mode: str, nproc: int, data: Path, tmp: Path) -> Tuple[Any, Dict[int, Dict[str, Any]], str]:
-    """Run one mode of the worker; returns the launcher's exit status, each rank's results, the log's tail."""
+def launch(mode: str, nproc: int, data: Path, tmp: Path, worker: Path = WORKER
+           ) -> Tuple[Any, Dict[int, Dict[str, Any]], str]:
+    """Run one mode of ``worker``; returns the launcher's exit status, each rank's results, the log's tail."""
     out = tmp / f"{mode}-out"
     if mode == "load1":
-        cmd = [sys.executable, str(WORKER)]
+        cmd = [sys.executable, str(worker)]
     else:
-        cmd = launch_command("torch", nproc, WORKER)
+        cmd = launch_command("torch", nproc, worker)
     log = tmp / f"{mode}.log"
     with open(log, "wb") as f:
         try:
