@@ -1,6 +1,6 @@
 """One process of tests/test_torch_dcp_dropin.py: TFBundleWriter / TFBundleReader used as DCP's own storage.
 
-    torchrun --standalone --nproc-per-node 4 torch_dcp_dropin_worker.py dropin4 OUTDIR DATADIR
+    torchrun --standalone --nproc-per-node 4 torch_dcp_dropin_worker.py dropin4 OUTDIR DATADIR [SECTION,...]
 
 Each section is what a ``FileSystemWriter`` user does, with the class swapped:
 
@@ -152,8 +152,13 @@ def nesting(data: Path) -> None:
     """Loads without a target rebuild the nesting (``planner_data``)."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict, _load_state_dict_from_keys
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
 
-    where = data / "dirs" / "new" / "step-100"
+    where = data / "nesting"
+    mesh = init_device_mesh("cpu", (4,))
+    sd = {"model": {"w": distribute_tensor(torch.arange(64.0).reshape(8, 8), mesh, [Shard(0)])}, "step": 100}
+    dcp.save(sd, checkpoint_id=where, storage_writer=TFBundleWriter())
     everything = _load_state_dict_from_keys(checkpoint_id=str(where), storage_reader=TFBundleReader())
     check("nesting_all", set(everything) == {"model", "step"} and set(everything["model"]) == {"w"}
           and torch.equal(everything["model"]["w"], torch.arange(64.0).reshape(8, 8)) and everything["step"] == 100,
@@ -292,7 +297,10 @@ def main() -> None:
     try:
         if mode != "dropin4":
             raise SystemExit(f"unknown mode {mode}")
+        chosen = sys.argv[4].split(",") if len(sys.argv) > 4 else None  # sections by name; default: all
         for section in (solo, pairs, directories, nesting, empty, types, options):
+            if chosen is not None and section.__name__ not in chosen:
+                continue
             section(data)
             RESULT.setdefault("sections", []).append(section.__name__)
             _write_result()
