@@ -21,7 +21,8 @@ Each section is what a ``FileSystemWriter`` user does, with the class swapped:
   NumPy scalars and arrays, ``io.BytesIO``, ``OrderedDict``, tuples, ...); a namedtuple,
   an ``IntEnum`` and a set are refused naming their key.
 * ``options``: ``thread_count=3``, ``single_file_per_rank=False``, ``sync_files=False``,
-  ``per_thread_copy_ahead``, ``cache_staged_state_dict=False`` (async) and ``overwrite=False``.
+  ``per_thread_copy_ahead``, ``cache_staged_state_dict=False`` (async) and ``overwrite=False``;
+  ``use_collectives=False`` on 4 ranks is refused.
 
 Each rank writes ``OUTDIR/rank<R>.json`` (``done`` and its checks); failures are raised.
 """
@@ -46,23 +47,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
+from torch_dcp_worker import RESULT, _write_result, check, rank  # the results' format of the other DCP worker
 
 from shardckpt.torch import TFBundleReader, TFBundleWriter
 
 warnings.filterwarnings("ignore")
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "tf_fixtures" / "08_tf1_saver_partitioned"
-RESULT: Dict[str, Any] = {}
-
-
-def rank() -> int:
-    return dist.get_rank()
-
-
-def check(name: str, ok: bool, detail: str = "") -> None:
-    RESULT.setdefault("checks", {})[name] = bool(ok)
-    if not ok:
-        raise AssertionError(f"rank {rank()}: {name} failed {detail}")
-
 
 def solo(data: Path) -> None:
     """Rank 0 alone, before any other DCP call of the job; the others wait at a barrier."""
@@ -278,12 +268,15 @@ def options(data: Path) -> None:
         check("option_overwrite_false", "overwrite=False" in str(exc), str(exc)[-400:])
     else:
         check("option_overwrite_false", False, "overwritten")
+    try:  # each rank would write its own items as the whole checkpoint: refused on every rank, nothing written
+        dcp.save(sd, checkpoint_id=data / "options" / "uncoordinated", storage_writer=TFBundleWriter(),
+                 use_collectives=False)
+    except BaseException as exc:
+        check("option_use_collectives_false_refused", "use_collectives=False" in str(exc), str(exc)[-400:])
+    else:
+        check("option_use_collectives_false_refused", False, "saved")
     dist.barrier()
-
-
-def _write_result() -> None:
-    out = Path(sys.argv[2])
-    (out / f"rank{rank()}.json").write_text(json.dumps(RESULT))
+    check("option_use_collectives_false_nothing", not (data / "options" / "uncoordinated").exists())
 
 
 def main() -> None:

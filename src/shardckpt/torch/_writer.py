@@ -74,7 +74,7 @@ from torch.futures import Future
 
 from ..distributed.coordinator import CoordinationError, Coordinator
 from ..distributed.single import SingleProcessCoordinator
-from ..errors import AlreadyExistsError, InvalidArgumentError
+from ..errors import AlreadyExistsError, InvalidArgumentError, UnsupportedError
 from ..format.naming import index_filename
 from ..format.tensor_slice import FULL, TensorSlice, format_shape_and_slice
 from ..saving.context import default_context
@@ -133,6 +133,9 @@ class TFBundleWriter(StorageWriter):
       stages into buffers dropped after the save (``False``).
     * ``overwrite``: ``False`` refuses a save where a checkpoint already is
       (:class:`~shardckpt.errors.AlreadyExistsError`, nothing written).
+
+    DCP's ``use_collectives=False`` on several ranks is refused: each rank would write
+    its items alone as the whole checkpoint.
     """
 
     _synchronize_after_execute: bool = True  # DCP's AsyncStager protocol: staging is synchronous
@@ -183,7 +186,11 @@ class TFBundleWriter(StorageWriter):
         background, self._background = self._background, None
         self._is_coordinator = bool(is_coordinator)
         self._nesting = {}
-        if not call.distributed or not bool(kwargs.get("use_collectives", True)) or call.size() == 1:
+        if call.distributed and call.size() > 1 and not bool(kwargs.get("use_collectives", True)):
+            raise UnsupportedError("use_collectives=False: every rank would write its own items as the whole "
+                                   "checkpoint; save collectively, or give each rank its own checkpoint_id with "
+                                   "no_dist=True", path=self.checkpoint_prefix)
+        if not call.distributed or call.size() == 1:
             self._run = SingleProcessCoordinator()
         elif background is not None:
             self._run = background
