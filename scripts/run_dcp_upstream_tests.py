@@ -11,7 +11,8 @@ and ``e2e/test_e2e_save_and_load.py``, those present.
 
 Each run copies ``TESTS_DIR`` to a scratch folder (the input is never changed). For the
 swapped run, a module ``_shardckpt_swap`` is written there and one import line,
-``import _shardckpt_swap``, is put at the top of every test file: it replaces
+``import _shardckpt_swap``, is put at the top of every test file (after the gates' line
+below): it replaces
 ``FileSystemWriter`` / ``FileSystemReader`` everywhere DCP and the tests look them up
 (``torch.distributed.checkpoint``, its ``filesystem``, ``_storage_utils`` (the storage
 ``dcp.save(checkpoint_id=...)`` picks when none is given) and ``format_utils``) by thin
@@ -19,8 +20,10 @@ subclasses of :class:`~shardckpt.torch.TFBundleWriter` / ``TFBundleReader`` that
 ``FileSystemWriter``'s arguments, its ``path`` always a directory. What cannot apply is
 refused by them with a clear error: ``_extensions`` (DCP's stream transforms, e.g.
 compression: a tensor bundle stores each tensor's bytes as they are, with a CRC32C) and
-serialization formats other than DCP's default. GPU-only tests stay skipped where torch
-has no GPU.
+serialization formats other than DCP's default. Without a GPU, both runs lift the
+``skip_if_lt_x_gpu`` gates (``import _dcp_upstream_gates``, also put at the top of every
+test file, as every rank of a multi-process test imports the file again): DTensor tests
+then run on CPU with gloo, as torch allows; tests that move tensors to CUDA fail in both.
 
 The tests of each file run with ``python -m pytest -rA`` (PyTorch's multi-process tests
 spawn their own ranks); the script prints, per file, passed / failed / skipped stock and
@@ -87,22 +90,41 @@ for _module in (dcp, filesystem, _storage_utils, format_utils):
     _module.FileSystemReader = FileSystemReader
 '''
 
-_OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S+)(?:\s+-\s+(.*))?$")
+GATES_LINE = "import _dcp_upstream_gates  # noqa: F401,E402  (GPU gates lifted on CPU-only hosts)\n"
+GATES_MODULE = '''"""GPU gates lifted where torch runs the test on CPU (run_dcp_upstream_tests.py writes it, both runs).
+
+Imported by each test file itself: PyTorch's multi-process tests re-import it in every rank.
+"""
+import torch
+
+if not torch.cuda.is_available():
+    from torch.testing._internal import common_distributed
+    from torch.testing._internal.distributed._tensor import common_dtensor
+
+    def _no_gate(*args, **kwargs):
+        return lambda func: func
+
+    common_distributed.skip_if_lt_x_gpu = _no_gate
+    common_dtensor.skip_if_lt_x_gpu = _no_gate
+'''
+
+_OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS)\s+(\S+)(?:\s+-\s+(.*))?$")
+_SKIPPED = re.compile(r"^SKIPPED \[(\d+)\] (\S+?):\d+: (.*)$")
 
 
 def _prepare(source: Path, scratch: Path, files: List[str], swapped: bool) -> None:
     shutil.copytree(source, scratch, ignore=shutil.ignore_patterns("__pycache__"))
-    if not swapped:
-        return
-    (scratch / "_shardckpt_swap.py").write_text(SWAP_MODULE)
+    (scratch / "_dcp_upstream_gates.py").write_text(GATES_MODULE)
+    if swapped:
+        (scratch / "_shardckpt_swap.py").write_text(SWAP_MODULE)
     for name in files:
         path = scratch / name
         lines = path.read_text().splitlines(keepends=True)
-        at = 0  # after the leading comments, docstring-free header and __future__ imports
+        at = 0  # after the __future__ imports, if any: before every other import
         for i, line in enumerate(lines):
             if line.startswith("from __future__"):
                 at = i + 1
-        lines.insert(at, SWAP_LINE)
+        lines[at:at] = [GATES_LINE] + ([SWAP_LINE] if swapped else [])
         path.write_text("".join(lines))
 
 
@@ -125,6 +147,10 @@ def _run(scratch: Path, name: str, timeout: float, swapped: bool) -> Dict[str, T
         if match:
             test = match.group(2).split("::", 1)[-1]
             outcomes[f"{name}::{test}"] = (match.group(1), (match.group(3) or "")[:300])
+        skipped = _SKIPPED.match(line.strip())
+        if skipped:  # -rA names no skipped test, only how many skipped for one reason
+            for i in range(int(skipped.group(1))):
+                outcomes[f"{name}::<skipped {len(outcomes)} {i}>"] = ("SKIPPED", skipped.group(3)[:300])
     if not outcomes:
         outcomes[f"{name}::<file>"] = ("ERROR", text.strip().splitlines()[-1][:300] if text.strip() else "no output")
     return outcomes
@@ -168,6 +194,10 @@ def main(argv: List[str]) -> int:
         for key in differ:
             stock, swapped = results["stock"].get(key, ("-", "")), results["swapped"].get(key, ("-", ""))
             print(f"  {key}: {stock[0]} -> {swapped[0]}  {swapped[1]}")
+    for mode in ("stock", "swapped"):
+        for key, (outcome, why) in sorted(results[mode].items()):
+            if key.endswith("::<file>"):
+                print(f"  [{mode}] {key}: {outcome}  {why}")
     lost = [k for k in differ if results["stock"].get(k, ("",))[0] == "PASSED"]
     return 1 if lost else 0
 
