@@ -36,7 +36,6 @@ import io
 import json
 import os
 import sys
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any, Dict
@@ -47,7 +46,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
-from torch_dcp_worker import RESULT, _write_result, check, rank  # the results' format of the other DCP worker
+from torch_dcp_worker import (  # the results' format of the other DCP worker
+    RESULT,
+    _write_result,
+    check,
+    rank,
+    run_recorded,
+)
 
 from shardckpt.torch import TFBundleReader, TFBundleWriter
 
@@ -287,7 +292,8 @@ def main() -> None:
     os.environ.setdefault("SHARDCKPT_TIMEOUT", "60")
     dist.init_process_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
     RESULT.update(rank=rank(), size=dist.get_world_size())
-    try:
+
+    def body() -> None:
         if mode != "dropin4":
             raise SystemExit(f"unknown mode {mode}")
         chosen = sys.argv[4].split(",") if len(sys.argv) > 4 else None  # sections by name; default: all
@@ -297,12 +303,7 @@ def main() -> None:
             section(data)
             RESULT.setdefault("sections", []).append(section.__name__)
             _write_result()
-        RESULT["done"] = True
-    except BaseException:
-        RESULT["fatal"] = traceback.format_exc()
-        raise
-    finally:
-        _write_result()
+    run_recorded(body)
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # DCP's PROCESS checkpointer's process is a daemon: no waiting on it at exit
