@@ -45,7 +45,7 @@ from shardckpt.cli.main import main as cli_main
 from shardckpt.errors import DataLossError, UnsupportedError
 from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.torch import TFBundleReader, TFBundleWriter, read_items_for_chunks
-from shardckpt.torch._objects import MAGIC, decode_object
+from shardckpt.torch._objects import MAGIC, NESTING_KEY, decode_object
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "helpers" / "torch_dcp_worker.py"
@@ -53,13 +53,14 @@ LAUNCH_TIMEOUT = 300
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
 
-def launch(mode: str, nproc: int, data: Path, tmp: Path) -> Tuple[Any, Dict[int, Dict[str, Any]], str]:
-    """Run one mode of the worker; returns the launcher's exit status, each rank's results, the log's tail."""
+def launch(mode: str, nproc: int, data: Path, tmp: Path, worker: Path = WORKER
+           ) -> Tuple[Any, Dict[int, Dict[str, Any]], str]:
+    """Run one mode of ``worker``; returns the launcher's exit status, each rank's results, the log's tail."""
     out = tmp / f"{mode}-out"
     if mode == "load1":
-        cmd = [sys.executable, str(WORKER)]
+        cmd = [sys.executable, str(worker)]
     else:
-        cmd = launch_command("torch", nproc, WORKER)
+        cmd = launch_command("torch", nproc, worker)
     log = tmp / f"{mode}.log"
     with open(log, "wb") as f:
         try:
@@ -151,7 +152,7 @@ def test_tensorflow_reads_every_key(saved: Path, tf_oracle: Any) -> None:
         assert np.ascontiguousarray(tensors[key]).view(np.uint8).reshape(-1).tobytes() == expected.tobytes(), key
     objects = {k: v for k, v in got.items() if dtypes[k] == "string"}
     groups = {k for k in objects if k.startswith("optim.param_groups.0.")}  # DCP flattens the param groups
-    assert set(objects) - groups == {"extra.step", "extra.note", "extra.sched.warmup"}
+    assert set(objects) - groups == {"extra.step", "extra.note", "extra.sched.warmup", NESTING_KEY}
     assert all(bytes(v.reshape(()).item()).startswith(MAGIC) for v in objects.values())
 
     def obj(key: str) -> Any:
@@ -159,6 +160,10 @@ def test_tensorflow_reads_every_key(saved: Path, tf_oracle: Any) -> None:
     assert obj("extra.step") == 3 and obj("extra.sched.warmup") == (1, 2.5)
     assert obj("optim.param_groups.0.betas") == (0.9, 0.99) and obj("optim.param_groups.0.lr") == 1e-2
     assert "emb" in obj("optim.param_groups.0.params")
+    nesting = obj(NESTING_KEY)  # every key's path in the nested state dict, for loads without a target
+    assert set(nesting) == set(objects) - {NESTING_KEY} | set(tensors)
+    assert nesting["model.layers.0.q"] == ["model", "layers.0.q"] and nesting["extra.sched.warmup"] == [
+        "extra", "sched", "warmup"]
 
 
 def test_shardckpt_verify(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -54,7 +54,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import numpy as np
 import torch
@@ -440,6 +440,18 @@ def _write_result() -> None:
     (out / f"rank{rank()}.json").write_text(json.dumps(RESULT))
 
 
+def run_recorded(body: Callable[[], None]) -> None:
+    """Run ``body``; ``done`` or ``fatal`` (its traceback) go into the rank's result file, written in any case."""
+    try:
+        body()
+        RESULT["done"] = True
+    except BaseException:
+        RESULT["fatal"] = traceback.format_exc()
+        raise
+    finally:
+        _write_result()
+
+
 def main() -> None:
     mode, data = sys.argv[1], Path(sys.argv[3])
     Path(sys.argv[2]).mkdir(parents=True, exist_ok=True)
@@ -447,7 +459,8 @@ def main() -> None:
     if mode != "load1":
         dist.init_process_group(backend="gloo")
     RESULT.update(rank=rank(), size=dist.get_world_size() if dist.is_initialized() else 1)
-    try:
+
+    def body() -> None:
         if mode == "save4":
             mode_save4(data)
         elif mode in ("load1", "load2", "load3"):
@@ -459,12 +472,7 @@ def main() -> None:
             mode_kill2(data)
         else:
             raise SystemExit(f"unknown mode {mode}")
-        RESULT["done"] = True
-    except BaseException:
-        RESULT["fatal"] = traceback.format_exc()
-        raise
-    finally:
-        _write_result()
+    run_recorded(body)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -4,14 +4,18 @@
 
     import torch.distributed.checkpoint as dcp
     from shardckpt.torch import TFBundleWriter, TFBundleReader
-    dcp.save(state_dict, storage_writer=TFBundleWriter("/ckpt/step-100"))
-    dcp.load(state_dict, storage_reader=TFBundleReader("/ckpt/step-100"))  # any world size, any placements
+    dcp.save(state_dict, checkpoint_id="/ckpt/step-100", storage_writer=TFBundleWriter())
+    dcp.load(state_dict, checkpoint_id="/ckpt/step-100", storage_reader=TFBundleReader())  # any world size
 
-The checkpoint is a TensorFlow tensor bundle (``<prefix>.index`` +
-``<prefix>.data-*``): TensorFlow, ``shardckpt inspect`` / ``verify`` read it without
-PyTorch; no pickle is written. The writer only translates DCP's write items into
-the save engine's plan (:mod:`shardckpt.saving.engine`); the reader translates read
-items into region reads (:mod:`shardckpt.format.bundle_reader`).
+A ``checkpoint_id`` is a directory, as in DCP: the TensorFlow tensor bundle
+(``ckpt.index`` + ``ckpt.data-*``) and its ``checkpoint`` state file go inside it
+(:mod:`._layout`); ``TFBundleWriter(prefix)`` / ``TFBundleReader(prefix)`` keep
+TensorFlow's prefix spelling. TensorFlow (``tf.train.load_checkpoint(dir)``),
+``shardckpt inspect`` / ``verify`` read it without PyTorch; no pickle is written.
+DCP's ``process_group`` and ``no_dist`` decide which ranks take part (:mod:`._call`).
+The writer only translates DCP's write items into the save engine's plan
+(:mod:`shardckpt.saving.engine`); the reader translates read items into region reads
+(:mod:`shardckpt.format.bundle_reader`).
 :class:`TFBundleLoadPlanner` plans resharded loads in time linear in the chunks read.
 ``dcp.async_save`` keeps its staged copy's host buffers for the next save;
 :func:`release_staging_buffers` frees them.

@@ -4,58 +4,115 @@ DCP hands non-tensors to storage as ``torch.save`` pickles; shardckpt stores the
 a scalar ``DT_STRING`` entry holding ``MAGIC`` followed by JSON, so nothing on disk
 is a pickle and TensorFlow reads the entry as an ordinary string tensor.
 
-Plain values round-trip exactly: ``None``, ``bool``, ``int``, ``float`` (NaN and
-infinities included), ``str``, ``bytes``, lists, tuples and dicts with keys of
-those scalar types. JSON cannot tell a tuple from a list or an int key from a
-string key, so those are tagged (``{"__tuple__": [...]}``, ``{"__dict__": [[k, v],
-...]}``, ``{"__bytes__": "<hex>"}``). Anything else (a module, a tensor inside a
-list, a custom object) is an :class:`~shardckpt.errors.UnsupportedError` naming
-the key and the path inside the value.
+Values round-trip with their exact type: ``None``, ``bool``, ``int``, ``float`` (NaN
+and infinities included), ``str``, ``bytes``, lists, tuples, dicts (keys of those
+scalar types) and ``OrderedDict``; ``torch.Size``, ``torch.dtype`` (its name),
+``io.BytesIO`` (its bytes), NumPy scalars and arrays of numeric, bool, bytes or str
+dtypes (dtype, shape, bytes). JSON has no tuple, int key, bytes or non-finite float,
+so those, and the others above, are tagged: a one-key object whose key is one of
+:data:`_TAGS` (``{"__tuple__": [...]}``, ``{"__dict__": [[k, v], ...]}``,
+``{"__ndarray__": [dtype, shape, hex]}``, ...). Anything else is an
+:class:`~shardckpt.errors.UnsupportedError` naming the key and the place inside the
+value, never a silent change of type: subclasses of those types (a namedtuple, an
+``IntEnum``, a ``defaultdict``), sets, modules, tensors inside a value, custom objects.
+
+:data:`NESTING_KEY` holds, for loads without a target, DCP's ``planner_data``: each
+flattened key's path in the nested state dict (``{"model.w": ["model", "w"]}``).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
-from typing import Any
+from collections import OrderedDict
+from typing import Any, Dict, Tuple
+
+import numpy as np
+import torch
 
 from ..errors import DataLossError, UnsupportedError
 
-__all__ = ["MAGIC", "encode_object", "decode_object", "is_object_entry"]
+__all__ = ["MAGIC", "NESTING_KEY", "encode_object", "decode_object", "is_object_entry", "encode_nesting",
+           "decode_nesting"]
 
 MAGIC = b"shardckpt.torch/json\n"
-_TAGS = ("__tuple__", "__dict__", "__bytes__", "__float__")
+NESTING_KEY = "_DCP_NESTING"
+_TAGS = ("__tuple__", "__dict__", "__bytes__", "__float__", "__ordered__", "__size__", "__dtype__", "__bytesio__",
+         "__npscalar__", "__ndarray__")
+_NUMPY_KINDS = "biufcSU"  # bool, integers, floats, complex, fixed bytes and str: their bytes are the values
+
+
+def _refuse(value: Any, key: str, where: str, why: str = "") -> UnsupportedError:
+    return UnsupportedError(f"a value of type {type(value).__module__}.{type(value).__qualname__} at "
+                            f"{where or 'the top'} cannot be stored without pickle{why} (None, bool, int, float, "
+                            "str, bytes, list, tuple, dict, OrderedDict, torch.Size, torch.dtype, io.BytesIO and "
+                            "NumPy scalars and arrays can; tensors must be state dict entries)", key=key)
+
+
+def _numpy(value: Any, key: str, where: str) -> Any:
+    array = np.asarray(value)
+    if array.dtype.kind not in _NUMPY_KINDS or array.dtype.fields is not None:
+        raise _refuse(value, key, where, f" (NumPy dtype {array.dtype})")
+    raw = np.ascontiguousarray(array).tobytes()
+    if isinstance(value, np.generic):
+        return {"__npscalar__": [array.dtype.str, raw.hex()]}
+    return {"__ndarray__": [array.dtype.str, list(array.shape), raw.hex()]}
 
 
 def _plain(value: Any, key: str, where: str) -> Any:
-    if value is None or isinstance(value, (bool, str)):
+    kind = type(value)
+    if value is None or kind in (bool, str):
         return value
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        if math.isfinite(value):
-            return float(value)
-        return {"__float__": repr(value)}  # 'nan', 'inf', '-inf': JSON has no spelling for them
-    if isinstance(value, bytes):
+    if kind is int:
+        return value
+    if kind is float:
+        return value if math.isfinite(value) else {"__float__": repr(value)}  # JSON cannot spell nan / inf
+    if kind is bytes:
         return {"__bytes__": value.hex()}
-    if isinstance(value, list):
+    if isinstance(value, (np.generic, np.ndarray)):
+        return _numpy(value, key, where)
+    if kind is torch.Size:
+        return {"__size__": [int(d) for d in value]}
+    if kind is torch.dtype:
+        return {"__dtype__": str(value).replace("torch.", "")}
+    if kind is io.BytesIO:
+        return {"__bytesio__": value.getvalue().hex()}
+    if kind is list:
         return [_plain(v, key, f"{where}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, tuple):
+    if kind is tuple:
         return {"__tuple__": [_plain(v, key, f"{where}[{i}]") for i, v in enumerate(value)]}
-    if isinstance(value, dict):
-        if all(isinstance(k, str) for k in value) and not any(k in _TAGS for k in value):
+    if kind is OrderedDict:
+        return {"__ordered__": _pairs(value, key, where)}
+    if kind is dict:
+        if all(type(k) is str for k in value) and not any(k in _TAGS for k in value):
             return {k: _plain(v, key, f"{where}[{k!r}]") for k, v in value.items()}
-        pairs = []
-        for k, v in value.items():
-            if k is not None and not isinstance(k, (bool, int, float, str, tuple)):
-                raise UnsupportedError(f"a dict key of type {type(k).__name__} at {where or 'the value'} cannot "
-                                       "be stored without pickle", key=key)
-            pairs.append([_plain(k, key, f"{where} key"), _plain(v, key, f"{where}[{k!r}]")])
-        return {"__dict__": pairs}
-    raise UnsupportedError(f"a value of type {type(value).__module__}.{type(value).__qualname__} at "
-                           f"{where or 'the top'} cannot be stored without pickle (plain Python scalars, "
-                           "strings, bytes, lists, tuples and dicts can; tensors must be state dict entries)",
-                           key=key)
+        return {"__dict__": _pairs(value, key, where)}
+    raise _refuse(value, key, where)
+
+
+def _pairs(value: Dict[Any, Any], key: str, where: str) -> Any:
+    pairs = []
+    for k, v in value.items():
+        if k is not None and type(k) not in (bool, int, float, str, tuple):
+            raise UnsupportedError(f"a dict key of type {type(k).__name__} at {where or 'the value'} cannot "
+                                   "be stored without pickle", key=key)
+        pairs.append([_plain(k, key, f"{where} key"), _plain(v, key, f"{where}[{k!r}]")])
+    return pairs
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"no torch dtype {name!r}")
+    return dtype
+
+
+def _array(spec: str, shape: Any, hexed: str) -> np.ndarray:
+    dtype = np.dtype(spec)
+    if dtype.kind not in _NUMPY_KINDS or dtype.fields is not None:
+        raise ValueError(f"NumPy dtype {spec!r} is not stored")
+    return np.frombuffer(bytes.fromhex(hexed), dtype=dtype).reshape([int(d) for d in shape]).copy()
 
 
 def _python(value: Any) -> Any:
@@ -68,10 +125,22 @@ def _python(value: Any) -> Any:
                 return tuple(_python(v) for v in inner)
             if tag == "__dict__":
                 return {_hashable(_python(k)): _python(v) for k, v in inner}
+            if tag == "__ordered__":
+                return OrderedDict((_hashable(_python(k)), _python(v)) for k, v in inner)
             if tag == "__bytes__":
                 return bytes.fromhex(inner)
             if tag == "__float__":
                 return float(inner)
+            if tag == "__size__":
+                return torch.Size(int(d) for d in inner)
+            if tag == "__dtype__":
+                return _dtype(inner)
+            if tag == "__bytesio__":
+                return io.BytesIO(bytes.fromhex(inner))
+            if tag == "__npscalar__":
+                return _array(inner[0], (), inner[1])[()]
+            if tag == "__ndarray__":
+                return _array(*inner)
         return {k: _python(v) for k, v in value.items()}
     return value
 
@@ -97,5 +166,24 @@ def decode_object(data: bytes, key: str = "", path: str = "") -> Any:
         raise DataLossError("not an encoded object", path=path or None, key=key or None)
     try:
         return _python(json.loads(data[len(MAGIC):].decode("utf-8")))
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, IndexError) as exc:
         raise DataLossError(f"unreadable encoded object: {exc}", path=path or None, key=key or None) from None
+
+
+def encode_nesting(nesting: Dict[str, Any]) -> bytes:
+    """The :data:`NESTING_KEY` entry of DCP's ``planner_data`` (key -> path of str and int parts)."""
+    paths = {}
+    for fqn, path in nesting.items():
+        parts = list(path) if isinstance(path, (list, tuple)) else [path]
+        if not all(type(p) in (str, int) for p in parts):
+            raise UnsupportedError(f"DCP's nesting path {parts!r} has parts other than str and int", key=fqn)
+        paths[str(fqn)] = parts
+    return encode_object(paths, NESTING_KEY)
+
+
+def decode_nesting(data: bytes, path: str = "") -> Dict[str, Tuple[Any, ...]]:
+    """DCP's ``planner_data`` from the :data:`NESTING_KEY` entry."""
+    paths = decode_object(data, NESTING_KEY, path)
+    if not isinstance(paths, dict) or not all(isinstance(v, list) for v in paths.values()):
+        raise DataLossError("the nesting entry is not a map of key -> path", path=path or None, key=NESTING_KEY)
+    return {str(k): tuple(v) for k, v in paths.items()}

@@ -2,8 +2,12 @@
 
 ::
 
-    dcp.load(state_dict, storage_reader=TFBundleReader("/ckpt/step-100"))
+    dcp.load(state_dict, checkpoint_id="/ckpt/step-100", storage_reader=TFBundleReader())
+    dcp.load(state_dict, storage_reader=TFBundleReader("/ckpt/model"))   # a prefix
 
+A ``checkpoint_id`` or ``path`` is resolved as :func:`._layout.reader_prefix` does: a
+prefix whose ``.index`` exists, or a directory (its ``checkpoint`` state file, its
+``ckpt`` prefix, a SavedModel's ``variables/variables``).
 It reads what :class:`~shardckpt.torch.TFBundleWriter` wrote, what TensorFlow wrote
 (``tf.train.Checkpoint``, ``Saver``, sharded saves) and what shardckpt's own
 ``Checkpoint`` / ``DTensorCheckpoint`` wrote. Nothing is unpickled from disk.
@@ -17,7 +21,12 @@ DCP's call sequence, and what each step does here::
                            up when a chunk is first read); string scalars holding an encoded
                            object (see _objects) and other string scalars (as bytes)
                            are BytesStorageMetadata. Keys whose dtype torch lacks,
-                           and string tensors of rank > 0, are left out.
+                           and string tensors of rank > 0, are left out. planner_data:
+                           each key's path in the nested state dict, from the
+                           nesting entry (_objects.NESTING_KEY) where the save stored
+                           one and the key keeps its name, else the key alone (so
+                           loads without a target, dcp_to_torch_save and
+                           _load_state_dict_from_keys rebuild the nesting).
     set_up_storage_reader  nothing (the index is already open)
     read_data              on object stores the byte ranges of every read item are
                            announced first (BundleReader.prefetch: few large GETs,
@@ -72,13 +81,12 @@ from ..errors import InvalidArgumentError, NotFoundError, ShardckptError
 from ..format import crc
 from ..format.bundle_reader import BundleReader, ReadSession, StoredPiece
 from ..format.dtypes import DType
-from ..format.naming import index_filename
 from ..format.tensor_slice import Box, box_shape
-from ..storage.base import normalize
 from ..storage.local import LocalFileSystem, local_fs
 from ..storage.registry import get_fs
 from ._dtypes import numpy_view, to_torch_dtype
-from ._objects import decode_object, is_object_entry
+from ._layout import reader_prefix
+from ._objects import NESTING_KEY, decode_nesting, decode_object, is_object_entry
 from ._staging import copy_on
 
 __all__ = ["TFBundleReader", "KeyMap"]
@@ -101,7 +109,8 @@ class _Stored:
 
 
 class TFBundleReader(StorageReader):
-    """Read a tensor-bundle checkpoint at ``path`` (a prefix) into DCP state dicts (see the module docstring).
+    """Read a tensor-bundle checkpoint at ``path`` (a prefix or a checkpoint directory; ``None``: given
+    later as ``dcp.load(checkpoint_id=...)``) into DCP state dicts (see the module docstring).
 
     ``key_map``: checkpoint key -> FQN (callable or dict). ``verify``: check the
     CRC32C of every chunk read whole. ``max_workers``: threads reading at once; by
@@ -121,6 +130,7 @@ class TFBundleReader(StorageReader):
                  max_workers: Optional[int] = None, map_reads: Optional[bool] = None) -> None:
         super().__init__()
         self._path: Optional[str] = None if path is None else os.fspath(path)
+        self._prefix: Optional[str] = None  # the bundle's prefix, resolved from _path by read_metadata
         if key_map is not None and not callable(key_map) and not isinstance(key_map, Mapping):
             raise InvalidArgumentError(f"key_map must be a callable or a dict, got {type(key_map).__name__}")
         self._key_map = key_map
@@ -168,7 +178,7 @@ class TFBundleReader(StorageReader):
             if item.type == LoadItemType.BYTE_IO:
                 fqn = item.storage_index.fqn
                 if fqn not in self._objects:
-                    raise NotFoundError("no such object in the checkpoint", path=self._path, key=fqn)
+                    raise NotFoundError("no such object in the checkpoint", path=self._prefix or self._path, key=fqn)
                 buf = io.BytesIO()
                 torch.save(self._objects[fqn], buf)  # DCP's load_bytes takes torch.save bytes; memory only
                 buf.seek(0)
@@ -193,10 +203,11 @@ class TFBundleReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        """Whether ``checkpoint_id`` is the prefix of a tensor bundle (its ``.index`` exists)."""
+        """Whether ``checkpoint_id`` names a tensor bundle: a prefix whose ``.index`` exists, or a
+        checkpoint directory (see :mod:`._layout`)."""
         try:
-            prefix = normalize(os.fspath(checkpoint_id))
-            return bool(get_fs(prefix).exists(index_filename(prefix)))
+            reader_prefix(checkpoint_id)
+            return True
         except Exception:  # noqa: BLE001 - DCP asks every reader; a wrong guess is simply "no"
             return False
 
@@ -233,25 +244,30 @@ class TFBundleReader(StorageReader):
         if self._path is None:
             raise InvalidArgumentError("TFBundleReader has no path: give one to the constructor or as "
                                        "dcp.load(checkpoint_id=...)")
-        fs = get_fs(normalize(self._path))
+        prefix = self._prefix = reader_prefix(self._path)
+        fs = get_fs(prefix)
         if fs is local_fs:  # a store of its own: its counters are this reader's
             fs = self._local_fs = self._local_fs or LocalFileSystem(map_runs=self._map_reads)
         # one thread: no checksum helpers either (the calling thread reads and checksums each entry)
-        bundle = self._bundle = BundleReader(self._path, fs=fs, context=_SOLO if self._workers == 1 else None)
+        bundle = self._bundle = BundleReader(prefix, fs=fs, context=_SOLO if self._workers == 1 else None)
         entries: Dict[str, Any] = {}
         owners: Dict[str, str] = {}
+        nesting: Dict[str, Tuple[Any, ...]] = {}
         for raw in bundle.keys():
             key = raw.decode("utf-8", "backslashreplace")
+            dtype = bundle.dtype(raw)
+            shape = bundle.shape(raw)
+            if key == NESTING_KEY and dtype.is_string and shape == ():
+                nesting = decode_nesting(bytes(bundle.read(raw, verify=self._verify).reshape(()).item()), prefix)
+                continue
             fqn = self._name(key)
             if fqn is None:
                 continue
-            dtype = bundle.dtype(raw)
-            shape = bundle.shape(raw)
             if dtype.is_string:
                 if shape != ():
                     continue
                 data = bytes(bundle.read(raw, verify=self._verify).reshape(()).item())
-                value: Any = decode_object(data, key, self._path or "") if is_object_entry(data) else data
+                value: Any = decode_object(data, key, prefix) if is_object_entry(data) else data
                 md: Any = BytesStorageMetadata()
             else:
                 torch_dtype = to_torch_dtype(dtype)
@@ -263,14 +279,16 @@ class TFBundleReader(StorageReader):
                                            chunks=chunks)
             if fqn in owners:
                 raise InvalidArgumentError(f"key_map maps both {owners[fqn]!r} and {key!r} to {fqn!r}",
-                                           path=self._path)
+                                           path=prefix)
             owners[fqn] = key
             entries[fqn] = md
             if isinstance(md, BytesStorageMetadata):
                 self._objects[fqn] = value
             else:
                 self._tensors[fqn] = _Stored(raw, dtype)
-        return Metadata(state_dict_metadata=entries, planner_data=None, storage_data={})
+        # a stored path only for a key loaded under its own name; any other key sits at the top
+        planner_data = {fqn: nesting.get(key, (fqn,)) if key == fqn else (fqn,) for fqn, key in owners.items()}
+        return Metadata(state_dict_metadata=entries, planner_data=planner_data, storage_data={})
 
     # -- reads --------------------------------------------------------------------------------------------
     def _announce(self, bundle: BundleReader, items: List[ReadItem]) -> None:
@@ -300,16 +318,16 @@ class TFBundleReader(StorageReader):
         fqn = item.storage_index.fqn
         stored = self._tensors.get(fqn)
         if stored is None:
-            raise NotFoundError("no such tensor in the checkpoint", path=self._path, key=fqn)
+            raise NotFoundError("no such tensor in the checkpoint", path=self._prefix or self._path, key=fqn)
         offset = tuple(int(d) for d in (item.storage_index.offset or ()))
         piece = stored.piece(bundle, offset)
         if piece is None:
-            raise NotFoundError(f"no stored chunk at offset {list(offset)}", path=self._path, key=fqn)
+            raise NotFoundError(f"no stored chunk at offset {list(offset)}", path=self._prefix or self._path, key=fqn)
         local = tuple((int(o), int(o) + int(n)) for o, n in zip(item.storage_offsets, item.lengths))
         target = planner.resolve_tensor(item).detach()
         if tuple(target.shape) != box_shape(local):
             raise InvalidArgumentError(f"the planner's destination has shape {list(target.shape)}, the read item "
-                                       f"{list(box_shape(local))}", path=self._path, key=fqn)
+                                       f"{list(box_shape(local))}", path=self._prefix or self._path, key=fqn)
         torch_dtype = to_torch_dtype(stored.dtype)
         if target.device.type == "cpu" and target.dtype == torch_dtype:
             view = numpy_view(target, stored.dtype, contiguous=False)  # the destination's own memory

@@ -46,22 +46,22 @@ class HostStager:
         self._owner: Optional[int] = None  # the staging whose save still reads the buffers
         self._count = 0
 
-    def stage(self, state_dict: Any, *, shared: bool = False) -> Tuple[Any, int]:
+    def stage(self, state_dict: Any, *, shared: bool = False, keep: bool = True) -> Tuple[Any, int]:
         """A copy of ``state_dict`` whose tensors live in this stager's host buffers, and its ticket.
 
         ``shared``: the copy goes to another process (DCP's PROCESS checkpointer): new
-        buffers in shared memory, never reused (this process cannot tell when they are read)."""
+        buffers in shared memory, never reused (this process cannot tell when they are read).
+        ``keep=False``: new buffers that this stager does not keep (freed with the copy;
+        the ticket then stands for nothing)."""
+        if not keep:
+            return _copy_all(state_dict, {}, shared), 0
         with self._lock:
             if self._owner is not None or shared:  # a save may still write the buffers' bytes: leave them to it
                 self._buffers = {}
             self._count += 1
             ticket = self._owner = self._count
             buffers = self._buffers
-        streams: Dict[torch.device, Any] = {}
-        staged = _copy(state_dict, (), buffers, streams, shared)
-        for stream in streams.values():
-            stream.synchronize()
-        return staged, ticket
+        return _copy_all(state_dict, buffers, shared), ticket
 
     def release(self, ticket: int) -> None:
         """The save of staging ``ticket`` is over: if its buffers are the current ones, they may be refilled."""
@@ -74,6 +74,15 @@ class HostStager:
         copy keeps those buffers alive until it ends (it holds them, not this stager)."""
         with self._lock:
             self._buffers = {}
+
+
+def _copy_all(state_dict: Any, buffers: Dict[_Slot, torch.Tensor], shared: bool) -> Any:
+    """The staged copy of ``state_dict`` (through ``buffers``), complete on return."""
+    streams: Dict[torch.device, Any] = {}
+    staged = _copy(state_dict, (), buffers, streams, shared)
+    for stream in streams.values():
+        stream.synchronize()
+    return staged
 
 
 def _new_buffer(like: torch.Tensor, *, shared: bool) -> torch.Tensor:

@@ -2,57 +2,66 @@
 
 ::
 
-    dcp.save(state_dict, storage_writer=TFBundleWriter("/ckpt/step-100"))
+    dcp.save(state_dict, checkpoint_id="/ckpt/step-100", storage_writer=TFBundleWriter())
+    dcp.save(state_dict, storage_writer=TFBundleWriter("/ckpt/model"))   # a prefix, as in TensorFlow
 
-``path`` is a checkpoint *prefix*, as in TensorFlow: the files are
-``/ckpt/step-100.index`` and ``/ckpt/step-100.data-NNNNN-of-NNNNN``; ``s3://``
-prefixes work like local ones (the index-last committer).
+A ``checkpoint_id`` is a directory, as for DCP's ``FileSystemWriter``: the bundle is
+written inside it (``<dir>/ckpt.index``, ``<dir>/ckpt.data-NNNNN-of-NNNNN``) with the
+``checkpoint`` state file that TensorFlow's ``tf.train.load_checkpoint(dir)`` follows
+(see :mod:`._layout`). A ``path`` given to the constructor is a checkpoint *prefix*
+(``/ckpt/model.index`` ...), unless it is an existing directory or ends with ``/``.
+``s3://`` locations work like local ones (the index-last committer).
 
 DCP's call sequence, and what each step does here::
 
-    set_up_storage_writer  all   pick the coordinator (one process: trivial; else a
-                                 torch coordinator made in the constructor, i.e. in
-                                 the caller's thread, with its own gloo group)
-    prepare_local_plan     all   every tensor item's dtype is checked (an error names the key)
-    prepare_global_plan    coord one plan in a multi-rank job (no_dist): write alone
+    set_up_storage_writer  all   the ranks of DCP's call (its process_group, the default
+                                 group, or this process alone under no_dist) and their
+                                 coordinator (_call.coordinator_for: made once per group,
+                                 collectively over that group's ranks only; under no_dist
+                                 a one-process coordinator: nothing collective happens)
+    prepare_local_plan     all   every tensor item's dtype is checked (an error names the key);
+                                 overwrite=False refuses an existing checkpoint
+    prepare_global_plan    coord the plans' planner_data (DCP's key -> nesting path) kept
     write_data             all   items -> ShardableTensors (a chunk of a tensor is a slice
                                  entry of its global key in TF's slice spelling; a whole
                                  tensor a plain entry; a non-tensor a JSON string scalar,
-                                 see _objects); every rank agrees that all converted
+                                 see _objects; DCP's coordinator adds the nesting entry,
+                                 _objects.NESTING_KEY); every rank agrees that all converted
                                  before any byte is written; then the ONE save engine
-                                 (saving.engine.save): plan -> write -> agree -> commit
-    finish                 coord nothing: the engine committed (the index write) inside
-                                 write_data, and DCP's pickled Metadata is not written
+                                 (saving.engine.save): plan -> write -> agree -> commit ->
+                                 the directory's state file (on_commit)
+    finish                 coord nothing: the engine committed inside write_data, and DCP's
+                                 pickled Metadata is not written
 
 On disk at every moment: what the engine's committer promises (rename-commit
 locally: shards under ``<prefix>_temp_<id>/`` until the index rename; index-last on
-object stores). A save that dies anywhere leaves the previous checkpoint at the
-prefix readable and untouched. No ``.metadata`` pickle, no pickle at all: the reader
-rebuilds DCP's ``Metadata`` from the index.
+object stores), then the state file replaced atomically. A save that dies anywhere
+leaves the previous checkpoint at the prefix readable and untouched. No
+``.metadata`` pickle, no pickle at all: the reader rebuilds DCP's ``Metadata`` from
+the index.
 
 CPU tensors are written from their own memory (NumPy views, no copy); tensors on
 other devices are copied to host when their shard is written: a CUDA tensor into a
 page-locked buffer of torch's pinned-memory cache (:func:`._staging.pinned_copy`, one
 shard at a time, the buffers reused by the next shards and saves), others with
-``.to("cpu")``. For
-``dcp.async_save`` the writer is also DCP's ``AsyncStager``: ``stage`` copies the
-state dict into reusable (pinned, for CUDA) host buffers (:mod:`._staging`), and the
-background write runs on a clone of the coordinator made during ``stage``. With the
-PROCESS checkpointer DCP pickles the writer (in memory) to its checkpoint process:
-the coordinators and the stager stay behind (``__getstate__``), and the checkpoint
-process makes its own world coordinator in ``write_data`` (its torch.distributed world
-is the gloo default group DCP initialized there, the same ranks). The staged copy
-is made in shared memory, so it travels by file descriptor without another copy; this
-process cannot tell when the checkpoint process is done with it, so with that
-checkpointer each staging gets new buffers (the old ones are freed with DCP's request)
-instead of reusing them.
+``.to("cpu")``. For ``dcp.async_save`` the writer is also DCP's ``AsyncStager``:
+``stage`` copies the state dict into host buffers (:mod:`._staging`; kept for the next
+save unless ``cache_staged_state_dict=False``), and, on the caller's thread, makes the
+clone of the call's coordinator that the background write runs on (the group comes
+from ``async_save``'s arguments). With the PROCESS checkpointer DCP pickles the
+writer (in memory) to its checkpoint process: the coordinators and the stager stay
+behind (``__getstate__``), and the checkpoint process makes its own world's coordinator
+when DCP sets the writer up there (its torch.distributed world is the gloo default
+group DCP initialized there, the same ranks). The staged copy is made in shared
+memory, so it travels by file descriptor without another copy; this process cannot
+tell when the checkpoint process is done with it, so with that checkpointer each
+staging gets new buffers (the old ones are freed with DCP's request) instead of
+reusing them.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -63,10 +72,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..distributed import get_coordinator
 from ..distributed.coordinator import CoordinationError, Coordinator
 from ..distributed.single import SingleProcessCoordinator
-from ..errors import InvalidArgumentError
+from ..errors import AlreadyExistsError, InvalidArgumentError, UnsupportedError
+from ..format.naming import index_filename
 from ..format.tensor_slice import FULL, TensorSlice, format_shape_and_slice
 from ..saving.context import default_context
 from ..saving.engine import save as engine_save
@@ -74,56 +83,15 @@ from ..saving.options import CheckpointOptions
 from ..saving.request import SaveRequest
 from ..sharding.shardable import ShardableTensor
 from ..storage.location import Location
+from ..storage.registry import get_fs
+from ._call import coordinator_for, current_call
 from ._dtypes import numpy_view, to_bundle_dtype
-from ._objects import encode_object
+from ._layout import write_state_file, writer_target
+from ._objects import NESTING_KEY, encode_nesting, encode_object
+from ._shards import writer_sharding
 from ._staging import default_stager, pinned_copy
 
 __all__ = ["TFBundleWriter"]
-
-_LOCK = threading.Lock()
-_OWN: List[Coordinator] = []  # the torch coordinator made here when the process has none of the world
-
-
-def _world_coordinator() -> Coordinator:
-    """A coordinator over every rank of the initialized default group (made once per process)."""
-    current = get_coordinator()
-    if current.backend == "torch" and current.size == dist.get_world_size():
-        return current
-    with _LOCK:
-        if not _OWN:
-            from ..distributed.torch_backend import TorchCoordinator
-
-            _OWN.append(TorchCoordinator())
-        return _OWN[0]
-
-
-def _world_size() -> int:
-    """The initialized torch.distributed world's size (1 without one)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _world_coordinator_or_none() -> Optional[Coordinator]:
-    """The world's coordinator when this process is one of several initialized ranks, else ``None``."""
-    return _world_coordinator() if _world_size() > 1 else None
-
-
-def _async_save_mode() -> Tuple[bool, bool]:
-    """``(no_dist, process)`` of the ``dcp.async_save`` call that is staging (``(False, False)`` if none found).
-
-    DCP does not tell a stager how the save will run, and both matter before the
-    save starts: a ``no_dist`` save on one rank must not make the collective clone
-    of the coordinator, and a save in DCP's checkpoint process has no use for it. The
-    arguments are read from ``async_save``'s frame on the stack (its parameter
-    names, public API); without such a frame the save is taken as collective.
-    """
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "async_save" and str(frame.f_globals.get("__name__", "")).startswith(
-                "torch.distributed.checkpoint"):
-            kind = frame.f_locals.get("async_checkpointer_type")
-            return bool(frame.f_locals.get("no_dist", False)), getattr(kind, "name", "") == "PROCESS"
-        frame = frame.f_back  # type: ignore[assignment]
-    return False, False
 
 
 def _device(rank: int) -> str:
@@ -141,85 +109,121 @@ def _slice_spec(size: Tuple[int, ...], offsets: Tuple[int, ...], sizes: Tuple[in
 class TFBundleWriter(StorageWriter):
     """Write DCP checkpoints as TensorFlow tensor bundles through shardckpt's save engine.
 
-    ``path``: the checkpoint prefix (``None``: given later as ``dcp.save(checkpoint_id=...)``).
+    ``path``: a checkpoint prefix, or a checkpoint directory where it exists or ends with
+    ``/`` (``None``: given later as ``dcp.save(checkpoint_id=dir)``, always a directory).
     ``options``: :class:`~shardckpt.CheckpointOptions` (sharding callback, timeout,
     write callbacks; ``enable_async`` is refused: use ``dcp.async_save``).
-    ``coordinator``: the ranks' coordinator (default: one process -> trivial; an
-    initialized ``torch.distributed`` -> a torch coordinator over the world, made
-    here, so every rank must construct the writer, as every rank calls ``dcp.save``;
-    ``dcp.save(..., no_dist=True)`` on some ranks of such a job is detected and written
-    by each process alone, see :meth:`prepare_global_plan`).
-    ``fsync``: make data and index durable at the commit.
+    ``coordinator``: the ranks' coordinator for collective calls (default: one over the
+    ranks of DCP's call, i.e. its ``process_group`` or the default group, made when DCP
+    sets the writer up; a ``no_dist=True`` call is this process's alone whatever is given).
+    ``fsync``: make data, index and state file durable at the commit.
+
+    DCP's ``FileSystemWriter`` options, with their meaning here:
+
+    * ``sync_files``: the same as ``fsync`` (given, it wins).
+    * ``thread_count``: this rank's items are split into up to that many data files
+      (balanced by bytes), written by as many threads; with ``options.sharding_callback``
+      only 1 is accepted.
+    * ``single_file_per_rank``: ``True`` (the default): one data file per rank (times
+      ``thread_count``); ``False``: one data file per tensor key of the rank.
+    * ``per_thread_copy_ahead``: accepted, no effect: shards on a GPU are copied to host
+      one at a time through page-locked buffers as they are written.
+    * ``cache_staged_state_dict``: ``dcp.async_save`` keeps the staged copy's host
+      buffers for the next save (``True``, the default here, unlike DCP's ``False``), or
+      stages into buffers dropped after the save (``False``).
+    * ``overwrite``: ``False`` refuses a save where a checkpoint already is
+      (:class:`~shardckpt.errors.AlreadyExistsError`, nothing written).
+
+    DCP's ``use_collectives=False`` on several ranks is refused: each rank would write
+    its items alone as the whole checkpoint.
     """
 
     _synchronize_after_execute: bool = True  # DCP's AsyncStager protocol: staging is synchronous
 
     def __init__(self, path: Any = None, *, options: Optional[CheckpointOptions] = None,
-                 coordinator: Optional[Coordinator] = None, fsync: bool = True) -> None:
+                 coordinator: Optional[Coordinator] = None, fsync: bool = True,
+                 sync_files: Optional[bool] = None, thread_count: int = 1, single_file_per_rank: bool = True,
+                 per_thread_copy_ahead: int = 10_000_000, cache_staged_state_dict: bool = True,
+                 overwrite: bool = True) -> None:
         super().__init__()
-        self._path: Optional[str] = None if path is None else os.fspath(path)
+        self._target: Optional[Tuple[str, Optional[str]]] = (
+            None if path is None else writer_target(path, directory=False))
         options = options or CheckpointOptions()
         if options.enable_async:
             raise InvalidArgumentError("TFBundleWriter writes synchronously inside DCP; for a background save "
                                        "use torch.distributed.checkpoint.async_save")
+        if int(per_thread_copy_ahead) < 0:
+            raise InvalidArgumentError(f"per_thread_copy_ahead must be >= 0, got {per_thread_copy_ahead}")
+        self._sharding = writer_sharding(options.sharding_callback, int(thread_count), bool(single_file_per_rank))
+        self._threads = max(1, int(thread_count))
         self._options = options
-        self._fsync = fsync
-        self._world = coordinator is None  # the coordinator is (re)made from the process's own world
-        if coordinator is None:
-            coordinator = _world_coordinator_or_none()
-        self._coordinator = coordinator
-        self._background: Optional[Coordinator] = None
+        self._fsync = fsync if sync_files is None else bool(sync_files)
+        self._cache = bool(cache_staged_state_dict)
+        self._overwrite = bool(overwrite)
+        self._explicit = coordinator
+        self._run: Optional[Coordinator] = None  # the coordinator of the save DCP set up
+        self._background: Optional[Coordinator] = None  # made by stage() for the background save
         self._ticket: Optional[int] = None  # the staging of the next write_data (dcp.async_save)
         self._rank = 0
-        self._collective = coordinator is not None and coordinator.size > 1
+        self._is_coordinator = True
+        self._nesting: Dict[str, Any] = {}
         self._stager = default_stager()
+
+    @property
+    def checkpoint_prefix(self) -> Optional[str]:
+        """The prefix the next save writes (``None`` until a path or ``checkpoint_id`` is known)."""
+        return None if self._target is None else self._target[0]
 
     # -- StorageWriter ------------------------------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
-        """A new save begins; ``checkpoint_id`` (when given) is its prefix."""
+        """A new save begins; ``checkpoint_id`` (when given) is its directory."""
         if checkpoint_id is not None:
-            self._path = os.fspath(checkpoint_id)
+            self._target = writer_target(checkpoint_id, directory=True)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Learn this rank and whether DCP runs collectively (``no_dist`` / ``use_collectives=False``: one process)."""
-        rank = int(kwargs.get("rank", 0))
-        use_collectives = bool(kwargs.get("use_collectives", True))
-        if self._coordinator is None and self._world and _world_size() > 1:
-            # unpickled in DCP's checkpoint process: its world's coordinator is made by _write, once
-            # prepare_global_plan has told whether the other ranks take part (making it is collective)
-            self._collective = use_collectives and rank == dist.get_rank()
-            self._rank = rank if self._collective else 0
-            return
-        coordinator = self._coordinator
-        self._collective = (coordinator is not None and coordinator.size > 1 and use_collectives
-                            and rank == coordinator.rank)
-        self._rank = rank if self._collective else 0
+        """Learn the call's ranks and pick their coordinator (see the module docstring)."""
+        call = current_call()
+        background, self._background = self._background, None
+        self._is_coordinator = bool(is_coordinator)
+        self._nesting = {}
+        if call.distributed and call.size() > 1 and not bool(kwargs.get("use_collectives", True)):
+            raise UnsupportedError("use_collectives=False: every rank would write its own items as the whole "
+                                   "checkpoint; save collectively, or give each rank its own checkpoint_id with "
+                                   "no_dist=True", path=self.checkpoint_prefix)
+        if not call.distributed or call.size() == 1:
+            self._run = SingleProcessCoordinator()
+        elif background is not None:
+            self._run = background
+        else:
+            self._run = self._explicit if self._explicit is not None else coordinator_for(call)
+        self._rank = self._run.rank
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """Refuse, naming the key, any tensor whose dtype has no TensorFlow dtype."""
+        """Refuse, naming the key, any tensor whose dtype has no TensorFlow dtype; with
+        ``overwrite=False``, refuse to save where a checkpoint is."""
+        prefix = self._prefix()
         for item in plan.items:
             if item.tensor_data is not None:
-                to_bundle_dtype(item.tensor_data.properties.dtype, item.index.fqn, self._path)
+                to_bundle_dtype(item.tensor_data.properties.dtype, item.index.fqn, prefix)
+        if not self._overwrite and get_fs(prefix).exists(index_filename(prefix)):
+            raise AlreadyExistsError("a checkpoint is already there and overwrite=False", path=prefix)
         return plan
 
     def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
-        """One plan in a multi-rank job: DCP saves without the other ranks (``no_dist``) -> write alone.
-
-        DCP calls this on its coordinator only, with every participant's plan: a
-        collective save brings the world's plans, ``no_dist=True`` (every process its own
-        coordinator) or a one-rank ``process_group`` brings one. The engine numbers the
-        shards itself, so the plans are returned as they are.
-        """
-        if len(plans) == 1 and self._collective:
-            self._collective = False
-            self._rank = 0
+        """Keep the plans' ``planner_data`` (DCP's flattened key -> its path in the nested state dict),
+        which the coordinator stores for loads without a target; the plans are returned as they are."""
+        nesting: Dict[str, Any] = {}
+        for plan in plans:
+            if isinstance(plan.planner_data, dict):
+                nesting.update(plan.planner_data)
+        self._nesting = nesting
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> "Future[List[WriteResult]]":
         """Convert the items, agree that every rank could, run the save engine (which commits)."""
         ticket, self._ticket = self._ticket, None
         try:
-            return self._write(plan, planner, ticket is not None)
+            return self._write(plan, planner)
         finally:
             if ticket is not None:
                 self._stager.release(ticket)
@@ -229,7 +233,7 @@ class TFBundleWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        """Any path-like prefix (local or ``scheme://``) will do."""
+        """Any path-like (local or ``scheme://``) will do."""
         try:
             return bool(os.fspath(checkpoint_id))
         except TypeError:
@@ -242,12 +246,14 @@ class TFBundleWriter(StorageWriter):
         return self._synchronize_after_execute
 
     def stage(self, state_dict: Any) -> Any:
-        """Copy ``state_dict`` into reusable host buffers; runs on the caller's thread, before the background save."""
-        alone, in_process = _async_save_mode()
-        coordinator = self._coordinator
-        if not alone and not in_process and coordinator is not None and coordinator.size > 1:
+        """Copy ``state_dict`` into host buffers and, for a collective save in this process, make the
+        background clone of the call's coordinator; runs on the caller's thread, before the background save."""
+        call = current_call()
+        self._background = None
+        if call.distributed and not call.process and call.size() > 1:
+            coordinator = self._explicit if self._explicit is not None else coordinator_for(call)
             self._background = default_context().background(coordinator)  # collective the first time
-        staged, self._ticket = self._stager.stage(state_dict, shared=in_process)
+        staged, self._ticket = self._stager.stage(state_dict, shared=call.process, keep=self._cache)
         return staged
 
     def synchronize_staging(self) -> None:
@@ -260,22 +266,22 @@ class TFBundleWriter(StorageWriter):
     def __getstate__(self) -> Dict[str, Any]:
         """Everything but the coordinators and the stager, which belong to this process.
 
-        The checkpoint process remakes the coordinator from its own torch.distributed
-        world (DCP initializes a gloo default group there, one process per rank) the first
-        time DCP sets the writer up. A coordinator given to the constructor other than a
-        one-process one cannot go along: that is an error naming the thread checkpointer.
+        The checkpoint process makes its own coordinator over its world (DCP initializes a
+        gloo default group there, one process per rank) when DCP sets the writer up. A
+        coordinator given to the constructor other than a one-process one or one over the
+        whole world cannot go along: that is an error naming the thread checkpointer.
         """
         state = dict(self.__dict__)
-        coordinator = self._coordinator
+        coordinator = self._explicit
         if coordinator is not None and coordinator.size > 1:
-            if not (self._world or (coordinator.backend == "torch" and dist.is_initialized()
-                                    and coordinator.size == dist.get_world_size())):
+            if not (coordinator.backend == "torch" and dist.is_initialized()
+                    and coordinator.size == dist.get_world_size()):
                 raise InvalidArgumentError(
                     f"a TFBundleWriter with a {coordinator.backend} coordinator of {coordinator.size} ranks cannot "
                     "be sent to another process; use dcp.async_save with the THREAD checkpointer, or give no "
-                    "coordinator", path=self._path)
-            state["_world"] = True
-            state["_coordinator"] = None
+                    "coordinator", path=self.checkpoint_prefix)
+        state["_explicit"] = None if coordinator is None or coordinator.size > 1 else coordinator
+        state["_run"] = None
         state["_background"] = None
         state["_ticket"] = None  # the staging's buffers are this process's; the copy arrives with the request
         del state["_stager"]
@@ -286,20 +292,25 @@ class TFBundleWriter(StorageWriter):
         self._stager = default_stager()
 
     # -- the write ---------------------------------------------------------------------------------------
-    def _write(self, plan: SavePlan, planner: SavePlanner, staged: bool) -> "Future[List[WriteResult]]":
-        if self._path is None:
+    def _prefix(self) -> str:
+        if self._target is None:
             raise InvalidArgumentError("TFBundleWriter has no path: give one to the constructor or as "
                                        "dcp.save(checkpoint_id=...)")
-        coordinator: Coordinator = SingleProcessCoordinator()
-        if self._collective:
-            if self._coordinator is None:  # in DCP's checkpoint process, every rank's is here now
-                self._coordinator = _world_coordinator()
-            coordinator = self._background if staged and self._background is not None else self._coordinator
+        return self._target[0]
+
+    def _write(self, plan: SavePlan, planner: SavePlanner) -> "Future[List[WriteResult]]":
+        prefix = self._prefix()
+        folder = self._target[1] if self._target is not None else None
+        coordinator = self._run if self._run is not None else SingleProcessCoordinator()
         problem: Optional[Exception] = None
         tensors: List[ShardableTensor] = []
         results: List[WriteResult] = []
         try:
             tensors, results = self._convert(plan, planner)
+            if self._is_coordinator:  # DCP's coordinator: the nesting of the whole state dict, once
+                tensors.append(ShardableTensor.from_value(NESTING_KEY, np.array(encode_nesting(self._nesting),
+                                                                                dtype=object),
+                                                          device=_device(self._rank)))
         except Exception as exc:  # every rank must learn of it before anyone writes a byte
             problem = exc
         if coordinator.size > 1:
@@ -312,8 +323,16 @@ class TFBundleWriter(StorageWriter):
                 raise
         elif problem is not None:
             raise problem
-        request = SaveRequest(Location.of(self._path), self._options, fsync=self._fsync, io_rank=0,
-                              timeout=self._options.timeout)
+        options = self._options if self._sharding is None else self._options.replace(sharding_callback=self._sharding)
+        fsync = self._fsync
+
+        def state_file(committed: str) -> None:
+            if folder is not None:
+                write_state_file(folder, committed, fsync=fsync)
+
+        request = SaveRequest(Location.of(prefix), options, fsync=fsync, io_rank=0, timeout=self._options.timeout,
+                              max_workers=self._threads if self._threads > 1 else None,
+                              on_commit=state_file if folder is not None else None)
         engine_save(tensors, request, coordinator)
         done: "Future[List[WriteResult]]" = Future()
         done.set_result(results)
@@ -343,7 +362,7 @@ class TFBundleWriter(StorageWriter):
         td = item.tensor_data
         assert td is not None
         fqn = item.index.fqn
-        dtype = to_bundle_dtype(td.properties.dtype, fqn, self._path)
+        dtype = to_bundle_dtype(td.properties.dtype, fqn, self.checkpoint_prefix)
         size = tuple(int(d) for d in td.size)
         offsets = tuple(int(d) for d in td.chunk.offsets)
         sizes = tuple(int(d) for d in td.chunk.sizes)
@@ -354,10 +373,10 @@ class TFBundleWriter(StorageWriter):
         tensor = planner.resolve_data(item)
         if not isinstance(tensor, torch.Tensor):
             raise InvalidArgumentError(f"the planner resolved a tensor item to {type(tensor).__name__}",
-                                       path=self._path, key=fqn)
+                                       path=self.checkpoint_prefix, key=fqn)
         if tuple(tensor.shape) != sizes:
             raise InvalidArgumentError(f"the planner resolved a chunk of shape {list(tensor.shape)}, the plan "
-                                       f"says {list(sizes)}", path=self._path, key=fqn)
+                                       f"says {list(sizes)}", path=self.checkpoint_prefix, key=fqn)
         if tensor.device.type == "cpu":
             value: Any = numpy_view(tensor, dtype)  # the tensor's own memory
         elif tensor.device.type == "cuda":  # on the caller's stream, after the work queued there
