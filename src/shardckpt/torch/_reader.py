@@ -82,6 +82,7 @@ from ..format import crc
 from ..format.bundle_reader import BundleReader, ReadSession, StoredPiece
 from ..format.dtypes import DType
 from ..format.tensor_slice import Box, box_shape
+from ..storage.base import normalize
 from ..storage.local import LocalFileSystem, local_fs
 from ..storage.registry import get_fs
 from ._dtypes import numpy_view, to_torch_dtype
@@ -244,12 +245,16 @@ class TFBundleReader(StorageReader):
         if self._path is None:
             raise InvalidArgumentError("TFBundleReader has no path: give one to the constructor or as "
                                        "dcp.load(checkpoint_id=...)")
-        prefix = self._prefix = reader_prefix(self._path)
-        fs = get_fs(prefix)
-        if fs is local_fs:  # a store of its own: its counters are this reader's
-            fs = self._local_fs = self._local_fs or LocalFileSystem(map_runs=self._map_reads)
-        # one thread: no checksum helpers either (the calling thread reads and checksums each entry)
-        bundle = self._bundle = BundleReader(prefix, fs=fs, context=_SOLO if self._workers == 1 else None)
+        context = _SOLO if self._workers == 1 else None  # one thread: the caller reads and checksums each entry
+        bundle = _open_as_prefix_on_object_store(self._path, context)
+        if bundle is None:
+            prefix = reader_prefix(self._path)
+            fs = get_fs(prefix)
+            if fs is local_fs:  # a store of its own: its counters are this reader's
+                fs = self._local_fs = self._local_fs or LocalFileSystem(map_runs=self._map_reads)
+            bundle = BundleReader(prefix, fs=fs, context=context)
+        prefix = self._prefix = bundle.prefix
+        self._bundle = bundle
         entries: Dict[str, Any] = {}
         owners: Dict[str, str] = {}
         nesting: Dict[str, Tuple[Any, ...]] = {}
@@ -371,3 +376,17 @@ def threads_per_rank() -> int:
 
 _SOLO = crc.ChecksumContext(workers=0)  # no helper threads: whole entries are read and checksummed by the caller
 _CARRIERS = {1: np.uint8, 2: np.int16}  # NumPy views of ml_dtypes values that torch.from_numpy accepts
+
+
+def _open_as_prefix_on_object_store(path: Any, context: Any) -> Optional[BundleReader]:
+    """On an object store, the bundle at ``path`` opened as a prefix (its listing and index GET answer
+    what resolving the path would ask: one request fewer); ``None`` where that is not it (a directory,
+    a local path: resolved by :func:`._layout.reader_prefix`)."""
+    text = normalize(os.fspath(path))
+    store = get_fs(text)
+    if store.read_step is None:
+        return None
+    try:
+        return BundleReader(text, fs=store, context=context)
+    except NotFoundError:
+        return None
