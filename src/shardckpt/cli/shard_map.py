@@ -164,16 +164,22 @@ def _colour(shard: int) -> str:
     return PALETTE[shard % len(PALETTE)]
 
 
-def render_svg(prefix: str, layouts: Sequence[TensorLayout], files: Sequence[DataFile]) -> str:
-    """The SVG document of ``layouts`` (stacked top to bottom), with a legend of ``files``."""
+def _coverages(layouts: Sequence[TensorLayout]) -> List[Coverage]:
+    return [coverage(t.shape, [p.box for p in t.pieces]) for t in layouts]
+
+
+def render_svg(prefix: str, layouts: Sequence[TensorLayout], files: Sequence[DataFile],
+               covers: Optional[Sequence[Coverage]] = None) -> str:
+    """The SVG document of ``layouts`` (stacked top to bottom), with a legend of ``files``
+    (``covers``: their :func:`coverage`, computed here when not given)."""
+    covers = _coverages(layouts) if covers is None else covers
     parts: List[str] = []
     used = sorted({p.shard for t in layouts for p in t.pieces})
     y: float = MARGIN + 22 + LEGEND_ROW * len(used) + MARGIN
     width_total = WIDTH + 2 * MARGIN + 200
-    for layout in layouts:
+    for layout, cover in zip(layouts, covers):
         axes = _axes(layout)
         width, height, to_scale = _frame(layout, axes)
-        cover = coverage(layout.shape, [p.box for p in layout.pieces])
         notes = [] if to_scale else ["not to scale"]
         if len(layout.shape) > 2:
             notes.append(f"axes {axes[0]} x {axes[1]} of {len(layout.shape)}")
@@ -225,9 +231,10 @@ def render_svg(prefix: str, layouts: Sequence[TensorLayout], files: Sequence[Dat
             f'<rect width="100%" height="100%" fill="#ffffff"/>' + "".join(legend) + "".join(parts) + "</svg>\n")
 
 
-def render_html(prefix: str, layouts: Sequence[TensorLayout], files: Sequence[DataFile]) -> str:
+def render_html(prefix: str, layouts: Sequence[TensorLayout], files: Sequence[DataFile],
+                covers: Optional[Sequence[Coverage]] = None) -> str:
     """One self-contained HTML page holding :func:`render_svg`'s picture (no scripts, nothing fetched)."""
-    svg = render_svg(prefix, layouts, files)
+    svg = render_svg(prefix, layouts, files, covers)
     return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
             f"<title>shard map: {html.escape(prefix)}</title></head>"
             "<body style=\"margin:0;background:#f6f6f6\">" + svg + "</body></html>\n")
@@ -236,13 +243,14 @@ def render_html(prefix: str, layouts: Sequence[TensorLayout], files: Sequence[Da
 def write_map(path: str, prefix: str, layouts: Sequence[TensorLayout], files: Sequence[DataFile]) -> Dict[str, int]:
     """Write the picture to ``path`` (``.svg`` or ``.html``); returns counts for the command's summary line."""
     lower = path.lower()
+    covers = _coverages(layouts)  # once: for the picture and for the count
     if lower.endswith(".svg"):
-        text = render_svg(prefix, layouts, files)
+        text = render_svg(prefix, layouts, files, covers)
     elif lower.endswith((".html", ".htm")):
-        text = render_html(prefix, layouts, files)
+        text = render_html(prefix, layouts, files, covers)
     else:
         raise InvalidArgumentError(f"--map {path!r}: the file name must end in .svg or .html")
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
-    problems = sum(1 for t in layouts if not coverage(t.shape, [p.box for p in t.pieces]).ok)
+    problems = sum(1 for c in covers if not c.ok)
     return {"tensors": len(layouts), "pieces": sum(len(t.pieces) for t in layouts), "with_problems": problems}
