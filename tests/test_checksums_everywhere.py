@@ -40,7 +40,7 @@ import shardckpt
 from shardckpt.distributed.single import SingleProcessCoordinator
 from shardckpt.errors import DataLossError
 from shardckpt.format.bundle_reader import BundleReader
-from shardckpt.saving.funnel_restore import FunnelledReader
+from shardckpt.restoring.funnel import FunnelledReader
 from shardckpt.storage import get_fs, guided, uring
 from shardckpt.storage.local import LocalFileSystem
 
