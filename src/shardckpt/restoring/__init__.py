@@ -12,11 +12,11 @@ Front doors: ``restore_tensors`` (:mod:`.tensors`), ``Checkpoint.restore``/``rea
 ``TFBundleReader``.
 """
 
-from .engine import collective_call, run
+from .engine import collective_call, read_one, run
 from .funnel import FunnelledSource, funnelled_reader
 from .plan import Read, ReadGroup, RestorePlan
 from .source import BundleSource, PieceSource, as_source
 from .tensors import RestoreRequest, restore_tensors
 
 __all__ = ["Read", "ReadGroup", "RestorePlan", "PieceSource", "BundleSource", "FunnelledSource", "as_source",
-           "run", "collective_call", "funnelled_reader", "RestoreRequest", "restore_tensors"]
+           "run", "read_one", "collective_call", "funnelled_reader", "RestoreRequest", "restore_tensors"]

@@ -29,6 +29,7 @@ front door's :func:`collective_call` block ends (every client), and the follow-u
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
@@ -38,7 +39,7 @@ import numpy as np
 from .plan import Read, ReadGroup, RestorePlan
 from .source import PieceSource
 
-__all__ = ["run", "collective_call"]
+__all__ = ["run", "read_one", "collective_call"]
 
 
 def run(plan: RestorePlan) -> List[np.ndarray]:
@@ -50,6 +51,11 @@ def run(plan: RestorePlan) -> List[np.ndarray]:
     if plan.defer:
         return _run_deferred(plan)
     return _run_streaming(plan)
+
+
+def read_one(source: PieceSource, read: Read, *, verify: bool = True) -> np.ndarray:
+    """A plan of one read, on the calling thread (streaming consumers: a conversion, a tool)."""
+    return run(RestorePlan.of(source, [read], verify=verify, workers=1))[0]
 
 
 @contextlib.contextmanager
@@ -156,7 +162,7 @@ def _record(plan: RestorePlan) -> List[np.ndarray]:
     follow_ups: List[Callable[[], None]] = []
     for read, value in zip(plan.reads, values):
         if read.then is not None:
-            follow_ups.append(lambda then=read.then, v=value: then(v))
+            follow_ups.append(functools.partial(read.then, value))
     if any(g.done is not None for g in plan.groups):
         follow_ups.append(lambda: _finish_groups(plan.groups, values))
     for follow_up in follow_ups:

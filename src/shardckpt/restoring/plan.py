@@ -33,7 +33,7 @@ class Read:
     other replicas); a read with ``then`` is never deferred to the end of the restore.
     """
 
-    key: str
+    key: Union[str, bytes]
     region: Optional[Box] = None
     out: Optional[np.ndarray] = None
     piece: Any = None
