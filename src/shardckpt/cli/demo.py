@@ -27,7 +27,7 @@ import numpy as np
 
 from ..checkpoint.reader import load_checkpoint
 from ..checkpoint.state import latest_checkpoint
-from ._layout import data_files, open_bundle
+from ._layout import data_files, locate, open_bundle
 from ._text import description_of
 from .demo_clients import WEIGHTS, expected, launch
 from .inspect import list_tensors, render_listing
@@ -87,9 +87,11 @@ def run_story(directory: str, clients: int = 4, resume_clients: int = 2) -> bool
     print(f"\n3. verify {os.path.basename(final or '-')}")
     ok = final is not None
     if final is not None:
-        with open_bundle(final) as reader:
-            print(render_listing(reader.prefix, data_files(reader), list_tensors(reader)))
-            report = verify_bundle(reader)
+        location = locate(final)
+        with open_bundle(location) as reader:
+            rows = list_tensors(reader)
+            print(render_listing(reader.prefix, data_files(reader, location.fs, rows), rows))
+            report = verify_bundle(reader, fs=location.fs)
         print(render_report(report))
         ok = report.ok
         with load_checkpoint(final) as reader:
