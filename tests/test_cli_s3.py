@@ -179,6 +179,7 @@ def test_verify_names_a_flipped_byte_in_an_s3_object(s3_server: Any, s3dir: str)
     _put(s3_server, _data(prefix), bytes(data))
     done = _cli(s3_server, "verify", prefix)
     assert done.returncode == 1, done.stdout
+    assert "MISSING" not in done.stdout
     bad = [line for line in done.stdout.splitlines() if line.startswith("BAD")]
     assert len(bad) == 1 and "'model/emb'" in bad[0] and _data(prefix) in bad[0] and "checksum" in bad[0], bad
     assert done.stdout.strip().splitlines()[-1].startswith(f"FAILED: 1 of {len(KEYS)} entries bad")
