@@ -52,11 +52,11 @@ def _save(prefix: str, items: List[Tuple[str, str, np.ndarray]] = ITEMS) -> str:
     return prefix
 
 
-def _cli(s3_server: Any, *argv: str) -> "subprocess.CompletedProcess[str]":
+def _cli(s3_server: Any, *argv: str, cwd: "Path | None" = None) -> "subprocess.CompletedProcess[str]":
     """The command as a user runs it: a fresh process, the store named by the AWS variables."""
     env = {**clean_env(), **s3_server.env, "SHARDCKPT_PROGRESS": "never"}
     return subprocess.run([sys.executable, "-m", "shardckpt.cli.main", *argv], capture_output=True, text=True,
-                          env=env, timeout=300)
+                          env=env, timeout=300, cwd=cwd)
 
 
 def _data(prefix: str) -> str:
@@ -288,3 +288,17 @@ def test_inspect_map_and_listing_name_a_truncated_data_file(s3_server: Any, s3di
     # a tensor whose bytes are all there is still shown with --key
     done = _cli(s3_server, "inspect", prefix, "--key", "model/bias")
     assert done.returncode == 0, done.stderr
+
+
+# -- demo ----------------------------------------------------------------------------------------
+
+def test_demo_writes_and_resumes_its_checkpoints_on_s3(s3_server: Any, s3dir: str, tmp_path: Path) -> None:
+    done = _cli(s3_server, "demo", "--dir", s3dir, "--clients", "2", "--resume-clients", "1", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written to a local folder named "s3:"
+    assert "all checks passed" in done.stdout and "MISSING" not in done.stdout
+    assert f"checkpoint: {s3dir}/train/ckpt-" in done.stdout
+    keys = _client(s3_server).list_objects_v2(Bucket=s3_server.bucket, Prefix=_bucket_key(s3dir)[1] + "/")
+    names = {item["Key"].rsplit("/", 1)[-1] for item in keys.get("Contents", [])}
+    assert "checkpoint" in names and any(n.endswith(".index") for n in names), names
+    assert {"client-first-0.json", "client-first-1.json", "client-second-0.json"} <= names, names
