@@ -28,6 +28,7 @@ import pytest
 from helpers.launchers import clean_env
 
 from shardckpt import io
+from shardckpt.checkpoint.state import update_checkpoint_state
 from shardckpt.convert import open_source
 from shardckpt.format.bundle_reader import BundleReader
 
@@ -129,7 +130,14 @@ def test_inspect_lists_a_checkpoint_on_s3(s3_server: Any, s3dir: str) -> None:
     assert [t["key"] for t in doc["tensors"]] == KEYS
     # a folder without a checkpoint is an error naming it, as locally
     done = _cli(s3_server, "inspect", s3dir)
-    assert done.returncode == 1 and "error:" in done.stderr and "Traceback" not in done.stderr
+    assert done.returncode == 1 and "error:" in done.stderr and s3dir in done.stderr
+    assert "Traceback" not in done.stderr
+    # a folder whose state file names the checkpoint is read as that checkpoint
+    update_checkpoint_state(s3dir, prefix)
+    for command in ("inspect", "verify"):
+        done = _cli(s3_server, command, s3dir)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert prefix in done.stdout and "MISSING" not in done.stdout
 
 
 def test_inspect_key_and_tree_on_s3(s3_server: Any, s3dir: str) -> None:
@@ -302,3 +310,17 @@ def test_demo_writes_and_resumes_its_checkpoints_on_s3(s3_server: Any, s3dir: st
     names = {item["Key"].rsplit("/", 1)[-1] for item in keys.get("Contents", [])}
     assert "checkpoint" in names and any(n.endswith(".index") for n in names), names
     assert {"client-first-0.json", "client-first-1.json", "client-second-0.json"} <= names, names
+
+
+def test_inspect_map_and_tree_name_a_bad_entry(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad index entry makes ``--map`` and ``--tree`` exit 1 as before, and now says which one (stderr)."""
+    from test_cli import rewrite_entry
+
+    from shardckpt.cli.main import main
+
+    prefix = _save(str(tmp_path / "ckpt"))
+    rewrite_entry(prefix, b"model/bias", shard_id=3)  # the bundle has one shard
+    for argv in (["--map", str(tmp_path / "map.svg")], ["--tree"]):
+        assert main(["inspect", prefix, *argv]) == 1
+        err = capsys.readouterr().err
+        assert "error: " in err and "'model/bias'" in err and "shard_id=3" in err, (argv, err)

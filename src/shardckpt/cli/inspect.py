@@ -143,13 +143,11 @@ def run(args: argparse.Namespace) -> int:
 def _trouble(rows: List[Row], files: List[DataFile], listed: bool) -> int:
     """The exit status of a listing, a tree or a map: 1 when an entry is bad or a data file is missing
     or cut short. Each such file is named on stderr, and so is each bad entry where no listing named it."""
-    for problem in file_problems(files):
+    problems = file_problems(files)
+    bad = [r for r in rows if isinstance(r, BadTensor)]
+    for problem in problems + ([] if listed else [r.error for r in bad]):
         print(f"error: {error_text(problem)}", file=sys.stderr)
-    if not listed:
-        for row in rows:
-            if isinstance(row, BadTensor):
-                print(f"error: {error_text(row.error)}", file=sys.stderr)
-    return 1 if any(isinstance(r, BadTensor) for r in rows) or file_problems(files) else 0
+    return 1 if problems or bad else 0
 
 
 # -- the listing ---------------------------------------------------------------------------------
