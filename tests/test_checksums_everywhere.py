@@ -43,6 +43,7 @@ from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.saving.funnel_restore import FunnelledReader
 from shardckpt.storage import get_fs, guided, uring
 from shardckpt.storage.local import LocalFileSystem
+from shardckpt.storage.location import Location
 
 MIB = 1 << 20
 LARGE = 3 * MIB // 4  # float32 elements: a 3 MiB entry, read in several units / pump spans
@@ -119,7 +120,7 @@ def test_jax_restore_from_s3_refuses_a_flipped_byte(s3dir: str, name: str) -> No
     values = _values()
     prefix = f"{s3dir}/ck"
     sj.save(prefix, {"w": jnp.asarray(values["w"]), "b": values["b"]})
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         key = next(k.decode() for k in reader.keys() if k.decode().split("/")[-1] == name
                    or k.decode().startswith(name + "/") or k.decode() == name)
     path = _flip(prefix, key)

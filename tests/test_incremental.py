@@ -157,8 +157,9 @@ def _data_files(prefix: str) -> List[Path]:
 def _named_bytes(prefix: str) -> int:
     """Bytes the index of ``prefix`` names (every entry's size)."""
     from shardckpt.format.bundle_reader import BundleReader
+    from shardckpt.storage.location import Location
 
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         return sum(int(reader.entry(k).size) for k in reader.keys(include_slices=True))
 
 

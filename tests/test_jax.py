@@ -31,6 +31,7 @@ from shardckpt.cli.main import main as cli_main  # noqa: E402
 from shardckpt.errors import InvalidArgumentError, NotFoundError  # noqa: E402
 from shardckpt.format.bundle_reader import BundleReader  # noqa: E402
 from shardckpt.storage.local import LocalFileSystem  # noqa: E402
+from shardckpt.storage.location import Location
 
 jax.config.update("jax_enable_x64", True)  # float64/int64 leaves stay 64-bit
 if len(jax.devices()) < 8:  # pragma: no cover - jax imported earlier in the session without the flag
@@ -104,7 +105,7 @@ def test_state_restores_bit_exact_onto_other_meshes_and_specs(tmp_path: Path, la
 def test_keys_are_readable_paths_and_each_piece_is_written_once(tmp_path: Path) -> None:
     state = model_state()
     prefix = sj.save(tmp_path / "ck", state)
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         keys = {k.decode() for k in reader.keys()}
         assert {"params/dense/kernel", "params/dense/bias", "params/embed", "params/head", "params/norm",
                 "opt_state/0/mu/dense/kernel", "opt_state/0/nu/norm",

@@ -26,6 +26,7 @@ from .format.dtypes import as_dtype
 from .format.naming import sharded_filename
 from .format.tensor_slice import TensorSlice, parse_shape_and_slice
 from .saving.commit import merge_bundles
+from .storage.location import Location
 
 __all__ = ["save_v2", "restore_v2", "merge_v2_checkpoints", "sharded_filename"]
 
@@ -48,7 +49,7 @@ def save_v2(prefix: str, tensor_names: Sequence[Union[str, bytes]], shape_and_sl
     _check_lengths(tensor_names, shape_and_slices, tensors, "tensors")
     if not tensor_names:
         raise InvalidArgumentError("save_v2 needs at least one tensor")
-    with BundleWriter(prefix, fsync=fsync, checksum_executor=shared_executor()) as writer:
+    with BundleWriter(Location.of(prefix), fsync=fsync, checksum_executor=shared_executor()) as writer:
         for name, spec, value in zip(tensor_names, shape_and_slices, tensors):
             if spec == "":
                 writer.add(name, value)
@@ -70,7 +71,7 @@ def restore_v2(prefix: str, tensor_names: Sequence[Union[str, bytes]], shape_and
     """
     _check_lengths(tensor_names, shape_and_slices, dtypes, "dtypes")
     out = []
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         _announce(reader, tensor_names, shape_and_slices)
         with reader.session() as session:  # whole tensors read by the pump's helpers, all checked at the end
             for name, spec, dtype in zip(tensor_names, shape_and_slices, dtypes):

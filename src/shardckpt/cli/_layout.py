@@ -17,6 +17,7 @@ from ..errors import InvalidArgumentError
 from ..format.bundle_reader import BundleReader
 from ..format.dtypes import DType
 from ..format.tensor_slice import Box, TensorSlice
+from ..storage.location import Location
 from ._text import key_text
 
 __all__ = ["PieceLayout", "TensorLayout", "DataFile", "open_bundle", "tensor_layout", "data_files"]
@@ -99,7 +100,7 @@ def open_bundle(path: str) -> BundleReader:
             f"this is a {_FORMAT_NAMES.get(fmt, fmt)}, not a TensorFlow checkpoint: `shardckpt inspect --tree` "
             f"lists its tensors, `shardckpt diff` compares it, `shardckpt convert PATH OUT --to tf` makes a "
             f"TensorFlow checkpoint of it", path=path)
-    return BundleReader(resolve_prefix(path))
+    return BundleReader(Location.of(resolve_prefix(path)))
 
 
 _FORMAT_NAMES = {"safetensors": "safetensors file", "hf": "Hugging Face folder", "npz": "NumPy .npz archive",

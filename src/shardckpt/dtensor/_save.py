@@ -36,6 +36,7 @@ from ..saving.funnel_restore import funnelled_reader, run_funnelled
 from ..saving.options import CheckpointOptions
 from ..saving.pieces import pieces_of
 from ..sharding.shardable import ShardableTensor
+from ..storage.location import Location
 from ._api import DTensor, as_dtensor, client_device, get_default_mesh, is_dtensor
 from ._layout import UNSHARDED
 from ._mesh import Mesh
@@ -123,7 +124,7 @@ def name_based_restore(mesh: Mesh, checkpoint_prefix: str, name_tensor_dict: Map
         restored: "OrderedDict[str, DTensor]" = run_funnelled(
             funnel, lambda reader: _restore_named(reader, checkpoint_prefix, name_tensor_dict))
         return restored
-    with BundleReader(os.fspath(checkpoint_prefix)) as reader:
+    with BundleReader(Location.of(checkpoint_prefix)) as reader:
         return _restore_named(reader, checkpoint_prefix, name_tensor_dict)
 
 

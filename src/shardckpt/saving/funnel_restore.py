@@ -55,6 +55,7 @@ from ..format.bundle_reader import BundleReader, region_box
 from ..format.bundle_writer import byte_view
 from ..format.dtypes import DType, from_enum
 from ..format.tensor_slice import Box, TensorSlice, box_shape, box_volume, boxes_tile, intersect
+from ..storage.location import Location
 
 __all__ = ["FunnelledReader", "DEFAULT_INFLIGHT_BYTES", "chunk_boxes", "funnelled_reader", "run_funnelled"]
 
@@ -145,7 +146,7 @@ class FunnelledReader:
         if coordinator.rank == io_rank:
             try:
                 prefix = resolve(save_path) if resolve is not None else save_path
-                bundle = BundleReader(prefix)
+                bundle = BundleReader(Location.of(prefix))
                 self._bundle = bundle
                 keys = {k.decode("utf-8", "backslashreplace"): [bundle.dtype(k).enum, list(bundle.shape(k))]
                         for k in bundle.keys()}

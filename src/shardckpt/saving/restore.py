@@ -26,6 +26,7 @@ from ..errors import InvalidArgumentError
 from ..format.bundle_reader import BundleReader, ReadSession
 from ..format.dtypes import as_dtype
 from ..format.tensor_slice import Box, TensorSlice
+from ..storage.location import Location
 from .funnel_restore import funnelled_reader, run_funnelled
 from .options import CheckpointOptions
 
@@ -83,7 +84,7 @@ def restore_tensors(prefix: str, requests: Sequence[Union[RestoreRequest, str]],
             results: List[np.ndarray] = run_funnelled(funnel, plan)
             return results
     own = reader is None
-    bundle = reader or BundleReader(prefix)
+    bundle = reader or BundleReader(Location.of(prefix))
     try:
         bundle.prefetch([(r.key, r.region) for r in reqs])  # object stores: few large GETs, ahead of the reads
         with bundle.session(defer=True) as session:  # reads overlap; all checked before the block ends
