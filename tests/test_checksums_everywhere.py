@@ -163,7 +163,7 @@ def _local_session(prefix: str) -> None:
 
 def _reader_read(key: str, fs: Any = None) -> Callable[[str], None]:
     def read(prefix: str) -> None:
-        with BundleReader(prefix, fs=fs) as reader:
+        with BundleReader(Location.of(prefix, fs)) as reader:
             reader.read(key)
     return read
 

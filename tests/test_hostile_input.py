@@ -677,16 +677,36 @@ def test_header_absurd_num_shards(bundle: Bundle, num_shards: int) -> None:
     assert bundle.prefix in str(exc)
 
 
-@pytest.mark.parametrize("edit", [
+UNSUPPORTED_HEADERS = [
     pytest.param(lambda h: setattr(h.version, "min_consumer", 5), id="min_consumer_5"),
     pytest.param(lambda h: setattr(h.version, "min_consumer", 2), id="min_consumer_2"),
     pytest.param(lambda h: h.version.bad_consumers.append(1), id="bad_consumer_1"),
     pytest.param(lambda h: setattr(h.version, "producer", -1), id="producer_negative"),
     pytest.param(lambda h: setattr(h, "endianness", 7), id="unknown_endianness"),
-])
+]
+
+
+@pytest.mark.parametrize("edit", UNSUPPORTED_HEADERS)
 def test_header_unsupported(bundle: Bundle, edit: Callable[[pb.BundleHeaderProto], None]) -> None:
     bundle.edit_header(edit)
     expect(UnsupportedError, lambda: BundleReader(bundle.location), names=[bundle.index_path])
+
+
+@pytest.mark.parametrize("edit", UNSUPPORTED_HEADERS)
+def test_header_unsupported_is_refused_by_merge_too(bundle: Bundle,
+                                                    edit: Callable[[pb.BundleHeaderProto], None]) -> None:
+    """One header parser: a header the reader refuses, a merge refuses as well, naming the input's index,
+    before any file moves (it used to merge such a bundle into a checkpoint with a header of its own:
+    readable, and read with the wrong byte order for an unknown one); the leftover scan cannot judge it."""
+    from shardckpt.io import merge_v2_checkpoints
+    from shardckpt.saving.commit.leftovers import UNREADABLE_INDEX, committed_num_shards
+
+    bundle.edit_header(edit)
+    merged = str(Path(bundle.prefix).parent / "merged" / "ck")
+    expect(UnsupportedError, lambda: merge_v2_checkpoints([bundle.prefix], merged, delete_old_dirs=False),
+           names=[bundle.index_path])
+    assert os.path.exists(bundle.data_path) and not os.path.exists(merged + ".index")
+    assert committed_num_shards(bundle.location) == UNREADABLE_INDEX
 
 
 def test_header_accepts_compatible_versions(bundle: Bundle) -> None:

@@ -570,3 +570,40 @@ def test_piece_at_looks_up_only_the_slice_asked_for(tmp_path: Path, monkeypatch:
         whole = reader.piece_at("plain", (0, 0))
         assert whole is not None and whole.box == ((0, 64), (0, 8))
         assert reader.piece_at("plain", (1, 0)) is None
+
+
+def test_arrays_the_reader_allocates_are_64_byte_aligned(tmp_path: Path) -> None:
+    """Every destination the reader allocates (``out=None``) of at least a page starts on a 64-byte boundary:
+    whole reads (plain, in a session, ``read_many``), sliced tensors assembled, regions, a piece's region.
+    (NumPy's own arrays are 16-byte aligned; JAX on CPU copies those instead of sharing them.)"""
+    from shardckpt.format.buffers import ALIGN_FROM, ALIGNMENT, aligned_empty
+    from shardckpt.format.bundle_writer import BundleWriter
+
+    prefix = str(tmp_path / "ck")
+    values = {f"w{i}": np.arange(1024 + 16 * i, dtype=np.float32).reshape(-1, 4) * (i + 1) for i in range(8)}
+    full = np.arange(64 * 32, dtype=np.float64).reshape(64, 32)
+    writer = BundleWriter(Location.of(prefix))
+    for k, v in values.items():
+        writer.add(k, v)
+    for r in range(4):
+        writer.add_slice("s", (64, 32), f"{r * 16},16:-", full[r * 16:(r + 1) * 16])
+    writer.finish()
+
+    def aligned(a: np.ndarray) -> bool:
+        return a.ctypes.data % ALIGNMENT == 0 and a.flags.c_contiguous and a.flags.writeable
+
+    with BundleReader(Location.of(prefix)) as reader:
+        got = [reader.read(k) for k in values]
+        with reader.session() as session:
+            got += [session.read(k) for k in values] + session.read_many(list(values))
+        got.append(reader.read("s"))
+        got.append(reader.read_region("s", ((8, 40), (0, 32))))
+        got.append(reader.read_region("w3", ((0, 100), (0, 4))))
+        got.append(reader.read_piece_region(reader.pieces("s")[1], ((0, 16), (0, 32))))
+    expected = [values[k] for k in values] * 3 + [full, full[8:40], values["w3"][:100], full[16:32]]
+    for a, want in zip(got, expected):
+        assert np.array_equal(a, want)
+        assert aligned(a), (a.shape, a.ctypes.data % ALIGNMENT)
+    small = aligned_empty((ALIGN_FROM // 8 - 1,), np.float64)  # below a page: NumPy's array as it comes
+    assert small.base is None and small.shape == (ALIGN_FROM // 8 - 1,)
+    assert aligned_empty((3,), object).dtype == object
