@@ -51,33 +51,26 @@ allocated, so a hostile index cannot make the reader allocate unbounded memory.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..errors import DataLossError, InvalidArgumentError, NotFoundError
+from ..errors import InvalidArgumentError, NotFoundError
 from ..storage.base import FileSystem, normalize
 from ..storage.location import Location
 from . import crc
 from .announce import announce_pieces, announces, plan_regions
 from .buffers import aligned_empty
 from .bundle_files import DataFiles
-from .bundle_index import MAX_RANK, MAX_SUPPORTED_VERSION, BundleIndex, KeyLike, check_shape, key_bytes, key_str
+from .bundle_index import MAX_SUPPORTED_VERSION, BundleIndex, KeyLike, check_shape, key_bytes, key_str
 from .bundle_pieces import PieceLookup, StoredPiece, region_box, relative
-from .bundle_writer import byte_view
 from .dtypes import DType, from_enum
 from .protos import tensor_bundle_pb2 as pb
-from .read_session import EntryJob, ReadSession
+from .read_session import _MIN_UNIT, _SUB, _UNIT, ReadSession, WholeEntries  # noqa: F401 (the unit sizes: re-exported)
 from .region_reads import decode_objects, read_box, scatter_runs
 from .tensor_slice import Box, TensorSlice, box_shape, box_volume, boxes_tile, full_box
-from .whole_reads import EntryRead, ReadPump, read_range
 
 __all__ = ["BundleReader", "ReadSession", "StoredPiece", "MAX_SUPPORTED_VERSION", "region_box", "iter_tensors"]
-
-_UNIT = 4 << 20  # whole entries are read and checksummed in units of this size, on several threads
-_MIN_UNIT = 512 << 10  # entries are split across threads only into units at least this large
-_SUB = 2 << 20  # within a unit, read this much and checksum it while it is still in the CPU cache (L3)
 
 _scatter_runs = scatter_runs  # the name tests knew it by
 _check_shape = check_shape
@@ -115,9 +108,6 @@ class BundleReader:
         identity_of = getattr(fs, "identity", None)
         #: object stores: reads held to the version an identity names (``If-Match``), see BundleIndex
         pin = getattr(fs, "pin", None) if identity_of is not None else None
-        self._unit = fs.read_step or _UNIT  # a store's preferred request size, when it has one
-        self._min_unit = fs.read_step or _MIN_UNIT
-        self._sub = fs.read_step or _SUB
         self._index = index = BundleIndex(prefix, fs, identity_of=identity_of, pin=pin, load_index=load_index)
         self.index_path = index.index_path
         self.header: pb.BundleHeaderProto = index.header
@@ -125,14 +115,14 @@ class BundleReader:
         self.big_endian = index.big_endian
         self._lookup = PieceLookup(index)
         self._files = files = DataFiles(index, fs, identity_of)
-        # the restore planner's fast path (_whole_read) reads these directly: the same objects as the rooms'
-        self._entries = index.entries
-        self._shapes = index.shapes
-        self._fds = files.fds
-        self._file_sizes = files.sizes
-        self._paths = files.paths
         self._locate = files.locate
         self._check_unchanged = files.check_unchanged
+        self._wholes = wholes = WholeEntries(fs, self._context, index, files)
+        # what ReadSession asks of its reader (bound methods: no hop on the restore's per-tensor path)
+        self._whole_read = wholes.plan
+        self._read_whole = wholes.read
+        self._pump = wholes.pump
+        self._check_entry = wholes.check_entry
 
     # -- the index and the pieces (see .bundle_index, .bundle_pieces) -------------
     def keys(self, include_slices: bool = False) -> List[bytes]:
@@ -267,45 +257,6 @@ class BundleReader:
                                        f"expected {list(shape)} and {dt.numpy}", path=self.prefix, **where)
         return out
 
-    def _whole_read(self, kb: bytes, out: Optional[np.ndarray]) -> Optional[Tuple[np.ndarray, EntryRead]]:
-        """A checksummed whole-tensor read of ``kb`` into ``out`` (allocated when ``None``), ready to queue on
-        a pump; ``None`` when the key needs the general path (sliced, strings, byte-swapped, zero-sized
-        dimensions, a store with its own request size, a destination that is not a C-contiguous
-        array of the stored shape and dtype, or any check failing: the general path raises then).
-
-        The restore planner's fast path, run once per tensor: the same checks as
-        :meth:`read_region` (entry inside its file, byte count equal to shape times item
-        size, shape an array can have), each done once, with no intermediate objects.
-        """
-        entry = self._entries.get(kb)
-        if entry is None:
-            entry = self._index.entry(kb)
-        if entry.slices or self._fs.read_step is not None:
-            return None
-        dt = from_enum(entry.dtype)
-        itemsize = dt.itemsize
-        if itemsize is None or (dt.swap_unit and self.big_endian):
-            return None
-        shape = self._shapes[kb]
-        count = math.prod(shape)
-        size = entry.size
-        if size != count * itemsize or len(shape) > MAX_RANK or (count == 0 and shape):
-            return None  # (a zero dimension: the general path checks the other dimensions' product)
-        shard = entry.shard_id
-        fd = self._fds.get(shard)
-        if fd is None:
-            fd = self._files.open(shard)[0]
-        offset = entry.offset
-        if offset + size > self._file_sizes[shard]:
-            return None
-        if out is None:
-            out = aligned_empty(shape, dt.numpy)
-        elif out.shape != shape or out.dtype != dt.numpy or not out.flags.c_contiguous:
-            return None
-        path = self._paths.get(shard) or self._files.path(shard)
-        flat = out.reshape(-1).view(np.uint8)
-        return out, EntryRead(fd, path, offset, flat, True, crc.unmask(entry.crc32c), kb, shard)
-
     def _read_entry(self, kb: bytes, entry: pb.BundleEntryProto, out: Optional[np.ndarray], verify: bool,
                     session: Optional["ReadSession"]) -> np.ndarray:
         """:meth:`read_region` of a whole tensor stored as one entry (same checks, fewer steps)."""
@@ -421,72 +372,6 @@ class BundleReader:
                 swapped = np.ascontiguousarray(dest)
                 swapped.view(np.dtype(f"u{dt.swap_unit}")).byteswap(inplace=True)
                 dest[...] = swapped
-
-    def _read_whole(self, piece: StoredPiece, fd: Any, path: str, dest: np.ndarray, verify: bool,
-                    session: Optional["ReadSession"]) -> None:
-        """Read one entry whole into ``dest``: queued on the session's pump (or a pump of its own), read
-        in units on several threads, each piece checksummed as it lands (see :mod:`.whole_reads`)."""
-        if self._fs.read_step is not None:  # stores with their own request size: units of that size
-            self._read_whole_units(piece, fd, path, dest, verify, session)
-            return
-        flat = dest.reshape(-1).view(np.uint8)
-        entry = piece.entry
-        offset = int(entry.offset)
-        if session is None and len(flat) < 2 * self._min_unit:  # one unit: no pump, no helpers
-            computed = read_range(self._fs, fd, path, offset, flat, self._sub, verify)
-            self._check_read(piece, path, verify, computed)
-            return
-        read = EntryRead(fd, path, offset, flat, verify, crc.unmask(entry.crc32c), piece, int(entry.shard_id))
-        if session is not None:  # read by the session's helpers; checked when the session finishes
-            session._queue(read)
-            return
-        pump = self._pump()
-        pump.add(read)
-        pump.drain()
-        self._check_entry(read)
-
-    def _pump(self) -> ReadPump:
-        return ReadPump(self._fs, lambda: self._context.executor, self._context.workers, unit=self._unit,
-                        min_unit=self._min_unit, sub=self._sub)
-
-    def _check_read(self, piece: StoredPiece, path: str, verify: bool, computed: int) -> None:
-        if not verify:
-            self._check_unchanged(piece.entry.shard_id)
-            return
-        expected = crc.unmask(piece.entry.crc32c)
-        if computed != expected:
-            self._check_unchanged(piece.entry.shard_id)  # a replaced file says so
-            raise DataLossError(f"checksum does not match: stored 0x{expected:08x}, computed "
-                                f"0x{computed:08x}", path=path, **piece.where())
-
-    def _check_entry(self, read: EntryRead) -> None:
-        """Raise what went wrong with a queued whole-entry read: a failed read, a replaced file, a checksum."""
-        if read.error is not None:
-            raise read.error
-        if not read.verify:
-            self._check_unchanged(read.shard)
-            return
-        problem = read.mismatch()
-        if problem is not None:
-            self._check_unchanged(read.shard)  # a replaced file says so
-            where = read.tag.where() if isinstance(read.tag, StoredPiece) else {"key": read.tag}
-            raise DataLossError(problem, path=read.path, **where)
-
-    def _read_whole_units(self, piece: StoredPiece, fd: Any, path: str, dest: np.ndarray, verify: bool,
-                          session: Optional["ReadSession"]) -> None:
-        """Read one entry whole in units of the store's request size, on several threads."""
-        size = int(piece.entry.size)
-        if session is None and size <= self._sub:  # one small read: no job, no helpers
-            flat = byte_view(dest)
-            self._fs.pread_into(fd, flat, int(piece.entry.offset), path)
-            self._check_read(piece, path, verify, crc.value(flat) if verify else 0)
-            return
-        job = EntryJob(self, piece, fd, path, byte_view(dest), verify)
-        job.run(self._context.executor if self._context.workers else None)  # this thread reads units too
-        if session is not None:  # units still in flight on helpers are waited for by the session
-            session._add(job)
-            return
-        job.finish()
 
 
 def iter_tensors(reader: BundleReader) -> Iterator[Tuple[bytes, np.ndarray]]:
