@@ -18,7 +18,8 @@ the face of rooms with one job each:
   the filesystem's ``pread_batch``; a strided destination (columns of a tensor) gets the
   runs cut where either the file or the destination has a gap, each read straight into
   its place (no temporary);
-* :mod:`.whole_reads` and :mod:`.read_session` — whole-entry reads go through a
+* :mod:`.whole_reads` and :mod:`.read_session` — whole-entry reads
+  (:class:`~shardckpt.format.read_session.WholeEntries`) go through a
   :class:`~shardckpt.format.whole_reads.ReadPump`: large entries are split into units,
   small neighbours gathered into one request, and the spans read and checksummed on
   several threads at once (the calling thread and the helpers of a
@@ -30,7 +31,8 @@ the face of rooms with one job each:
 * :mod:`.announce` — the byte ranges of a batch of reads announced to the store
   ahead of them (:meth:`BundleReader.prefetch`);
 * :mod:`.buffers` — destinations the reader allocates (``out=None``) are C-contiguous
-  and 64-byte aligned (JAX on CPU shares such buffers instead of copying them).
+  and, from a page up, 64-byte aligned (JAX on CPU shares such buffers instead of
+  copying them).
 
 The reader sees the checkpoint it opened, or raises
 :class:`~shardckpt.errors.CheckpointReplacedError`: the identity of the index and
