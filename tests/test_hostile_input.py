@@ -692,6 +692,15 @@ def test_header_unsupported(bundle: Bundle, edit: Callable[[pb.BundleHeaderProto
     expect(UnsupportedError, lambda: BundleReader(bundle.location), names=[bundle.index_path])
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc")
+def test_an_index_refused_when_opened_lazily_keeps_no_file_open(bundle: Bundle) -> None:
+    bundle.edit_header(lambda h: setattr(h.version, "min_consumer", 9))
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        expect(UnsupportedError, lambda: BundleReader(bundle.location, load_index=False), names=[bundle.index_path])
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 @pytest.mark.parametrize("edit", UNSUPPORTED_HEADERS)
 def test_header_unsupported_is_refused_by_merge_too(bundle: Bundle,
                                                     edit: Callable[[pb.BundleHeaderProto], None]) -> None:

@@ -197,9 +197,15 @@ class BundleIndex:
         self._index_size = 0
         self.data_identities: Dict[int, Any] = {}
         for _attempt in range(_OPEN_ATTEMPTS):
-            if self._open():
+            try:
+                opened = self._open()
+            except BaseException:
+                self.close()  # a lazily opened index that fails a check keeps no file open
+                raise
+            if opened:
                 break
         else:
+            self.close()
             raise CheckpointReplacedError(f"the checkpoint was replaced while it was being opened "
                                           f"({_OPEN_ATTEMPTS} attempts)", path=self.index_path)
 
