@@ -356,8 +356,9 @@ def w_one(ctx: Ctx, system: str) -> Dict:
     else:
         from shardckpt import load_checkpoint
         from shardckpt.format.bundle_reader import BundleReader
+        from shardckpt.storage.registry import get_fs
         _sc_warmup(ctx)
-        open_fn = BundleReader if system == "one_read" else load_checkpoint
+        open_fn = (lambda p: BundleReader(p, fs=get_fs(p))) if system == "one_read" else load_checkpoint
     ctx.before_timing([], 2 / ctx.n)
     p = C.Probe().start()
     reader = open_fn(ctx.prefix)

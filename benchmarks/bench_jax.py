@@ -14,9 +14,10 @@ process; per system and repeat:
   loop does (both are reported).
 * ``restore`` worker (state not in memory): restores the first checkpoint onto the saved
   shardings (``ShapeDtypeStruct`` targets), then deletes it and restores onto a (4, 2) mesh
-  with transposed specs (resharded); each phase until ``block_until_ready``, with its peak
-  extra resident memory (``VmHWM`` after ``clear_refs``, see ``common.Probe``). Values are
-  checked after timing. The files are hot in the page cache for both systems.
+  with transposed specs (resharded), then fully replicated on all 8 devices; each phase
+  until ``block_until_ready``, with its peak extra resident memory (``VmHWM`` after
+  ``clear_refs``, see ``common.Probe``). Values are checked after timing. The files are
+  hot in the page cache for both systems.
 
 Medians over ``--repeats``; ratios are Orbax time / shardckpt time (> 1: shardckpt faster).
 
@@ -56,14 +57,17 @@ COUNT = 16
 COLS = 1024
 
 
-def _state(size: int, reshard: bool = False) -> Any:
+def _state(size: int, reshard: bool = False, replicated: bool = False) -> Any:
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     rows = max(8, (size // (COUNT * COLS * 4)) // 8 * 8)
-    if reshard:
+    if replicated:  # every device holds every array whole
+        mesh = jax.make_mesh((8,), ("d",))
+        specs = [P(), P()]
+    elif reshard:
         mesh = jax.make_mesh((4, 2), ("a", "b"))
         specs = [P("b", "a"), P(None, "a")]
     else:
@@ -133,8 +137,9 @@ def worker(args: argparse.Namespace) -> None:
             sample = probe.sample()
             out[phase] = {"seconds": sample["seconds"], "blocking": blocking, "peak_extra": sample["peak_extra"]}
     else:
-        for phase, reshard in (("restore", False), ("reshard", True)):
-            target = _state(args.size, reshard)
+        for phase, reshard, replicated in (("restore", False, False), ("reshard", True, False),
+                                           ("replicated", False, True)):
+            target = _state(args.size, reshard, replicated)
             probe = Probe().start()
             if system != "orbax":
                 restored = sj.restore(str(folder / "a"), target)
@@ -220,7 +225,7 @@ def main() -> None:
                 folder.mkdir(parents=True)
                 saved = launch(system, "save", args.size, folder, srcs[system], args.processes)
                 restored = launch(system, "restore", args.size, folder, srcs[system], args.processes)
-                if not (restored["restore"]["ok"] and restored["reshard"]["ok"]):
+                if not all(restored[p]["ok"] for p in ("restore", "reshard", "replicated")):
                     raise RuntimeError(f"{system}: restored values differ")
                 runs[system].append({**saved, **restored})
                 shutil.rmtree(folder, ignore_errors=True)
@@ -236,6 +241,7 @@ def main() -> None:
             "async_total_s": median([x["async"]["seconds"] for x in results]),
             "restore_s": median([x["restore"]["seconds"] for x in results]),
             "reshard_s": median([x["reshard"]["seconds"] for x in results]),
+            "replicated_s": median([x["replicated"]["seconds"] for x in results]),
             "restore_peak_extra": median([x["restore"]["peak_extra"] or 0 for x in results]),
             "reshard_peak_extra": median([x["reshard"]["peak_extra"] or 0 for x in results]),
         }
@@ -254,7 +260,7 @@ def main() -> None:
     for label, key in (("save (committed)", "save_s"), ("async: blocking (first)", "async_first_blocking_s"),
                        ("async: blocking (later)", "async_blocking_s"),
                        ("async: until committed", "async_total_s"), ("restore", "restore_s"),
-                       ("resharded restore", "reshard_s")):
+                       ("resharded restore", "reshard_s"), ("fully replicated restore", "replicated_s")):
         a, b = ours[key], theirs[key]
         print(f"{label:28}{a:>11.3f} s {b:>11.3f} s {b / a:>7.2f}x" + (f"{base[key]:>11.3f} s" if base else "")
               + f"   ({size / MIB / a:.0f} vs {size / MIB / b:.0f} MiB/s)")

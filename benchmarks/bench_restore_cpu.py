@@ -53,6 +53,7 @@ def main() -> None:
     import shardckpt
     from shardckpt.format.bundle_reader import BundleReader
     from shardckpt.format.crc import ChecksumContext
+    from shardckpt.storage.registry import get_fs
 
     spec = C.state_spec(args.state, args.size)
     names = [name for name, _ in spec]
@@ -83,7 +84,7 @@ def main() -> None:
     plan: List[float] = []
     check: List[float] = []
     for _ in range(args.repeats):
-        with BundleReader(prefix, context=no_helpers) as reader:
+        with BundleReader(prefix, fs=get_fs(prefix), context=no_helpers) as reader:
             session = reader.session()
             read_many = getattr(session, "read_many", None)  # (older versions: one read_region per tensor)
             t0 = time.thread_time()

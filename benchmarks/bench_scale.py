@@ -225,7 +225,7 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
     out["base_mib"] = base_rss / 1024
 
     t0 = time.perf_counter()
-    with BundleReader(prefix) as reader:
+    with BundleReader(prefix, fs=local_fs) as reader:
         out["open_s"] = time.perf_counter() - t0
         value = reader.read(keys[t // 2])
     out["open_read_s"] = time.perf_counter() - t0
@@ -233,7 +233,7 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
     # what one client restores: its own rows of one tensor (one slice of N), from a fresh reader
     r = n // 2
     t0 = time.perf_counter()
-    with BundleReader(prefix) as reader:
+    with BundleReader(prefix, fs=local_fs) as reader:
         part = reader.read_region(keys[t // 3], ((r * ROWS, (r + 1) * ROWS), (0, COLS)))
     out["open_read_part_s"] = time.perf_counter() - t0
     assert part.shape == (ROWS, COLS) and not part.any()

@@ -81,6 +81,7 @@ from shardckpt.saving.distributed import save_tensors_distributed
 from shardckpt.saving.staging import StagingPool, register_holder
 from shardckpt.sharding.shardable import ShardableTensor
 from shardckpt.storage.local import LocalFileSystem
+from shardckpt.storage.location import Location
 from shardckpt.storage.registry import mounted
 from shardckpt.storage.wrappers import FileSystemWrapper
 
@@ -625,7 +626,7 @@ def test_held_values_are_served_without_a_copy_and_let_go_once_written(tmp_path:
     saver.wait()
     assert staged_sources["held"].array is None  # written: the reference is dropped
     assert saver.pool.nbytes == copied.nbytes  # a buffer for the copied value only
-    with BundleReader(str(tmp_path / "ck")) as reader:
+    with BundleReader(Location.of(str(tmp_path / "ck"))) as reader:
         assert np.array_equal(reader.read("held"), held.array)
         assert np.array_equal(reader.read("copied"), copied)
 

@@ -46,6 +46,7 @@ from shardckpt.errors import CorruptIndexError, DataLossError, InvalidArgumentEr
 from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.format.protos.trackable_object_graph_pb2 import TrackableObjectGraph
 from shardckpt.format.sstable import TableWriter, read_table
+from shardckpt.storage.location import Location
 
 GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 ATTR = "/.ATTRIBUTES/VARIABLE_VALUE"
@@ -61,19 +62,19 @@ def vkey(path: str) -> str:
 
 
 def read_graph(prefix: str) -> TrackableObjectGraph:
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         graph = TrackableObjectGraph()
         graph.ParseFromString(reader.read(GRAPH_KEY).item())
         return graph
 
 
 def stored_keys(prefix: str) -> List[str]:
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         return sorted(k.decode() for k in reader.keys())
 
 
 def stored(prefix: str, key: str) -> np.ndarray:
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         return reader.read(key)
 
 
@@ -210,7 +211,7 @@ def test_string_variable_roundtrip(tmp_path: Path) -> None:
     assert v.dtype.name == "string"
     ckpt = Checkpoint(vocab=v)
     path = ckpt.write(str(tmp_path / "s"))
-    with BundleReader(path) as reader:
+    with BundleReader(Location.of(path)) as reader:
         assert reader.dtype(vkey("vocab")).name == "string"
         assert list(reader.read(vkey("vocab"))) == [b"hello", "wörld".encode(), b""]
     target = Variable(["x", "y", "z"], name="vocab")
@@ -224,7 +225,7 @@ def test_bfloat16_variable_roundtrip(tmp_path: Path) -> None:
     v = Variable([1.5, -2.25, 3.0], dtype="bfloat16")
     assert v.dtype.name == "bfloat16" and v.array.dtype == ml_dtypes.bfloat16
     path = Checkpoint(v=v).write(str(tmp_path / "b"))
-    with BundleReader(path) as reader:
+    with BundleReader(Location.of(path)) as reader:
         assert reader.dtype(vkey("v")).name == "bfloat16"
     target = Variable(np.zeros(3), dtype=ml_dtypes.bfloat16)
     Checkpoint(v=target).read(path).assert_consumed()
@@ -474,7 +475,7 @@ def test_object_graph_is_last_in_its_data_file_and_data_follows_bfs(tmp_path: Pa
     m.aa = Variable(np.ones(8, np.float32))
     ckpt = Checkpoint(model=m, b=Variable(np.int32(3)), a=Variable(np.ones(2)))
     path = ckpt.save(str(tmp_path / "order"))
-    with BundleReader(path) as reader:
+    with BundleReader(Location.of(path)) as reader:
         assert reader.num_shards == 1
         entries = {k.decode(): reader.entry(k) for k in reader.keys()}
         bfs = [vkey("a"), vkey("b"), COUNTER_KEY, vkey("model/zz"), vkey("model/aa"), GRAPH_KEY]
@@ -673,7 +674,7 @@ def test_max_shard_size_policy_slices_and_restores(tmp_path: Path) -> None:
     options = CheckpointOptions(sharding_callback=MaxShardSizePolicy(1000))
     ckpt = Checkpoint(model=m)
     path = ckpt.save(str(tmp_path / "ck"), options=options)
-    with BundleReader(path) as reader:
+    with BundleReader(Location.of(path)) as reader:
         assert reader.num_shards > 1
         big = reader.entry(vkey("model/big"))
         assert len(big.slices) > 1  # stored as slices
@@ -988,7 +989,7 @@ def test_object_graph_referencing_a_missing_key(tmp_path: Path) -> None:
 
 def _rewrite_graph(path: str, out: str, graph_bytes: bytes) -> None:
     """Write ``out`` with every tensor of ``path`` except the object graph, plus ``graph_bytes``."""
-    with BundleReader(path) as reader:
+    with BundleReader(Location.of(path)) as reader:
         names = [k.decode() for k in reader.keys() if k.decode() != GRAPH_KEY]
         values = [reader.read(k) for k in names]
     io.save_v2(out, names + [GRAPH_KEY], [""] * (len(names) + 1),
@@ -1002,7 +1003,7 @@ def test_corrupt_object_graph(tmp_path: Path) -> None:
     err = _expect_failed_restore(_target_tree(), bad, CorruptIndexError, bad, GRAPH_KEY)
     assert "object graph" in str(err)
     # a non-scalar object graph
-    with BundleReader(path) as reader:
+    with BundleReader(Location.of(path)) as reader:
         names = [k.decode() for k in reader.keys() if k.decode() != GRAPH_KEY]
         values = [reader.read(k) for k in names]
         graph = reader.read(GRAPH_KEY).item()
@@ -1098,7 +1099,7 @@ def test_registered_saver_save_and_restore(tmp_path: Path) -> None:
         assert not node.attributes
         assert node.has_checkpoint_values.value
     assert graph.nodes[child_id(graph, 0, "s")].registered_saver.object_name == "s"
-    with BundleReader(path) as reader:
+    with BundleReader(Location.of(path)) as reader:
         assert reader.num_shards == 2
         assert reader.entry("s/special").shard_id == 0  # merged first
         assert reader.entry("model/s2/special").shard_id == 0

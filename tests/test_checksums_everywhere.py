@@ -18,10 +18,10 @@ Each comparison was switched off once by hand; these cases failed (all others pa
 
 * ``EntryRead.mismatch`` (``whole_reads.py``: the read pump, local files): ``local-session-pump``,
   ``local-pump-alone``, ``maps-on``, ``io-uring-on``, ``funnelled-whole`` and the guided case;
-* ``BundleReader._check_read`` (one request alone; an object store's entries up to its request size
+* ``WholeEntries.check_read`` (``read_session.py``) (one request alone; an object store's entries up to its request size
   outside a session): ``local-one-unit``, the object store's ``alone-large``/``alone-small``, and
   ``shardckpt.jax.restore`` from S3;
-* ``_EntryJob.finish`` (an object store's entries in a session): ``restore_tensors``,
+* ``EntryJob.finish`` (an object store's entries in a session): ``restore_tensors``,
   ``Checkpoint.restore`` and the DCP load from S3, and the object store's ``session`` case;
 * ``funnel_restore._Check`` (a piece funnelled in chunks): ``funnelled-chunks``;
 * ``strings.decode_strings``: ``local-strings`` and the object store's ``strings``.
@@ -43,6 +43,7 @@ from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.restoring.funnel import FunnelledReader
 from shardckpt.storage import get_fs, guided, uring
 from shardckpt.storage.local import LocalFileSystem
+from shardckpt.storage.location import Location
 
 MIB = 1 << 20
 LARGE = 3 * MIB // 4  # float32 elements: a 3 MiB entry, read in several units / pump spans
@@ -119,7 +120,7 @@ def test_jax_restore_from_s3_refuses_a_flipped_byte(s3dir: str, name: str) -> No
     values = _values()
     prefix = f"{s3dir}/ck"
     sj.save(prefix, {"w": jnp.asarray(values["w"]), "b": values["b"]})
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         key = next(k.decode() for k in reader.keys() if k.decode().split("/")[-1] == name
                    or k.decode().startswith(name + "/") or k.decode() == name)
     path = _flip(prefix, key)
@@ -162,7 +163,7 @@ def _local_session(prefix: str) -> None:
 
 def _reader_read(key: str, fs: Any = None) -> Callable[[str], None]:
     def read(prefix: str) -> None:
-        with BundleReader(prefix, fs=fs) as reader:
+        with BundleReader(Location.of(prefix, fs)) as reader:
             reader.read(key)
     return read
 
@@ -184,9 +185,9 @@ def _funnelled(budget: int, key: str) -> Callable[[str], None]:
 
 # (case, key flipped, the read): each comparison is reached by at least one case
 PATHS: Dict[str, Any] = {
-    "local-session-pump": ("w", _local_session),  # EntryRead.mismatch via BundleReader._check_entry (session)
-    "local-pump-alone": ("w", _reader_read("w")),  # EntryRead.mismatch via _check_entry (a pump of its own)
-    "local-one-unit": ("b", _reader_read("b")),  # BundleReader._check_read
+    "local-session-pump": ("w", _local_session),  # EntryRead.mismatch via WholeEntries.check_entry (session)
+    "local-pump-alone": ("w", _reader_read("w")),  # EntryRead.mismatch via check_entry (a pump of its own)
+    "local-one-unit": ("b", _reader_read("b")),  # WholeEntries.check_read
     "local-strings": ("s", _reader_read("s")),  # strings.decode_strings
     "maps-on": ("w", _with_fs(LocalFileSystem(map_runs=True))),
     "io-uring-on": ("w", _with_fs(LocalFileSystem(map_runs=False, ring_runs=True))),
@@ -210,7 +211,7 @@ def test_every_local_read_path_refuses_a_flipped_byte(tmp_path: Path, case: str)
 
 @pytest.mark.parametrize("case", ["session", "alone-large", "alone-small", "strings"])
 def test_every_object_store_read_path_refuses_a_flipped_byte(s3dir: str, case: str) -> None:
-    """Object stores read whole entries in units of their request size (``_EntryJob``), or one small read."""
+    """Object stores read whole entries in units of their request size (``EntryJob``), or one small read."""
     key = {"session": "w", "alone-large": "w", "alone-small": "b", "strings": "s"}[case]
     prefix = _saved(s3dir, key)
     assert get_fs(prefix).read_step is not None  # the unit path

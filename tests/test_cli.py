@@ -30,6 +30,7 @@ from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.format.ordered_code import encode_tensor_name_slice
 from shardckpt.format.protos import tensor_bundle_pb2 as pb
 from shardckpt.format.sstable import TableWriter, read_table
+from shardckpt.storage.location import Location
 
 FIXTURES = Path(__file__).parent / "data" / "tf_fixtures"
 CASES = sorted(p.name for p in FIXTURES.glob("0*") if (p / "case.json").exists())
@@ -113,7 +114,7 @@ def test_inspect_table(capsys: pytest.CaptureFixture[str], ckpt: str) -> None:
     assert f"shards: 1  tensors: {len(KEYS)}  total: {total} bytes" in out
     assert f"ckpt.data-00000-of-00001  {total} bytes" in out
     rows = table_rows(out)
-    with BundleReader(ckpt) as reader:
+    with BundleReader(Location.of(ckpt)) as reader:
         for key in KEYS:
             assert key in rows, out
             dtype = reader.dtype(key).name
@@ -155,7 +156,7 @@ def test_inspect_json_listing(capsys: pytest.CaptureFixture[str], ckpt: str) -> 
     assert [p["spec"] for p in kernel["pieces"]] == ["0,4:-", "4,4:-"]
     assert [p["size"] for p in kernel["pieces"]] == [64, 64] and kernel["bytes"] == 128
     assert kernel["location"] == "2 slices in shards {0}"
-    with BundleReader(ckpt) as reader:
+    with BundleReader(Location.of(ckpt)) as reader:
         for key in KEYS:
             t = tensors[key]
             assert t["dtype"] == reader.dtype(key).name
@@ -270,7 +271,7 @@ def test_inspect_unknown_key(capsys: pytest.CaptureFixture[str], ckpt: str) -> N
 
 def test_inspect_slice_key_is_not_a_tensor(capsys: pytest.CaptureFixture[str], ckpt: str) -> None:
     slice_key = encode_tensor_name_slice(b"model/kernel", [(0, 4), (0, -1)])
-    with BundleReader(ckpt) as reader:
+    with BundleReader(Location.of(ckpt)) as reader:
         assert slice_key in reader
     for name in (slice_key.decode("utf-8", "surrogateescape"), ""):
         rc, _, err = run(capsys, "inspect", ckpt, "--key", name)
@@ -368,7 +369,7 @@ def test_verify_ok(capsys: pytest.CaptureFixture[str], ckpt: str) -> None:
 
 
 def test_verify_flipped_byte(capsys: pytest.CaptureFixture[str], ckpt: str) -> None:
-    with BundleReader(ckpt) as reader:
+    with BundleReader(Location.of(ckpt)) as reader:
         offset = reader.entry("with_nan").offset + 3
     flip_byte(data_file(ckpt), offset)
     rc, out, err = run(capsys, "verify", ckpt)
@@ -381,7 +382,7 @@ def test_verify_flipped_byte(capsys: pytest.CaptureFixture[str], ckpt: str) -> N
 
 
 def test_verify_flipped_byte_in_slice(capsys: pytest.CaptureFixture[str], ckpt: str) -> None:
-    with BundleReader(ckpt) as reader:
+    with BundleReader(Location.of(ckpt)) as reader:
         second = reader.pieces("model/kernel")[1]
         offset = second.entry.offset + 5
     flip_byte(data_file(ckpt), offset)
@@ -460,7 +461,7 @@ def test_bad_entry_is_named(capsys: pytest.CaptureFixture[str], ckpt: str) -> No
 
 
 def test_verify_entry_past_end_of_file(capsys: pytest.CaptureFixture[str], ckpt: str) -> None:
-    with BundleReader(ckpt) as reader:
+    with BundleReader(Location.of(ckpt)) as reader:
         last = max(KEYS, key=lambda k: reader.pieces(k)[-1].entry.offset)
         entry = reader.pieces(last)[-1].entry
     with open(data_file(ckpt), "r+b") as f:
@@ -555,7 +556,7 @@ def test_console_script_inspect_and_verify(ckpt: str) -> None:
 
 
 def test_console_script_bad_input(ckpt: str) -> None:
-    with BundleReader(ckpt) as reader:
+    with BundleReader(Location.of(ckpt)) as reader:
         offset = reader.entry("big").offset + 100
     flip_byte(data_file(ckpt), offset)
     proc = script("verify", ckpt)

@@ -20,6 +20,7 @@ import pytest
 import shardckpt
 from shardckpt.convert import Rules, convert, diff, open_source
 from shardckpt.errors import InvalidArgumentError, UnsupportedError
+from shardckpt.storage.location import Location
 
 FORMATS = ["tf", "safetensors", "hf", "npz", "dcp"]
 #: TF dtype names each format holds exactly.
@@ -129,7 +130,7 @@ def random_tf(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Dict[str, 
     # Small shards: the big tensor and others are stored as slices that the reader assembles.
     shardckpt.save_tensors(prefix, values, shardckpt.CheckpointOptions(
         sharding_callback=shardckpt.MaxShardSizePolicy(2000)))
-    with shardckpt.format.bundle_reader.BundleReader(prefix) as reader:
+    with shardckpt.format.bundle_reader.BundleReader(Location.of(prefix)) as reader:
         assert len(reader.pieces("big/kernel")) > 1  # stored as slices
     return prefix, values
 
@@ -458,7 +459,8 @@ def test_tf_output_cuts_large_tensors_into_slabs(tmp_path: Path, source: str) ->
     out = str(tmp_path / "tf" / "ckpt")
     convert(src, out, dst_format="tf", max_shard_size=1000, rules=Rules(transpose=["^t$"]))
     from shardckpt.format.bundle_reader import BundleReader
-    with BundleReader(out) as reader:
+    from shardckpt.storage.location import Location
+    with BundleReader(Location.of(out)) as reader:
         assert len(reader.pieces("big")) == 17  # 6 rows (960 bytes) per slab
     got = read_all(out)
     assert_bit_equal(got, {"big": values["big"], "t": np.ascontiguousarray(values["t"].T), "small": values["small"]})

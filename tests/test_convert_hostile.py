@@ -244,8 +244,9 @@ def test_string_tensor_in_metadata_round_trips(tmp_path: Path) -> None:
     convert(str(tmp_path / "ck"), str(tmp_path / "x.safetensors"), strings="metadata")
     convert(str(tmp_path / "x.safetensors"), str(tmp_path / "back"), dst_format="tf")
     from shardckpt.format.bundle_reader import BundleReader
+    from shardckpt.storage.location import Location
 
-    with BundleReader(str(tmp_path / "back")) as reader:
+    with BundleReader(Location.of(str(tmp_path / "back"))) as reader:
         np.testing.assert_array_equal(reader.read("s"), values["s"])
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from shardckpt.format.bundle_writer import BundleWriter
+from shardckpt.storage.location import Location
 
 MiB = 1 << 20
 LARGEST = 64 * MiB
@@ -51,7 +52,7 @@ print(json.dumps({"before": before, "after": after}))
 @pytest.fixture(scope="module")
 def big_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     prefix = str(tmp_path_factory.mktemp("big") / "ckpt")
-    with BundleWriter(prefix) as writer:  # written one tensor at a time
+    with BundleWriter(Location.of(prefix)) as writer:  # written one tensor at a time
         writer.add("largest", np.full(LARGEST // 4, 1.5, np.float32))
         for i in range(28):
             writer.add(f"layer_{i:02d}/kernel", np.full((1024, 4096), i, np.float32))  # 16 MiB each

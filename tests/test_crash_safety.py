@@ -36,6 +36,7 @@ import shardckpt.storage.local as local_storage
 from shardckpt.errors import ShardckptError
 from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.storage.local import LocalFileSystem, StorageError
+from shardckpt.storage.location import Location
 from shardckpt.storage.registry import mounted
 from shardckpt.storage.wrappers import FileSystemWrapper
 
@@ -63,7 +64,7 @@ def _options(max_shard_size: int = save_loop.MAX_SHARD_SIZE) -> shardckpt.Checkp
 # -- what is on disk --------------------------------------------------------------
 
 def _num_shards(prefix: str) -> int:
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         return reader.num_shards
 
 

@@ -38,6 +38,7 @@ from shardckpt.errors import InvalidArgumentError
 from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.format.tensor_slice import box_volume, full_box
 from shardckpt.storage.local import LocalFileSystem
+from shardckpt.storage.location import Location
 
 U = dt.UNSHARDED
 Box = Tuple[Tuple[int, int], ...]
@@ -449,7 +450,7 @@ def test_sharded_save_stores_each_distinct_shard_once_in_its_writers_file(tmp_pa
     assert sorted(shard_of_device) == list(range(8))  # every device writes something (on_xy)
     files = sorted(os.listdir(tmp_path))
     assert files == [f"ck.data-{i:05d}-of-00008" for i in range(8)] + ["ck.index"]
-    reader = BundleReader(prefix)
+    reader = BundleReader(Location.of(prefix))
     assert reader.num_shards == 8
     total_slices = 0
     for name, value in items:
@@ -478,7 +479,7 @@ def test_sharded_save_partially_replicated_writes_only_the_lowest_devices_files(
              ("replicated", dt.from_global(values["replicated"], dt.Layout([U, U], mesh)))]
     dt.sharded_save(mesh, str(tmp_path / "ck"), ["on_x", "replicated"], ["", ""], [v for _, v in items])
     assert sorted(os.listdir(tmp_path)) == ["ck.data-00000-of-00002", "ck.data-00001-of-00002", "ck.index"]
-    reader = BundleReader(str(tmp_path / "ck"))
+    reader = BundleReader(Location.of(str(tmp_path / "ck")))
     assert shard_of_pieces(reader, "on_x") == {((0, 4), (0, 16)): 0, ((4, 8), (0, 16)): 1}
     assert shard_of_pieces(reader, "replicated") == {((0, 8), (0, 16)): None}
     assert reader.entry("replicated").shard_id == 0
@@ -501,7 +502,7 @@ def test_sharded_save_spells_unsharded_dims_as_tf_does(tmp_path: Path) -> None:
     assert sorted(specs["on_xy"]) == sorted(f"8 16 {4 * i},4:{4 * j},4" for i in range(2) for j in range(4))
     prefix = dt.sharded_save(mesh, str(tmp_path / "ck"), ["on_x"], [""],
                              [dt.from_global(full, dt.Layout(["x", U], mesh))])
-    assert sorted(p.slice_spec for p in BundleReader(prefix).pieces("on_x")) == ["0,4:-", "4,4:-"]
+    assert sorted(p.slice_spec for p in BundleReader(Location.of(prefix)).pieces("on_x")) == ["0,4:-", "4,4:-"]
 
 
 def test_sharded_save_balanced_replica_writers_take_turns(tmp_path: Path) -> None:
@@ -516,7 +517,7 @@ def test_sharded_save_balanced_replica_writers_take_turns(tmp_path: Path) -> Non
     assert [writer[("on_y", b)] for b in items[1][1].layout.distinct_boxes((8, 16))] == [0, 5, 2, 7]
     assert [p.device for p in dtensor_pieces("on_y", items[1][1], "balanced")] == \
         [mesh.device_name(d) for d in (0, 5, 2, 7)]
-    reader = BundleReader(prefix)
+    reader = BundleReader(Location.of(prefix))
     for name, value in items:
         stored = shard_of_pieces(reader, name)
         assert set(stored) == set(value.layout.distinct_boxes(value.shape))
@@ -546,7 +547,7 @@ def test_sharded_save_values_read_back_exactly(tmp_path: Path, dtype) -> None:
         got = reader.get_tensor(name)
         assert got.dtype == np.dtype(dtype) and got.shape == expected.shape, name
         assert got.tobytes() == np.ascontiguousarray(expected).tobytes(), name  # bit-exact (NaN-safe)
-    raw = BundleReader(prefix)
+    raw = BundleReader(Location.of(prefix))
     assert raw.entry("plain").shard_id == 0 and not raw.entry("plain").slices  # io device: device 0's file
 
 
@@ -578,7 +579,7 @@ def test_sharded_save_across_four_clients(tmp_path: Path) -> None:
 
     written = run_clients(4, client)
     mesh0 = mesh24()
-    reader = BundleReader(prefix)
+    reader = BundleReader(Location.of(prefix))
     assert reader.num_shards == 8  # one file per device: every device is the lowest holder of some piece
     file_of_device: Dict[int, int] = {}
     for name, spec in LAYOUTS_24.items():
@@ -735,7 +736,7 @@ def test_dtensor_checkpoint_save_numbering_state_file_write_and_read(tmp_path: P
     # layout of the files: 8 data files (a[x,y] writes from every device; b and step in device 0's)
     assert sorted(f for f in os.listdir(tmp_path) if f.startswith("ck-1.")) == \
         [f"ck-1.data-{i:05d}-of-00008" for i in range(8)] + ["ck-1.index"]
-    reader = BundleReader(first)
+    reader = BundleReader(Location.of(first))
     assert reader.entry("b/.ATTRIBUTES/VARIABLE_VALUE").shard_id == 0
     assert reader.entry("step/.ATTRIBUTES/VARIABLE_VALUE").shard_id == 0
     assert reader.entry("_CHECKPOINTABLE_OBJECT_GRAPH").shard_id == 0
@@ -798,7 +799,7 @@ def test_dtensor_checkpoint_mixes_dvariables_of_two_meshes(tmp_path: Path) -> No
     q = dt.DVariable.from_global(values["q"], dt.Layout([U, "z"], mesh_b))
     r = dt.DVariable.from_global(values["r"], dt.Layout(["z", U], mesh_b))
     prefix = dt.DTensorCheckpoint(mesh_a, p=p, q=q, r=r).save(str(tmp_path / "ck"))
-    reader = BundleReader(prefix)
+    reader = BundleReader(Location.of(prefix))
     for name, var in (("p", p), ("q", q), ("r", r)):
         key = f"{name}/.ATTRIBUTES/VARIABLE_VALUE"
         assert set(shard_of_pieces(reader, key)) == set(var.layout.distinct_boxes(var.shape))
@@ -814,7 +815,7 @@ def test_dtensor_checkpoint_mixes_dvariables_of_two_meshes(tmp_path: Path) -> No
         assert_components_match(var.value(), values[name])
     # and sharded_save takes tensors of several meshes too
     dt.sharded_save(mesh_a, str(tmp_path / "raw"), ["p", "q"], ["", ""], [p.value(), q.value()])
-    raw = BundleReader(str(tmp_path / "raw"))
+    raw = BundleReader(Location.of(str(tmp_path / "raw")))
     np.testing.assert_array_equal(raw.read("q"), values["q"])
 
 
@@ -843,7 +844,7 @@ def test_dtensor_checkpoint_across_four_clients(tmp_path: Path) -> None:
         for name, value in gathered.items():
             np.testing.assert_array_equal(value, values[name])
     assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "ck-1")
-    reader = BundleReader(str(tmp_path / "ck-1"))
+    reader = BundleReader(Location.of(str(tmp_path / "ck-1")))
     for name, spec in LAYOUTS_24.items():
         key = f"{name}/.ATTRIBUTES/VARIABLE_VALUE"
         assert set(shard_of_pieces(reader, key)) == set(dt.Layout(spec, mesh24()).distinct_boxes((8, 16)))

@@ -45,6 +45,7 @@ import pytest
 import shardckpt
 from shardckpt import dtensor as dt
 from shardckpt.format.bundle_reader import BundleReader
+from shardckpt.storage.location import Location
 
 HERE = Path(__file__).resolve().parent
 HELPERS = HERE / "helpers"
@@ -153,7 +154,7 @@ def _check_pieces(prefix: str, kind: str, part_writer: Dict[int, int], generatio
     """Each distinct piece once, in the data file of its lowest holder device, written by ``part_writer``."""
     mesh = _mesh24()
     keys = _keys(kind)
-    reader = BundleReader(prefix)
+    reader = BundleReader(Location.of(prefix))
     shard_of_device: Dict[int, Set[int]] = {}
     with reader:
         for name, (spec, dtype, shape) in W.VARS.items():
@@ -234,7 +235,7 @@ def test_io_device_funnels_every_write_through_client_1(run4, kind: str) -> None
     funnelled, direct = _prefix(run4["data"], kind, funnel=True), _prefix(run4["data"], kind)
     _check_pieces(funnelled, kind, writers)
     # the same checkpoint content as the direct save: same keys, entries, slices and stored bytes
-    with BundleReader(funnelled) as a, BundleReader(direct) as b:
+    with BundleReader(Location.of(funnelled)) as a, BundleReader(Location.of(direct)) as b:
         assert sorted(a.keys(include_slices=True)) == sorted(b.keys(include_slices=True))
         for key in a.keys():
             ea, eb = a.entry(key), b.entry(key)
@@ -330,7 +331,7 @@ def test_async_saves_beside_training_collectives(run4) -> None:
         assert v["overlapped"] >= 1, f"client {r}: no training collective ran while a save was in flight"
     assert shardckpt.latest_checkpoint(str(data / "async")) == first["saves"][-1]["path"]
     for s in first["saves"]:
-        with BundleReader(s["path"]) as reader:
+        with BundleReader(Location.of(s["path"])) as reader:
             for name in list(W.VARS) + [W.PLAIN]:
                 np.testing.assert_array_equal(reader.read(name + KEY), W.value(name, s["generation"]),
                                               err_msg=f"{s['path']}: {name}")

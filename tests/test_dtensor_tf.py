@@ -44,6 +44,7 @@ from shardckpt import Checkpoint, Variable
 from shardckpt import dtensor as dt
 from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.format.tensor_slice import full_box
+from shardckpt.storage.location import Location
 
 U = dt.UNSHARDED
 SHAPE = (8, 16)
@@ -322,7 +323,7 @@ def assert_tf_components(run: TFRun, tag: str, name: str, expected: np.ndarray, 
 
 def pieces(prefix: str) -> Dict[str, Dict[Tuple, int]]:
     """key -> {box: data file} of every stored tensor (whole entries: the full box)."""
-    reader = BundleReader(prefix)
+    reader = BundleReader(Location.of(prefix))
     out = {}
     for kb in reader.keys():
         key = kb.decode()
@@ -396,7 +397,7 @@ def test_tensorflow_dtensor_file_layout_matches_the_spec_table(tf_run: TFRun) ->
         got = stored[f"{name}{VALUE_KEY}"]
         assert set(got) == set(distinct), name
         if layout.is_fully_replicated():
-            assert BundleReader(tf_run.prefix("T3")).entry(f"{name}{VALUE_KEY}").slices == []
+            assert BundleReader(Location.of(tf_run.prefix("T3"))).entry(f"{name}{VALUE_KEY}").slices == []
         for box, shard in got.items():
             assert shard == distinct[box][0], (name, box)  # all 8 devices write: file k = device k
     assert stored[f"save_counter{VALUE_KEY}"] == {(): 0}
@@ -464,7 +465,7 @@ def test_sharded_save_matches_tensorflow(tf_run: TFRun, ours: str, theirs: str) 
     mine, tf_prefix = tf_run.paths[ours], tf_run.prefix(theirs)  # type: ignore[attr-defined]
     ours_pieces, tf_pieces = pieces(mine), pieces(tf_prefix)
     assert sorted(ours_pieces) == sorted(tf_pieces)  # same keys
-    a, b = BundleReader(mine), BundleReader(tf_prefix)
+    a, b = BundleReader(Location.of(mine)), BundleReader(Location.of(tf_prefix))
     for key in tf_pieces:
         assert set(ours_pieces[key]) == set(tf_pieces[key]), key  # same slices (order may differ)
         assert bool(a.entry(key).slices) == bool(b.entry(key).slices), key  # whole entry in both or neither
@@ -479,7 +480,7 @@ def test_sharded_save_matches_tensorflow(tf_run: TFRun, ours: str, theirs: str) 
 def test_sharded_save_slice_specs_match_tensorflow(tf_run: TFRun) -> None:
     """TF writes unsharded dimensions as ``-`` (spec §6.2, §10): the slice specs, and so the
     slice keys and TensorSliceProtos in the index, should be the same as TF's."""
-    a, b = BundleReader(tf_run.paths["sc_sharded"]), BundleReader(tf_run.prefix("tf_sharded"))  # type: ignore
+    a, b = BundleReader(Location.of(tf_run.paths["sc_sharded"])), BundleReader(Location.of(tf_run.prefix("tf_sharded")))  # type: ignore
     for name in NAMES:
         ours = sorted(p.slice_spec or "" for p in a.pieces(name))
         theirs = sorted(p.slice_spec or "" for p in b.pieces(name))
@@ -492,7 +493,7 @@ def test_dtensor_checkpoint_file_layout_matches_tensorflow(tf_run: TFRun) -> Non
     grouped in the same files (non-DTensor values with device 0's pieces)."""
     ours, theirs = tf_run.paths["sc_dck"], tf_run.prefix("T3")  # type: ignore[attr-defined]
     keys = {f"{n}{VALUE_KEY}" for n in NAMES} | {f"save_counter{VALUE_KEY}"}
-    assert BundleReader(ours).num_shards == BundleReader(theirs).num_shards == 8
+    assert BundleReader(Location.of(ours)).num_shards == BundleReader(Location.of(theirs)).num_shards == 8
     assert {k: set(v) for k, v in pieces(ours).items() if k in keys} == \
         {k: set(v) for k, v in pieces(theirs).items() if k in keys}
     assert partition(ours, keys) == partition(theirs, keys)

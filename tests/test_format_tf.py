@@ -34,6 +34,7 @@ from shardckpt.format import sstable
 from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.format.tensor_slice import TensorSlice
 from shardckpt.storage.local import LocalFileSystem
+from shardckpt.storage.location import Location
 
 NUMERIC = [n for n in TF_DTYPE_NAMES if n != "string"]
 SUB_BYTE_BITS = {"int4": 4, "uint4": 4, "float4_e2m1fn": 4, "int2": 2, "uint2": 2}
@@ -239,7 +240,7 @@ def test_identical_bytes_strings(tf_oracle: TFOracle, tmp_path: Path) -> None:
     names = list(tensors)
     ours, theirs = save_both(tf_oracle, tmp_path, names, [""] * len(names), list(tensors.values()))
     files = assert_byte_identical(ours, theirs)
-    with BundleReader(str(ours / "ck")) as reader:
+    with BundleReader(Location.of(str(ours / "ck"))) as reader:
         assert reader.entry("empty_vec").size == 4  # just the length checksum
         for name, want in tensors.items():
             assert_same(reader.read(name), want, name)
@@ -293,7 +294,7 @@ def test_identical_bytes_slices(tf_oracle: TFOracle, tmp_path: Path) -> None:
     names, specs, arrays = zip(*entries, strict=True)
     ours, theirs = save_both(tf_oracle, tmp_path, names, specs, arrays)
     assert_byte_identical(ours, theirs)
-    with BundleReader(str(ours / "ck")) as reader:
+    with BundleReader(Location.of(str(ours / "ck"))) as reader:
         assert not reader.entry("small").slices and not reader.entry("whole").slices
         assert len(reader.entry("emb").slices) == 3
         assert [str(TensorSlice.from_proto(p)) for p in reader.entry("cube").slices] == ["0,4:0,2:0,6", "-:2,3:-"]
@@ -353,7 +354,7 @@ def test_identical_bytes_5000_tensors(tf_oracle: TFOracle, tmp_path: Path) -> No
     files = assert_byte_identical(ours, theirs)
     assert len(files["ck.index"]) > 2 * (256 << 10)
     assert count_index_data_blocks(files["ck.index"]) >= 3
-    with BundleReader(str(ours / "ck")) as reader:
+    with BundleReader(Location.of(str(ours / "ck"))) as reader:
         offsets = [reader.entry(n).offset for n in ordered]
         assert offsets == sorted(offsets)  # data order follows input order, not key order
         for i in rng.choice(len(ordered), 50, replace=False):
@@ -647,7 +648,7 @@ def test_merge_parity_slices_first_seen_in_a_later_input(tf_oracle: TFOracle, tm
     }
     write_inputs(tmp_path, bundles)
     a, b = merge_both(tf_oracle, tmp_path, list(bundles), "ck")
-    with BundleReader(str(b / "ck")) as tf_reader:
+    with BundleReader(Location.of(str(b / "ck"))) as tf_reader:
         assert tf_reader.entry("x").shard_id == 1 and tf_reader.entry("y").shard_id == 1
     with shardckpt.load_checkpoint(str(a / "ck")) as reader:
         assert_same(reader.get_tensor("x"), x)
@@ -672,7 +673,7 @@ def test_merge_parity_multi_shard_inputs_and_options(tf_oracle: TFOracle, tmp_pa
     # A 2-shard input: p1's data becomes file 0, p0's file 1, so in key order the second
     # merge meets data file 1 (m/a) before file 0 (m/b) and renumbers them.
     sio.merge_v2_checkpoints([str(root / "pre/p1"), str(root / "pre/p0")], str(root / "ck.part-00000-of-00003"))
-    with BundleReader(str(root / "ck.part-00000-of-00003")) as reader:
+    with BundleReader(Location.of(str(root / "ck.part-00000-of-00003"))) as reader:
         assert reader.num_shards == 2
         assert [reader.entry(k).shard_id for k in ("m/a", "m/b", "m/c", "m/z")] == [1, 0, 1, 0]
         assert_same(reader.read("m/s"), s)

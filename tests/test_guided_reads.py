@@ -25,6 +25,7 @@ from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.saving.incremental import data_file_origins
 from shardckpt.storage import guided
 from shardckpt.storage.local import LocalFileSystem, local_fs
+from shardckpt.storage.location import Location
 
 MIB = 1 << 20
 TENSORS, CHANGED = 16, (2, 7, 12)  # 4 MiB float32 tensors; 3 of 16 change: the old file stays linked
@@ -50,7 +51,7 @@ def _drop_cache(prefix: str) -> None:
 
 
 def _named_bytes(prefix: str) -> int:
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         return sum(int(reader.entry(k).size) for k in reader.keys(include_slices=True))
 
 

@@ -157,8 +157,9 @@ def _data_files(prefix: str) -> List[Path]:
 def _named_bytes(prefix: str) -> int:
     """Bytes the index of ``prefix`` names (every entry's size)."""
     from shardckpt.format.bundle_reader import BundleReader
+    from shardckpt.storage.location import Location
 
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         return sum(int(reader.entry(k).size) for k in reader.keys(include_slices=True))
 
 
@@ -548,6 +549,38 @@ def test_a_sidecar_of_another_index_is_ignored(tmp_path: Path) -> None:
     got = _read_all(prefix)
     for k in c:
         assert np.array_equal(got[k], c[k]), k
+
+
+def test_a_previous_index_whose_header_no_reader_reads_is_not_reused(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """One header parser (``format.bundle_index``): an index whose header the reader refuses (a version
+    this format does not read) is never the previous checkpoint of an incremental save, even beside a
+    sidecar that matches it; the log names the index. (The lax parser this replaces took its shard
+    count and let the save link the files of a checkpoint no reader opens.)"""
+    import json
+    import logging
+
+    from shardckpt.format.protos import tensor_bundle_pb2 as pb
+    from shardckpt.format.sstable import TableWriter, read_table
+    from shardckpt.saving.incremental import _index_digest, load_previous
+
+    prefix = str(tmp_path / "ck")
+    shardckpt.save_tensors(prefix, {"x": np.arange(10_000, dtype=np.float32)}, _policy())
+    assert load_previous(prefix, local_fs) is not None  # as saved: the previous checkpoint
+    index_path = prefix + ".index"
+    pairs = list(read_table(Path(index_path).read_bytes()))
+    header = pb.BundleHeaderProto.FromString(pairs[0][1])
+    header.version.min_consumer = 5
+    table = TableWriter()
+    table.extend([(b"", header.SerializeToString())] + pairs[1:])
+    index = table.finish()
+    Path(index_path).write_bytes(index)
+    sidecar = json.loads(Path(sidecar_filename(prefix)).read_bytes())
+    sidecar["index_xxh3_128"] = _index_digest(index)  # the sidecar matches the edited index
+    Path(sidecar_filename(prefix)).write_text(json.dumps(sidecar))
+    with caplog.at_level(logging.INFO, logger="shardckpt"):
+        assert load_previous(prefix, local_fs) is None
+    assert index_path in caplog.text and "not readable" in caplog.text
 
 
 # -- object stores: server-side copies --------------------------------------------------------------

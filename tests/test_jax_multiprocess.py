@@ -18,6 +18,7 @@ import numpy as np
 from helpers.launchers import clean_env
 
 from shardckpt.format.bundle_reader import BundleReader
+from shardckpt.storage.location import Location
 
 WORKER = Path(__file__).parent / "helpers" / "jax_worker.py"
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -61,13 +62,13 @@ def test_four_processes_save_and_two_restore_onto_another_mesh(tmp_path: Path) -
     saved = launch("save", 4, tmp_path)
     assert all(r.get("ok") and r["returncode"] == 0 for r in saved), saved
     assert saved[0]["devices"] == 8 and saved[0]["local"] == 2
-    with BundleReader(str(tmp_path / "ck")) as reader:
+    with BundleReader(Location.of(str(tmp_path / "ck"))) as reader:
         # w on P("x", "y") over (2, 4): 8 pieces written by 4 processes; r replicated: written once
         assert len(reader.pieces("params/w")) == 8 and len(reader.pieces("params/r")) == 1
     assert len(list(tmp_path.glob("ck.data-*"))) == 8
-    with BundleReader(str(tmp_path / "ck")) as reader:
+    with BundleReader(Location.of(str(tmp_path / "ck"))) as reader:
         for other in ("ck_funnel", "ck_async"):  # the same values, whichever way they were written
-            with BundleReader(str(tmp_path / other)) as copy:
+            with BundleReader(Location.of(str(tmp_path / other))) as copy:
                 assert sorted(copy.keys()) == sorted(reader.keys())
                 for key in reader.keys():
                     a, b = copy.read(key), reader.read(key)
@@ -147,5 +148,5 @@ def test_a_replicated_leaf_not_every_process_holds_fails_the_save_on_every_proce
         assert not list((tmp_path / "mgr").glob(f"{case}*")), case  # nothing committed, nothing left
     good = str(tmp_path / "mgr" / "good-1")
     assert all(r["outcomes"]["good"]["ok"] and r["latest"] == good for r in results), results
-    with BundleReader(good) as reader:
+    with BundleReader(Location.of(good)) as reader:
         assert reader.read("params/extra").tolist() == (np.arange(12, dtype=np.float32) / 4).tolist()

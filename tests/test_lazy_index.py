@@ -25,6 +25,7 @@ from shardckpt.format.ordered_code import encode_tensor_name_slice
 from shardckpt.format.sstable import TableReader, TableWriter, read_table
 from shardckpt.io import save_v2
 from shardckpt.storage.local import local_fs
+from shardckpt.storage.location import Location
 from shardckpt.storage.wrappers import FileSystemWrapper
 
 MISSING = [b"", b"\x00", b"a", b"f0", b"g", b"i\x00", b"zzz", b"\xff\xff"]
@@ -84,9 +85,9 @@ def _rewrite(prefix: str, **table_kwargs: int) -> None:
 def test_lookups_match_the_whole_index(tmp_path: Path, block_size: int, restart_interval: int) -> None:
     prefix, want = _many(tmp_path)
     _rewrite(prefix, block_size=block_size, restart_interval=restart_interval)
-    with BundleReader(prefix, load_index=True) as eager:
+    with BundleReader(Location.of(prefix), load_index=True) as eager:
         eager_keys = eager.keys(include_slices=True)
-    with BundleReader(prefix, load_index=False) as reader:
+    with BundleReader(Location.of(prefix), load_index=False) as reader:
         for key in reversed(list(want)):  # by name, before anything reads the whole index
             assert key in reader
             np.testing.assert_array_equal(reader.read(key), want[key], err_msg=repr(key))
@@ -139,7 +140,7 @@ def _flipped(data: bytes, pos: int) -> bytes:
 
 def _read_by_name(prefix: str, keys: List[bytes]) -> Dict[bytes, np.ndarray]:
     """Each key by name (lookups only), then ``keys()``: the whole index is read and checked."""
-    with BundleReader(prefix, load_index=False) as reader:
+    with BundleReader(Location.of(prefix), load_index=False) as reader:
         got = {k: reader.read(k) for k in keys}
         reader.keys()
     return got
@@ -164,7 +165,7 @@ def test_every_bit_flip_is_caught(small_blocks: Bundle) -> None:
     for pos in range(len(data)):
         small_blocks.write_index_bytes(_flipped(data, pos))
         try:
-            with BundleReader(small_blocks.prefix, load_index=False) as reader:
+            with BundleReader(Location.of(small_blocks.prefix), load_index=False) as reader:
                 for key, value in EXPECTED.items():
                     try:
                         got = reader.read(key)
@@ -211,7 +212,7 @@ def test_keys_out_of_order(small_blocks: Bundle, layout: str) -> None:
 
 
 def _read_by_name_only(prefix: str, key: bytes) -> np.ndarray:
-    with BundleReader(prefix, load_index=False) as reader:
+    with BundleReader(Location.of(prefix), load_index=False) as reader:
         return reader.read(key)
 
 
@@ -241,7 +242,7 @@ def test_prefix_compression_bomb_in_one_lookup(small_blocks: Bundle) -> None:
     tracemalloc.start()
     start = time.monotonic()
     try:
-        with BundleReader(small_blocks.prefix, load_index=False) as reader:
+        with BundleReader(Location.of(small_blocks.prefix), load_index=False) as reader:
             assert b"a" * 300 not in reader
     except CorruptIndexError as exc:
         assert small_blocks.index_path in str(exc)
@@ -254,7 +255,7 @@ def test_prefix_compression_bomb_in_one_lookup(small_blocks: Bundle) -> None:
 
 def test_index_rewritten_in_place_after_opening(small_blocks: Bundle) -> None:
     data = small_blocks.index_bytes()
-    reader = BundleReader(small_blocks.prefix, load_index=False)
+    reader = BundleReader(Location.of(small_blocks.prefix), load_index=False)
     try:
         with open(small_blocks.index_path, "r+b") as f:  # same inode, new contents and mtime
             f.write(bytes(len(data) - 48))
@@ -265,7 +266,7 @@ def test_index_rewritten_in_place_after_opening(small_blocks: Bundle) -> None:
 
 
 def test_index_replaced_by_rename_after_opening_keeps_reading_the_opened_one(small_blocks: Bundle) -> None:
-    reader = BundleReader(small_blocks.prefix, load_index=False)
+    reader = BundleReader(Location.of(small_blocks.prefix), load_index=False)
     try:
         other = small_blocks.index_path + ".new"
         Path(other).write_bytes(TableWriter().finish())
@@ -303,7 +304,7 @@ def test_lookups_on_an_object_store() -> None:
     names = [f"v{i:04d}" for i in range(400)]
     save_v2(prefix, names, [""] * len(names), [np.full((3,), i, np.int64) for i in range(len(names))])
     _rewrite_store(prefix)
-    with BundleReader(prefix, load_index=False) as reader:
+    with BundleReader(Location.of(prefix), load_index=False) as reader:
         for i in (0, 123, 399):
             np.testing.assert_array_equal(reader.read(names[i]), np.full((3,), i, np.int64))
         assert b"v0400" not in reader
@@ -339,7 +340,7 @@ def test_a_region_read_looks_up_only_the_slices_it_overlaps(tmp_path: Path) -> N
         np.testing.assert_array_equal(reader.read("w"), full)  # all 200 slices
     bundle = Bundle(prefix)
     bundle.drop(encode_tensor_name_slice(b"w", [(398, 2), (0, -1)]))  # the last slice's entry is gone
-    with BundleReader(prefix, load_index=False) as reader:
+    with BundleReader(Location.of(prefix), load_index=False) as reader:
         np.testing.assert_array_equal(reader.read_region("w", ((0, 2), (0, 3))), full[:2])
         with pytest.raises(CorruptIndexError, match="398,2"):
             reader.read("w")

@@ -37,6 +37,7 @@ import shardckpt
 from shardckpt.errors import CheckpointReplacedError, DataLossError, ShardckptError
 from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.storage.local import local_fs
+from shardckpt.storage.location import Location
 from shardckpt.storage.wrappers import FileSystemWrapper
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
@@ -364,7 +365,7 @@ class _ReplacedWhileOpening(FileSystemWrapper):
 
 
 def _shards(prefix: str) -> int:
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         return reader.num_shards
 
 
@@ -412,7 +413,7 @@ def test_a_data_file_deleted_after_the_index_was_opened_is_a_replaced_checkpoint
     prefix = str(tmp_path / "model")
     options = shardckpt.CheckpointOptions(sharding_callback=shardckpt.MaxShardSizePolicy(local_race_writer.MAX_SHARD))
     shardckpt.save_tensors(prefix, values(1, 1), options)
-    with BundleReader(prefix) as bundle:
+    with BundleReader(Location.of(prefix)) as bundle:
         shardckpt.save_tensors(prefix, values(2, 2), options)
         with pytest.raises(CheckpointReplacedError, match="deleted after the index was opened"):
             bundle.read("a")

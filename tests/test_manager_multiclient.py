@@ -34,6 +34,7 @@ import pytest
 
 from shardckpt.checkpoint.state import get_checkpoint_state
 from shardckpt.format.bundle_reader import BundleReader
+from shardckpt.storage.location import Location
 
 HERE = Path(__file__).resolve().parent
 HELPERS = HERE / "helpers"
@@ -141,8 +142,8 @@ def test_checkpoint_root_model_restores_funnelled_through_one_client(jobs, kind:
 def test_checkpoint_root_model_writes_what_dtensor_checkpoint_writes(jobs) -> None:
     """``Checkpoint(root=model)`` and the legacy ``DTensorCheckpoint``: the same keys, slices and bytes."""
     for kind in ("sync", "async"):
-        with BundleReader(str(jobs["data"] / kind / "ckpt-3")) as new, \
-                BundleReader(str(jobs["data"] / "legacy" / "ckpt-3")) as legacy:
+        with BundleReader(Location.of(str(jobs["data"] / kind / "ckpt-3"))) as new, \
+                BundleReader(Location.of(str(jobs["data"] / "legacy" / "ckpt-3"))) as legacy:
             assert sorted(new.keys()) == sorted(legacy.keys())
             for key in legacy.keys():
                 assert np.array_equal(new.read(key), legacy.read(key)), key

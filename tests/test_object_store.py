@@ -27,6 +27,7 @@ from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.restoring import RestoreRequest
 from shardckpt.storage import configure
 from shardckpt.storage.fsspec_fs import FsspecFileSystem
+from shardckpt.storage.location import Location
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
@@ -141,7 +142,7 @@ def test_partial_region_reads_follow_the_cost_model(s3dir: str) -> None:
     shardckpt.save_tensors(prefix, {"a": a})
     fs = s3_fs()
     region = ((100, 300), (64, 192))  # 200 rows of 512 bytes, 1,536-byte gaps
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         fs.reset_stats()
         got = reader.read_region("a", region)
         np.testing.assert_array_equal(got, a[100:300, 64:192])
@@ -150,7 +151,7 @@ def test_partial_region_reads_follow_the_cost_model(s3dir: str) -> None:
     try:
         configure("s3", read_latency=0.0)  # requests free: fetch exactly the region, one GET per row
         fs = s3_fs()
-        with BundleReader(prefix) as reader:
+        with BundleReader(Location.of(prefix)) as reader:
             fs.reset_stats()
             np.testing.assert_array_equal(reader.read_region("a", region), a[100:300, 64:192])
             assert fs.stats["bytes_read"] == got.nbytes and fs.stats["read_requests"] == 200, fs.stats
@@ -163,7 +164,7 @@ def test_gap_bytes_of_a_merged_read_serve_the_next_region(s3dir: str) -> None:
     prefix = f"{s3dir}/ck"
     shardckpt.save_tensors(prefix, {"a": a})
     fs = s3_fs()
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         fs.reset_stats()
         left = reader.read_region("a", ((0, 256), (0, 128)))
         right = reader.read_region("a", ((0, 256), (128, 256)))  # inside the first GET's span, bar the last row

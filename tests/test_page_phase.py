@@ -25,6 +25,7 @@ from shardckpt.cli.main import main as cli_main
 from shardckpt.errors import DataLossError, InvalidArgumentError
 from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.format.bundle_writer import PAGE_PHASE, PHASE_MIN_BYTES, BundleWriter
+from shardckpt.storage.location import Location
 
 DATA = ".data-00000-of-00001"
 
@@ -43,7 +44,7 @@ def _state() -> Dict[str, np.ndarray]:
 
 
 def _layout(prefix: str) -> List[tuple]:
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         return sorted((int(reader.entry(k).offset), int(reader.entry(k).size), k.decode()) for k in reader.keys())
 
 
@@ -82,10 +83,10 @@ def test_large_entries_start_at_the_page_phase_and_read_back_exactly(tmp_path: P
     gap_start, _ = gaps[0]
     _flip(prefix + DATA, gap_start)  # a gap byte belongs to no entry: nothing to detect
     assert cli_main(["verify", prefix]) == 0
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         entry = reader.entry("d_large")
     _flip(prefix + DATA, int(entry.offset) + int(entry.size) // 2)
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         with pytest.raises(DataLossError, match="checksum does not match") as caught:
             reader.read("d_large")
     assert "d_large" in str(caught.value) and caught.value.path.endswith(DATA)
@@ -94,7 +95,7 @@ def test_large_entries_start_at_the_page_phase_and_read_back_exactly(tmp_path: P
 def test_tensorflow_compatible_writer_and_incremental_saves_stay_packed(tmp_path: Path) -> None:
     state = _state()
     plain = str(tmp_path / "plain")
-    with BundleWriter(plain) as writer:  # TF's layout: entries back to back in the order added
+    with BundleWriter(Location.of(plain)) as writer:  # TF's layout: entries back to back in the order added
         for key in sorted(state):
             writer.add(key, state[key])
     incremental = str(tmp_path / "inc")
@@ -105,7 +106,7 @@ def test_tensorflow_compatible_writer_and_incremental_saves_stay_packed(tmp_path
             assert offset == end, (prefix, key)
             end = offset + size
     with pytest.raises(InvalidArgumentError, match="page_phase"):
-        BundleWriter(str(tmp_path / "bad"), page_phase=4096)
+        BundleWriter(Location.of(str(tmp_path / "bad")), page_phase=4096)
 
 
 def test_dcp_load_of_placed_chunks_into_torch_tensors(tmp_path: Path) -> None:

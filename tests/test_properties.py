@@ -38,6 +38,7 @@ from shardckpt.format.tensor_slice import (
     parse_shape_and_slice,
 )
 from shardckpt.io import restore_v2, save_v2
+from shardckpt.storage.location import Location
 
 FAST = settings(max_examples=300, deadline=None)
 MEDIUM = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -364,10 +365,10 @@ def test_bundle_round_trip_all_dtypes(items: dict, big_endian: bool) -> None:
         assume(items)
     with tempfile.TemporaryDirectory() as d:
         prefix = os.path.join(d, "ck")
-        with BundleWriter(prefix, big_endian=big_endian) as w:
+        with BundleWriter(Location.of(prefix), big_endian=big_endian) as w:
             for key, (dt, value) in items.items():
                 w.add(key, value, dtype=dt)
-        with BundleReader(prefix) as reader:
+        with BundleReader(Location.of(prefix)) as reader:
             assert reader.keys() == sorted(items)
             for key, (dt, value) in items.items():
                 if dt is not None:
@@ -384,7 +385,7 @@ def test_save_v2_round_trip(items: dict) -> None:
         prefix = os.path.join(d, "ck")
         keys = list(items)
         save_v2(prefix, keys, [""] * len(keys), [items[k] for k in keys])
-        with BundleReader(prefix) as reader:
+        with BundleReader(Location.of(prefix)) as reader:
             assert reader.keys() == sorted(keys)
             for key in keys:
                 _same_bytes(reader.read(key), items[key])
@@ -438,7 +439,7 @@ def test_sliced_save_and_region_reads(grid: Tuple[Tuple[int, ...], List[tuple]],
         save_v2(prefix, ["v"] * len(boxes), specs, pieces)
         (full,) = restore_v2(prefix, ["v"], [""], [np_dtype])
         _same_bytes(full, value)
-        with BundleReader(prefix) as reader:
+        with BundleReader(Location.of(prefix)) as reader:
             assert reader.keys() == [b"v"]
             assert len(reader.pieces("v")) == (len(boxes) if len(boxes) > 1 else 1)
             for _ in range(4):
@@ -459,9 +460,9 @@ def test_region_reads_of_whole_tensors(rows: int, cols: int, dtype: str, big_end
     value = _random_values(np.random.default_rng(rows * 1000 + cols), shape, dtype)
     with tempfile.TemporaryDirectory() as d:
         prefix = os.path.join(d, "ck")
-        with BundleWriter(prefix, big_endian=big_endian) as w:
+        with BundleWriter(Location.of(prefix), big_endian=big_endian) as w:
             w.add("v", value)
-        with BundleReader(prefix) as reader:
+        with BundleReader(Location.of(prefix)) as reader:
             for _ in range(5):
                 region = data.draw(regions(shape))
                 want = value[tuple(slice(a, b) for a, b in region)]

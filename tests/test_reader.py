@@ -19,6 +19,7 @@ from shardckpt.format import crc
 from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.storage.base import FileSystem
 from shardckpt.storage.local import LocalFileSystem
+from shardckpt.storage.location import Location
 
 DATA = ".data-00000-of-00001"
 
@@ -82,7 +83,7 @@ def test_a_reader_with_its_own_context_uses_its_threads(tmp_path: Path) -> None:
     shardckpt.save_tensors(prefix, {"big": big})
     ctx = crc.ChecksumContext(workers=3)
     try:
-        with BundleReader(prefix, context=ctx) as reader:
+        with BundleReader(Location.of(prefix), context=ctx) as reader:
             np.testing.assert_array_equal(reader.read("big"), big)
         assert ctx._executor is not None
     finally:
@@ -95,7 +96,7 @@ def test_multi_unit_entries_read_exactly_and_every_unit_is_checked(tmp_path: Pat
     prefix = str(tmp_path / "ck")
     value = np.random.default_rng(elements).standard_normal(elements).astype(np.float32)
     shardckpt.save_tensors(prefix, {"v": value})
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         np.testing.assert_array_equal(reader.read("v"), value)
         out = np.empty_like(value)
         with reader.session() as session:
@@ -105,7 +106,7 @@ def test_multi_unit_entries_read_exactly_and_every_unit_is_checked(tmp_path: Pat
         size, offset = entry.size, entry.offset
     for at in sorted({0, size // 2, size - 1}):  # first, a middle and the last unit
         _flip(prefix + DATA, offset + at)
-        with BundleReader(prefix) as reader:
+        with BundleReader(Location.of(prefix)) as reader:
             with pytest.raises(DataLossError, match="checksum does not match"):
                 reader.read("v")
             with pytest.raises(DataLossError, match="checksum does not match"):
@@ -118,11 +119,11 @@ def test_two_threads_on_one_reader_each_see_only_their_own_checksum_failures(tmp
     prefix = str(tmp_path / "ck")
     good = {f"good{i}": np.full((1 << 18) + i, i, np.float32) for i in range(4)}
     shardckpt.save_tensors(prefix, {**good, "bad": np.ones(1 << 20, np.float32)})
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         entry = reader.entry("bad")
     _flip(prefix + DATA, entry.offset + 12345)
     results: Dict[str, Any] = {}
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         barrier = threading.Barrier(2)
 
         def bad_reader() -> None:
@@ -164,7 +165,7 @@ def test_restore_tensors_checks_every_entry_before_returning(tmp_path: Path) -> 
     shardckpt.restore_tensors(prefix, [shardckpt.RestoreRequest(k, out=o) for k, o in outs.items()])
     for k in arrays:
         np.testing.assert_array_equal(outs[k], arrays[k])
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         entry = reader.entry("t5")
     _flip(prefix + DATA, entry.offset + entry.size - 1)
     with pytest.raises(DataLossError, match="'t5'"):
@@ -193,7 +194,7 @@ def test_read_many_plans_mixed_keys_in_order_and_checks_each(tmp_path: Path) -> 
     strided = np.zeros((100_000, 2), np.float32)[:, 0]
     outs: List[Any] = [None] * len(keys)
     outs[keys.index("p03")] = strided  # not contiguous: the general path copies in
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         with reader.session() as session:
             got = session.read_many(keys, outs)
         assert got[keys.index("p03")] is strided
@@ -204,7 +205,7 @@ def test_read_many_plans_mixed_keys_in_order_and_checks_each(tmp_path: Path) -> 
                 session.read_many(["p00", "p01"], [None, np.zeros(3, np.float32)])
         big = reader.entry("p19")
     _flip(prefix + DATA, big.offset + big.size // 2)
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         with pytest.raises(DataLossError, match="'p19': checksum does not match"):
             with reader.session() as session:
                 session.read_many(keys)
@@ -228,7 +229,7 @@ def test_whole_entries_read_into_arrays_at_any_skew_and_every_byte_is_checked(tm
     prefix = str(tmp_path / "ck")
     value = np.random.default_rng(skew).standard_normal(elements).astype(np.float32)
     shardckpt.save_tensors(prefix, {"pad": np.zeros(7, np.float32), "v": value})
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         entry = reader.entry("v")
         offset, size = int(entry.offset), int(entry.size)
         out = _skewed(value.shape, np.float32, offset, skew)
@@ -241,7 +242,7 @@ def test_whole_entries_read_into_arrays_at_any_skew_and_every_byte_is_checked(tm
         np.testing.assert_array_equal(out, value)
     for at in sorted({0, size // 2, size - 1}):
         _flip(prefix + DATA, offset + at)
-        with BundleReader(prefix) as reader:
+        with BundleReader(Location.of(prefix)) as reader:
             with pytest.raises(DataLossError, match="'v': checksum does not match"):
                 reader.read_region("v", None, out)
             with pytest.raises(DataLossError, match="'v': checksum does not match"):
@@ -285,10 +286,10 @@ def test_small_neighbours_are_read_in_few_requests_and_each_is_checked_on_its_ow
     covered = sum(n for _, n in data)
     assert covered == small + arrays["big"].nbytes  # every byte read once
     bad = order[len(order) // 3]
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         entry = reader.entry(bad)
     _flip(prefix + DATA, int(entry.offset) + int(entry.size) // 2)
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         outs = {k: np.zeros_like(arrays[k]) for k in order}
         with pytest.raises(DataLossError, match=f"'{bad}'"):
             with reader.session() as session:
@@ -423,13 +424,13 @@ def test_a_reader_without_helper_threads_reads_and_checks_whole_entries(tmp_path
     big = np.arange(3 << 20, dtype=np.float32)  # 12 MiB: several units, all read by the calling thread
     shardckpt.save_tensors(prefix, {"big": big})
     solo = crc.ChecksumContext(workers=0)
-    with BundleReader(prefix, context=solo) as reader:
+    with BundleReader(Location.of(prefix), context=solo) as reader:
         with reader.session() as session:
             got = session.read("big")
         np.testing.assert_array_equal(got, big)
     assert solo._executor is None
     _flip(prefix + DATA, 5 << 20)
-    with BundleReader(prefix, context=solo) as reader:
+    with BundleReader(Location.of(prefix), context=solo) as reader:
         with pytest.raises(DataLossError, match="checksum"):
             reader.read("big")
 
@@ -473,7 +474,7 @@ def test_reader_opened_on_an_old_index_raises_after_the_prefix_is_overwritten_tw
     reads = [lambda r: r.read_region("w", ((10, 20), (3, 9))), lambda r: r.read("b"),
              lambda r: r.read("w", verify=False), lambda r: r.raw_bytes(r.pieces("b")[0])]
     for read in reads:
-        reader = BundleReader(prefix)  # the index is read now, data files are opened on first use
+        reader = BundleReader(Location.of(prefix))  # the index is read now, data files are opened on first use
         try:
             _overwritten_twice(prefix)
             with pytest.raises(CheckpointReplacedError, match="replaced while open"):
@@ -487,7 +488,7 @@ def test_reader_with_data_file_open_keeps_reading_what_it_opened(tmp_path: Path)
     prefix = str(tmp_path / "ck")
     old = _values(1)
     shardckpt.save_tensors(prefix, old)
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         np.testing.assert_array_equal(reader.read("b"), old["b"])  # the data file is open now
         _overwritten_twice(prefix)
         # The open descriptor still reads the opened checkpoint's bytes: right values, or a clear error.
@@ -499,7 +500,7 @@ def test_data_file_rewritten_in_place_is_never_read_silently(tmp_path: Path) -> 
     prefix = str(tmp_path / "ck")
     old = _values(1)
     shardckpt.save_tensors(prefix, old)
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         reader.read("b")
         data = Path(prefix + DATA).read_bytes()
         entry = reader.entry("w")
@@ -519,12 +520,12 @@ def test_s3_reader_opened_on_an_old_index_raises_after_the_prefix_is_overwritten
     prefix = f"{s3dir}/ck"
     old = _values(1)
     shardckpt.save_tensors(prefix, old)
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         _overwritten_twice(prefix)
         with pytest.raises(CheckpointReplacedError, match="replaced while open"):
             reader.read_region("w", ((10, 20), (3, 9)))
     shardckpt.save_tensors(prefix, old)
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         np.testing.assert_array_equal(reader.read("b"), old["b"])  # first use: identity checked
         _overwritten_twice(prefix)
         with pytest.raises(CheckpointReplacedError, match="replaced while open"):
@@ -541,24 +542,25 @@ def test_piece_at_looks_up_only_the_slice_asked_for(tmp_path: Path, monkeypatch:
     """``piece_at``: the stored piece whose box starts at a point, found by looking up that one slice
     entry (a rank reading one chunk of a tensor in 4 slices looks up 1 slice entry, not 4); a point where
     no piece starts is ``None``; an unsliced tensor is its own piece at the origin."""
+    from shardckpt.format.bundle_index import BundleIndex
     from shardckpt.format.bundle_writer import BundleWriter
 
     full = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
     prefix = str(tmp_path / "ck")
-    writer = BundleWriter(prefix)
+    writer = BundleWriter(Location.of(prefix))
     for r in range(4):
         writer.add_slice("w", (64, 8), f"{r * 16},16:-", full[r * 16:(r + 1) * 16])
     writer.add("plain", full)
     writer.finish()
     looked: List[bytes] = []
-    real = BundleReader.entry
+    real = BundleIndex.entry  # (the reader's index looks entries up: BundleReader.entry is its face)
 
-    def entry(self: BundleReader, key: Any) -> Any:
+    def entry(self: BundleIndex, key: Any) -> Any:
         looked.append(key if isinstance(key, bytes) else key.encode())
         return real(self, key)
 
-    with BundleReader(prefix) as reader:
-        monkeypatch.setattr(BundleReader, "entry", entry)
+    with BundleReader(Location.of(prefix)) as reader:
+        monkeypatch.setattr(BundleIndex, "entry", entry)
         piece = reader.piece_at("w", (32, 0))
         assert piece is not None and piece.box == ((32, 48), (0, 8))
         assert len({k for k in looked if k != b"w"}) == 1  # only the slice entry of rows 32..47
@@ -568,3 +570,40 @@ def test_piece_at_looks_up_only_the_slice_asked_for(tmp_path: Path, monkeypatch:
         whole = reader.piece_at("plain", (0, 0))
         assert whole is not None and whole.box == ((0, 64), (0, 8))
         assert reader.piece_at("plain", (1, 0)) is None
+
+
+def test_arrays_the_reader_allocates_are_64_byte_aligned(tmp_path: Path) -> None:
+    """Every destination the reader allocates (``out=None``) of at least a page starts on a 64-byte boundary:
+    whole reads (plain, in a session, ``read_many``), sliced tensors assembled, regions, a piece's region.
+    (NumPy's own arrays are 16-byte aligned; JAX on CPU copies those instead of sharing them.)"""
+    from shardckpt.format.buffers import ALIGN_FROM, ALIGNMENT, aligned_empty
+    from shardckpt.format.bundle_writer import BundleWriter
+
+    prefix = str(tmp_path / "ck")
+    values = {f"w{i}": np.arange(1024 + 16 * i, dtype=np.float32).reshape(-1, 4) * (i + 1) for i in range(8)}
+    full = np.arange(64 * 32, dtype=np.float64).reshape(64, 32)
+    writer = BundleWriter(Location.of(prefix))
+    for k, v in values.items():
+        writer.add(k, v)
+    for r in range(4):
+        writer.add_slice("s", (64, 32), f"{r * 16},16:-", full[r * 16:(r + 1) * 16])
+    writer.finish()
+
+    def aligned(a: np.ndarray) -> bool:
+        return a.ctypes.data % ALIGNMENT == 0 and a.flags.c_contiguous and a.flags.writeable
+
+    with BundleReader(Location.of(prefix)) as reader:
+        got = [reader.read(k) for k in values]
+        with reader.session() as session:
+            got += [session.read(k) for k in values] + session.read_many(list(values))
+        got.append(reader.read("s"))
+        got.append(reader.read_region("s", ((8, 40), (0, 32))))
+        got.append(reader.read_region("w3", ((0, 256), (0, 4))))
+        got.append(reader.read_piece_region(reader.pieces("s")[1], ((0, 16), (0, 32))))
+    expected = [values[k] for k in values] * 3 + [full, full[8:40], values["w3"][:256], full[16:32]]
+    for a, want in zip(got, expected):
+        assert np.array_equal(a, want)
+        assert aligned(a), (a.shape, a.ctypes.data % ALIGNMENT)
+    small = aligned_empty((ALIGN_FROM // 8 - 1,), np.float64)  # below a page: NumPy's array as it comes
+    assert small.base is None and small.shape == (ALIGN_FROM // 8 - 1,)
+    assert aligned_empty((3,), object).dtype == object

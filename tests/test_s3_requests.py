@@ -30,6 +30,7 @@ import shardckpt
 from shardckpt.errors import AbortedError, CheckpointReplacedError
 from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.storage.fsspec_fs import FsspecFileSystem
+from shardckpt.storage.location import Location
 from shardckpt.storage.registry import mounted
 from shardckpt.storage.wrappers import FileSystemWrapper
 
@@ -273,7 +274,7 @@ def test_reads_of_an_object_replaced_since_the_open_fail(s3dir: str, prefetch: b
     shardckpt.save_tensors(prefix, values)
     fs = s3_fs()
     data = f"{prefix}.data-00000-of-00001"
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         original = fs.fs.cat_file(data)
         fs.fs.pipe_file(data, bytes(reversed(original)))  # same size, other bytes: another version
         if prefetch:

@@ -24,6 +24,7 @@ from shardckpt import (
 from shardckpt.errors import InvalidArgumentError
 from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.storage.local import LocalFileSystem
+from shardckpt.storage.location import Location
 
 # TF 2.21 cannot rebuild these dtypes from slices (spec §6.4); only shardckpt reads them back.
 TF_CANNOT_ASSEMBLE = {"float16", "uint16", "uint32", "uint64", "string"}
@@ -86,7 +87,7 @@ def _tf_check(tf_oracle, prefix: str, state: dict, sliced: set) -> None:
 
 
 def _sliced_keys(prefix: str) -> set:
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         return {k.decode() for k in reader.keys() if reader.entry(k).slices}
 
 
@@ -152,7 +153,7 @@ def test_partial_restore_reads_only_overlapping_slices(tmp_path: Path, monkeypat
     big = np.arange(256 * 64, dtype=np.float32).reshape(256, 64)  # 64 KiB, rows of 256 B
     prefix = save_tensors(str(tmp_path / "ck"), {"big": big},
                           CheckpointOptions(sharding_callback=MaxShardSizePolicy(16 * 1024)))
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         boxes = [p.box for p in reader.pieces("big")]
     assert len(boxes) == 4  # four slices of 64 rows
     reads = []

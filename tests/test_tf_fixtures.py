@@ -28,6 +28,7 @@ from shardckpt.format.dtypes import as_dtype, from_enum
 from shardckpt.format.ordered_code import encode_tensor_name_slice
 from shardckpt.format.tensor_slice import TensorSlice, box_shape, box_volume, intersect
 from shardckpt.storage.local import LocalFileSystem
+from shardckpt.storage.location import Location
 
 FIXTURES = Path(__file__).parent / "data" / "tf_fixtures"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "case.json").is_file())
@@ -190,7 +191,7 @@ def test_layout_matches_bundle_entries(case_name: str, prefix: str) -> None:
     index_bytes = (case_dir / ck["index_file"]).read_bytes()
     assert count_index_data_blocks(index_bytes) == layout["index_data_blocks"]
     records = {r["key"]: r for r in ck["keys"]}
-    with BundleReader(str(case_dir / prefix)) as reader:
+    with BundleReader(Location.of(str(case_dir / prefix))) as reader:
         header = layout["header"]
         assert reader.num_shards == header["num_shards"] == ck["num_shards"]
         assert not reader.big_endian and header["endianness"] == "LITTLE"
@@ -350,7 +351,7 @@ def test_restore_v2_regions_of_sliced_tensors(case_name: str, tf_oracle: TFOracl
             assert ours.tobytes() == want.tobytes(), (key, box)
             assert theirs.tobytes() == want.tobytes(), (key, box)
         # also straight through BundleReader.read_region with a box / TensorSlice / text form
-        with BundleReader(prefix) as reader:
+        with BundleReader(Location.of(prefix)) as reader:
             box = boxes[0]
             want = expected[key][tuple(slice(a, b) for a, b in box)]
             assert reader.read_region(key, box).tobytes() == want.tobytes()
@@ -416,7 +417,7 @@ def test_region_reads_touch_only_overlapping_slices(pread_log: list[tuple[str, i
     prefix = str(case_dir / case["prefix"])
     rng = np.random.default_rng(11)
     checked_partial = 0
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         for key, boxes in SLICED["07_max_shard_size_policy"].items():
             shape = tuple(records[key]["shape"])
             for box in boxes + random_boxes(rng, shape, 20):
@@ -453,7 +454,7 @@ def test_whole_reads_verify_checksums_of_every_slice(tmp_path: Path) -> None:
     raw[victim["offset"] + 5] ^= 0x40
     data.write_bytes(bytes(raw))
     prefix = str(copy / "model.ckpt-100")
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         assert reader.read_region("embedding/table", ((0, 4), (0, 4))).shape == (4, 4)
         with pytest.raises(DataLossError, match="checksum"):
             reader.read("embedding/table")

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from shardckpt.cli.main import main as cli_main
 from shardckpt.errors import DataLossError, UnsupportedError
 from shardckpt.format.bundle_reader import BundleReader
+from shardckpt.storage.location import Location
 from shardckpt.torch import TFBundleReader, TFBundleWriter, read_items_for_chunks
 from shardckpt.torch._objects import MAGIC, NESTING_KEY, decode_object
 
@@ -113,7 +114,7 @@ def test_load_other_layouts_and_continue(saved: Path, tmp_path: Path, mode: str,
 
 
 def _stored(prefix: Path) -> Dict[str, Any]:
-    with BundleReader(str(prefix)) as reader:
+    with BundleReader(Location.of(str(prefix))) as reader:
         return {k.decode(): reader.read(k) for k in reader.keys()}
 
 
@@ -173,7 +174,7 @@ def test_shardckpt_verify(saved: Path, capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_sharded_keys_are_tf_slices(saved: Path) -> None:
-    with BundleReader(str(saved / "sync" / "ck")) as reader:
+    with BundleReader(Location.of(str(saved / "sync" / "ck"))) as reader:
         # layers.0.q: [Shard(0), Shard(1)] on 2x2 -> four distinct slices, each written once
         specs = sorted(str(p.slice) for p in reader.pieces("model.layers.0.q"))
         assert specs == ["0,8:0,8", "0,8:8,8", "8,8:0,8", "8,8:8,8"]
@@ -268,7 +269,7 @@ def test_dtypes_round_trip_one_process(tmp_path: Path) -> None:
         if isinstance(v, torch.Tensor):
             assert target[k].dtype == v.dtype and _bits(target[k]) == _bits(v), k
     assert target["plain"] == sd["plain"]
-    with BundleReader(str(prefix)) as reader:
+    with BundleReader(Location.of(str(prefix))) as reader:
         assert {k: reader.dtype(k).name for k in ("bfloat16", "float8_e4m3fn", "complex128", "bool")} == {
             "bfloat16": "bfloat16", "float8_e4m3fn": "float8_e4m3fn", "complex128": "complex128", "bool": "bool"}
 
@@ -656,7 +657,7 @@ def _sliced(prefix: Path, full: np.ndarray, boxes: Any) -> None:
     """A bundle holding ``full`` as the slices ``boxes`` (TF's slice spelling), like a sharded save."""
     from shardckpt.format.bundle_writer import BundleWriter
 
-    writer = BundleWriter(str(prefix))
+    writer = BundleWriter(Location.of(str(prefix)))
     for box in boxes:
         spec = ":".join("-" if (a, b) == (0, n) else f"{a},{b - a}" for (a, b), n in zip(box, full.shape))
         writer.add_slice("w", full.shape, spec, np.ascontiguousarray(full[tuple(slice(a, b) for a, b in box)]))
@@ -703,7 +704,7 @@ def test_whole_chunk_reads_checksum_each_piece_as_it_lands(tmp_path: Path, monke
 
     assert np.array_equal(load(1024).numpy(), full[1024:])
     assert pieces == [-(4 << 20), 2 << 20, 2 << 20]  # one 4 MiB chunk: two 2 MiB pieces, each checksummed
-    with BundleReader(str(prefix)) as bundle:
+    with BundleReader(Location.of(str(prefix))) as bundle:
         piece = [p for p in bundle.pieces("w") if p.box[0][0] == 1024][0]
         data_file = bundle.data_path(piece.entry.shard_id)
         at = int(piece.entry.offset) + (3 << 20) + 5

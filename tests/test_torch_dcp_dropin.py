@@ -20,6 +20,7 @@ from test_torch_dcp import assert_done, launch
 
 from shardckpt.errors import InvalidArgumentError
 from shardckpt.format.bundle_reader import BundleReader
+from shardckpt.storage.location import Location
 from shardckpt.torch import TFBundleReader, TFBundleWriter
 
 HERE = Path(__file__).resolve().parent
@@ -68,7 +69,7 @@ def test_process_group_pairs_save_and_load_their_own(dropin: Dict[str, Any]) -> 
             folder = dropin["data"] / "pairs" / how / f"pair{pair}"
             assert sorted(p.name for p in folder.iterdir()) == [
                 "checkpoint", "ckpt.data-00000-of-00002", "ckpt.data-00001-of-00002", "ckpt.index"], folder
-            with BundleReader(str(folder / "ckpt")) as reader:
+            with BundleReader(Location.of(str(folder / "ckpt"))) as reader:
                 keys = {k.decode() for k in reader.keys()}
                 assert keys == {"_DCP_NESTING", "model.w", "model.own0", "model.own1", "step"}
                 w = reader.read(b"model.w")
@@ -100,7 +101,7 @@ def test_loads_without_target_keep_the_nesting(dropin: Dict[str, Any]) -> None:
 def test_empty_saves(dropin: Dict[str, Any]) -> None:
     _checks(dropin, "empty_")
     for name in ("plain", "stateful"):
-        with BundleReader(str(dropin["data"] / "empty" / name / "ckpt")) as reader:
+        with BundleReader(Location.of(str(dropin["data"] / "empty" / name / "ckpt"))) as reader:
             assert [k.decode() for k in reader.keys()] == ["_DCP_NESTING"]
 
 

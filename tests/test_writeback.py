@@ -15,6 +15,7 @@ from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.format.bundle_writer import BundleWriter
 from shardckpt.storage import writeback
 from shardckpt.storage.local import local_fs
+from shardckpt.storage.location import Location
 from shardckpt.storage.registry import mounted
 from shardckpt.storage.wrappers import FileSystemWrapper, RecordingFileSystem
 
@@ -76,7 +77,7 @@ def test_a_durable_bundle_hints_each_written_step_before_its_fsync(tmp_path):
             written += extra
         elif kind == "hint":
             assert extra[0] + extra[1] <= written
-    reader = BundleReader(prefix)
+    reader = BundleReader(Location.of(prefix))
     np.testing.assert_array_equal(reader.read("big"), big)
     np.testing.assert_array_equal(reader.read("small"), small)
 
@@ -101,7 +102,7 @@ def test_a_save_fsyncs_every_data_file_before_the_commit_with_write_behind_on(tm
     assert data_files
     for path in data_files:
         assert any(kind == "fsync" and p == path for kind, p, _ in ops[:commit])
-    reader = BundleReader(prefix)
+    reader = BundleReader(Location.of(prefix))
     for key, value in tensors.items():
         np.testing.assert_array_equal(reader.read(key), value)
 
@@ -119,7 +120,7 @@ def test_a_refused_hint_turns_write_behind_off_and_the_save_still_succeeds(tmp_p
         os.close(w)
     prefix = str(tmp_path / "ck")
     save_tensors(prefix, {"a": np.arange(5 << 20, dtype=np.float32)})
-    np.testing.assert_array_equal(BundleReader(prefix).read("a"), np.arange(5 << 20, dtype=np.float32))
+    np.testing.assert_array_equal(BundleReader(Location.of(prefix)).read("a"), np.arange(5 << 20, dtype=np.float32))
 
 
 def _parent_hints_write_behind(folder: str) -> None:

@@ -27,6 +27,7 @@ from .format.naming import sharded_filename
 from .format.tensor_slice import Box, parse_shape_and_slice
 from .restoring import BundleSource, Read, RestorePlan, run
 from .saving.commit import merge_bundles
+from .storage.location import Location
 
 __all__ = ["save_v2", "restore_v2", "merge_v2_checkpoints", "sharded_filename"]
 
@@ -49,7 +50,7 @@ def save_v2(prefix: str, tensor_names: Sequence[Union[str, bytes]], shape_and_sl
     _check_lengths(tensor_names, shape_and_slices, tensors, "tensors")
     if not tensor_names:
         raise InvalidArgumentError("save_v2 needs at least one tensor")
-    with BundleWriter(prefix, fsync=fsync, checksum_executor=shared_executor()) as writer:
+    with BundleWriter(Location.of(prefix), fsync=fsync, checksum_executor=shared_executor()) as writer:
         for name, spec, value in zip(tensor_names, shape_and_slices, tensors):
             if spec == "":
                 writer.add(name, value)

@@ -17,6 +17,7 @@ import atheris
 with atheris.instrument_imports(include=["shardckpt"]):
     from shardckpt.format.bundle_reader import BundleReader
     from shardckpt.restoring import restore_tensors
+    from shardckpt.storage.location import Location
 
 _MAX_KEYS = 32
 
@@ -30,7 +31,7 @@ def _regions(shape: tuple) -> list:
 
 
 def _exercise(prefix: str) -> list:
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         keys = reader.keys()[:_MAX_KEYS]
         for key in keys:
             _common.allowed(reader.read, key)
@@ -46,7 +47,7 @@ def _exercise(prefix: str) -> list:
 
 
 def _exercise_lazily(prefix: str, keys: list) -> None:
-    with BundleReader(prefix, load_index=False) as reader:
+    with BundleReader(Location.of(prefix), load_index=False) as reader:
         for key in keys + [b"", b"\x00", b"\xff" * 3]:
             _common.allowed(reader.read, key)
             _common.allowed(reader.__contains__, key)

@@ -19,13 +19,14 @@ with atheris.instrument_imports(include=["shardckpt"]):
     from shardckpt.checkpoint.restore import load_object_graph
     from shardckpt.format.bundle_reader import BundleReader
     from shardckpt.io import save_v2
+    from shardckpt.storage.location import Location
 
 _KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 _VAR = "v/.ATTRIBUTES/VARIABLE_VALUE"
 
 
 def _restore(prefix: str) -> None:
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         load_object_graph(reader)
     root = shardckpt.Checkpoint(v=shardckpt.Variable(np.zeros(3, np.float32)))
     root.restore(prefix).expect_partial()

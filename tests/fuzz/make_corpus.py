@@ -24,6 +24,7 @@ def _put(name: str, data: bytes) -> None:
 def _bundles(tmp: str) -> list:
     from shardckpt.format.bundle_writer import BundleWriter
     from shardckpt.io import save_v2
+    from shardckpt.storage.location import Location
 
     out = []
     p = os.path.join(tmp, "a")
@@ -32,7 +33,7 @@ def _bundles(tmp: str) -> list:
              np.array([b"x", b"yy", b""], dtype=object), np.ones((2, 6), np.float32), np.zeros((2, 6), np.float32)])
     out.append(p)
     p = os.path.join(tmp, "b")
-    with BundleWriter(p, big_endian=True) as w:
+    with BundleWriter(Location.of(p), big_endian=True) as w:
         w.add("h", np.arange(6, dtype=np.float16).reshape(2, 3))
         w.add("b", np.array([True, False]))
         w.add("c", np.array([1 + 2j], np.complex64))
@@ -40,7 +41,7 @@ def _bundles(tmp: str) -> list:
         w.add("empty", np.zeros((0, 3), np.int32))
     out.append(p)
     p = os.path.join(tmp, "c")
-    with BundleWriter(p) as w:
+    with BundleWriter(Location.of(p)) as w:
         w.add_slice("m", (4, 6), "-:0,3", np.ones((4, 3), np.int16))
         w.add_slice("m", (4, 6), "-:3,3", np.zeros((4, 3), np.int16))
         for i in range(40):  # several index blocks
@@ -100,11 +101,12 @@ def main() -> None:
         os.makedirs(conv)
         _converters(conv, _bundles(conv)[0])
         from shardckpt.format.bundle_reader import BundleReader
+        from shardckpt.storage.location import Location
 
         for extra in ({}, {"w": shardckpt.Variable(np.ones((2, 2), np.float32))}):
             ck = shardckpt.Checkpoint(v=shardckpt.Variable(np.arange(3, dtype=np.float32)), **extra)
             prefix = ck.write(os.path.join(tmp, f"ck{len(extra)}"))
-            with BundleReader(prefix) as reader:
+            with BundleReader(Location.of(prefix)) as reader:
                 _put("object_graph", reader.read("_CHECKPOINTABLE_OBJECT_GRAPH").item())
         state_dir = os.path.join(tmp, "state")
         os.makedirs(state_dir)

@@ -245,6 +245,7 @@ def restore_and_check(mesh, layouts: Dict[str, List[str]], path: str, coordinato
     import shardckpt
     from shardckpt import dtensor as dt
     from shardckpt.format.bundle_reader import BundleReader
+    from shardckpt.storage.location import Location
 
     targets = zero_dvariables(mesh, layouts)
     BYTES_READ["bytes"] = 0
@@ -256,7 +257,7 @@ def restore_and_check(mesh, layouts: Dict[str, List[str]], path: str, coordinato
         out["plain_ok"] = bool(np.array_equal(plain.numpy(), value(PLAIN, generation)))
         out["save_counter"] = int(ckpt.save_counter.numpy())
     else:  # a sharded_save bundle: keys are the names, no object graph
-        with BundleReader(path) as reader:
+        with BundleReader(Location.of(path)) as reader:
             for name, var in targets.items():
                 var.value().restore_from(reader, name)
             out["plain_ok"] = bool(np.array_equal(reader.read(PLAIN), value(PLAIN, generation)))
@@ -272,7 +273,7 @@ def restore_and_check(mesh, layouts: Dict[str, List[str]], path: str, coordinato
     if kind == "ckpt":
         dt.DTensorCheckpoint(mesh, coordinator=coordinator, **big).restore(path).expect_partial()
     else:
-        with BundleReader(path) as reader:
+        with BundleReader(Location.of(path)) as reader:
             big["big"].value().restore_from(reader, "big")
     out["big_bytes_read"] = BYTES_READ["bytes"]
     out["big_bytes_needed"] = local_piece_bytes(big["big"])

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import shardckpt.jax as sj  # noqa: E402
 from shardckpt.format.bundle_reader import BundleReader  # noqa: E402
+from shardckpt.storage.location import Location
 
 jax.config.update("jax_enable_x64", True)
 ROOTS = {"model": "params", "optim": "opt"}  # checkpoint FQN root -> pytree root
@@ -54,7 +55,7 @@ def main() -> None:
     mesh = jax.make_mesh((2, 4), ("x", "y"), devices=jax.devices()[:8])
     target: Dict[str, Any] = {}
     sliced = 0
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         for key in saved:
             shape, dtype = tuple(reader.shape(key)), np.dtype(reader.dtype(key).as_numpy_dtype)
             sliced += any(p.slice is not None for p in reader.pieces(key))

@@ -13,6 +13,7 @@ from ..format.dtypes import DType
 from ..format.naming import index_filename
 from ..restoring import BundleSource, Read, read_one
 from ..storage.base import FileSystem
+from ..storage.location import Location
 from ..storage.registry import get_fs
 from .state import clean_path, latest_checkpoint
 
@@ -60,7 +61,7 @@ def open_bundle(path: str, fs: Optional[FileSystem] = None) -> BundleReader:
             return BundleReader(path, fs=store)
         except NotFoundError:  # no index at this prefix: a directory, or nothing (said below)
             pass
-    return BundleReader(resolve_prefix(path), fs=fs)
+    return BundleReader(Location.of(resolve_prefix(path), fs))
 
 
 # TF's DataType enum names where they are not the dtype's name in capitals
@@ -79,7 +80,7 @@ class CheckpointReader:
     """
 
     def __init__(self, prefix: str, bundle: Optional[BundleReader] = None) -> None:
-        self.bundle = bundle if bundle is not None else BundleReader(prefix)
+        self.bundle = bundle if bundle is not None else BundleReader(Location.of(prefix))
         self.prefix = self.bundle.prefix if bundle is not None else prefix
 
     def get_variable_to_shape_map(self) -> Dict[str, List[int]]:

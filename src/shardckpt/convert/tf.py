@@ -41,6 +41,7 @@ from ..saving import CheckpointOptions, save_tensors
 from ..sharding import MaxShardSizePolicy, ShardableTensor
 from ..sharding.callback import Shard
 from ..storage import get_fs
+from ..storage.location import Location
 from .model import NO_PROGRESS, Fetch, Progress, Sink, Source, TensorInfo
 
 __all__ = ["TFSource", "TFSink", "StreamingShardPolicy", "OBJECT_GRAPH_KEY"]
@@ -55,7 +56,7 @@ class TFSource(Source):
 
     def __init__(self, path: str) -> None:
         self.path = resolve_prefix(path)
-        self.bundle = BundleReader(self.path)
+        self.bundle = BundleReader(Location.of(self.path))
         self.source = BundleSource(self.bundle)  # reads: plans of the restore engine, one tensor at a time
         self.infos: Dict[str, TensorInfo] = {}
         self.keys: Dict[str, bytes] = {}

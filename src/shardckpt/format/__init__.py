@@ -2,7 +2,11 @@
 
 ``sstable`` (the ``.index`` table), ``protos`` (header, entries, slices),
 ``dtypes``, ``tensor_slice`` and ``ordered_code`` (slices and their keys),
-``strings``, ``bundle_writer`` / ``bundle_reader``, ``merge`` and ``naming``.
+``strings``, ``bundle_writer`` / ``bundle_reader`` (a face over ``bundle_index``,
+``bundle_pieces``, ``bundle_files``, ``region_reads``, ``whole_reads``,
+``read_session``, ``announce`` and ``buffers``), ``merge`` and ``naming``.
+Nothing here looks a store up: readers and writers get a
+:class:`~shardckpt.storage.location.Location` (or a prefix and its ``fs``) from their caller.
 """
 
 from .bundle_reader import BundleReader

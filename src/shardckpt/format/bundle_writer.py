@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import AlreadyExistsError, InvalidArgumentError
 from ..storage.base import FileSystem
-from ..storage.registry import get_fs
+from ..storage.location import Location
 from . import crc
 from .dtypes import DType, as_dtype
 from .naming import data_filename, index_filename
@@ -121,13 +121,15 @@ def byte_chunks(array: np.ndarray, chunk: int = _CHUNK) -> Iterator[memoryview]:
 
 
 class BundleWriter:
-    """Write tensors into one bundle at ``prefix``.
+    """Write tensors into one bundle at ``location``: a :class:`~shardckpt.storage.location.Location`
+    (resolved by the caller), or the prefix with its store as ``fs`` (nothing in
+    :mod:`shardckpt.format` looks a store up).
 
-    >>> w = BundleWriter("/tmp/ck"); w.add("v", np.arange(3.0)); w.finish()
+    >>> w = BundleWriter(Location.of("/tmp/ck")); w.add("v", np.arange(3.0)); w.finish()
     """
 
-    def __init__(self, prefix: str, *, fsync: bool = False, durable_index: bool = True, big_endian: bool = False,
-                 fs: Optional[FileSystem] = None,
+    def __init__(self, location: Union[Location, str], *, fsync: bool = False, durable_index: bool = True,
+                 big_endian: bool = False, fs: Optional[FileSystem] = None,
                  checksum_executor: Optional[ThreadPoolExecutor] = None, data_path: Optional[str] = None,
                  page_phase: Optional[int] = None) -> None:
         """``fsync`` makes the data file durable; with ``durable_index`` also the index and the
@@ -141,9 +143,17 @@ class BundleWriter:
         rename): what object stores do, where the object appears only once complete;
         :meth:`finish_entries` then returns the entries instead of writing an index.
         """
+        if isinstance(location, Location):
+            prefix = location.prefix
+            fs = fs if fs is not None else location.fs
+        else:
+            prefix = location
+            if fs is None:
+                raise InvalidArgumentError("a BundleWriter writes to the store its caller gives: pass a "
+                                           "storage.location.Location (Location.of(path)) or fs= with the prefix",
+                                           path=prefix)
         self.prefix = prefix
         self._durable_index = durable_index
-        fs = fs if fs is not None else get_fs(prefix)
         self._fs = fs
         self._fsync = fsync
         self._big_endian = big_endian

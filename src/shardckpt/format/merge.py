@@ -4,7 +4,8 @@ Nothing here moves or writes a file (that is commit policy: see
 :mod:`shardckpt.saving.commit`). What is here:
 
 * :func:`read_index` — a bundle's header and raw entries; :func:`read_index_header`
-  reads only the header entry (three small reads, whatever the index's size);
+  reads only the header entry (both from :mod:`.bundle_index`, re-exported here: the one
+  header parser, so a header the reader refuses no merge accepts);
 * :func:`plan_merge` — combine several bundles' entries: each input's data files get
   new shard ids in order of first use; slices of one tensor spread over several
   inputs are combined; a key stored whole in two inputs is an error;
@@ -32,17 +33,16 @@ every entry gives (what TensorFlow's merge writes).
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from ..errors import AlreadyExistsError, CorruptIndexError, InvalidArgumentError
-from ..storage.base import FileSystem
-from . import sstable, varint
+from . import varint
+from .bundle_index import MAX_SHARDS, read_index, read_index_header
 from .bundle_writer import make_header
 from .naming import data_filename, index_filename
 from .protos import tensor_bundle_pb2 as pb
-from .sstable import TableWriter, read_table
+from .sstable import TableWriter
 
 __all__ = ["merge_entries", "index_bytes", "read_index", "read_index_header", "plan_merge", "MergePlan",
            "MergeInput", "EntryValue"]
@@ -305,78 +305,6 @@ def index_bytes(entries: Mapping[bytes, EntryValue], num_shards: int, big_endian
     return table.finish()
 
 
-def _parse_header(key: bytes, value: bytes, path: str) -> pb.BundleHeaderProto:
-    if key != b"":
-        raise CorruptIndexError("index has no header entry", path=path)
-    header = pb.BundleHeaderProto()
-    try:
-        header.ParseFromString(value)
-    except Exception:
-        raise CorruptIndexError("unparsable bundle header", path=path) from None
-    return header
-
-
-def read_index(prefix: str, fs: FileSystem) -> Tuple[pb.BundleHeaderProto, List[Tuple[bytes, bytes]]]:
-    """The header and the ``(key, serialized entry)`` pairs of the bundle at ``prefix``."""
-    path = index_filename(prefix)
-    items = list(read_table(fs.read_bytes(path), path))
-    if not items:
-        raise CorruptIndexError("index has no header entry", path=path)
-    return _parse_header(items[0][0], items[0][1], path), items[1:]
-
-
-def _read_block_at(fs: FileSystem, handle: object, path: str, offset: int, size: int, what: str) -> bytes:
-    buf = bytearray(size + sstable.BLOCK_TRAILER_SIZE)
-    fs.pread_into(handle, memoryview(buf), offset, path)
-    # the block reader checks bounds against a whole file: give it the block, its trailer and room for a footer
-    return sstable._read_block(bytes(buf) + bytes(sstable.FOOTER_SIZE), 0, size, path, what)
-
-
-_SMALL_INDEX = 1 << 20
-
-
-def read_index_header(prefix: str, fs: FileSystem) -> pb.BundleHeaderProto:
-    """Only the header entry of ``<prefix>.index``: the footer, the index block and the first data block.
-
-    The header is the table's first entry (its key, ``""``, sorts first), so a large
-    index is never read whole. Errors are :class:`~shardckpt.errors.CorruptIndexError`.
-    """
-    path = index_filename(prefix)
-    total = fs.size(path)
-    if total < sstable.FOOTER_SIZE:
-        raise CorruptIndexError(f"index is {total} bytes, shorter than the {sstable.FOOTER_SIZE}-byte footer "
-                                "(truncated?)", path=path)
-    if total <= _SMALL_INDEX:  # one request (object stores): the first entry parses without the rest
-        for key, value in read_table(fs.read_bytes(path), path):
-            return _parse_header(key, value, path)
-        raise CorruptIndexError("index has no header entry", path=path)
-    handle = fs.open_read(path)
-    try:
-        footer = bytearray(sstable.FOOTER_SIZE)
-        fs.pread_into(handle, memoryview(footer), total - sstable.FOOTER_SIZE, path)
-        (magic,) = struct.unpack_from("<Q", footer, 40)
-        if magic != sstable.TABLE_MAGIC:
-            raise CorruptIndexError(f"bad magic number 0x{magic:016x} (not a tensor-bundle index)", path=path)
-        _, _, pos = sstable._decode_handle(bytes(footer), 0, 40, path)
-        index_offset, index_size, _ = sstable._decode_handle(bytes(footer), pos, 40, path)
-        if index_offset + index_size + sstable.BLOCK_TRAILER_SIZE > total - sstable.FOOTER_SIZE:
-            raise CorruptIndexError(f"index block [{index_offset}, {index_offset + index_size}) lies outside "
-                                    f"the file ({total} bytes)", path=path)
-        index_block = _read_block_at(fs, handle, path, index_offset, index_size, "index")
-        for _, value in sstable._iter_block(index_block, path, "index"):
-            offset, size, _ = sstable._decode_handle(value, 0, len(value), path)
-            if offset + size + sstable.BLOCK_TRAILER_SIZE > total - sstable.FOOTER_SIZE:
-                raise CorruptIndexError(f"data block [{offset}, {offset + size}) lies outside the file "
-                                        f"({total} bytes)", path=path)
-            block = _read_block_at(fs, handle, path, offset, size, "data")
-            for key, entry in sstable._iter_block(block, path, "data"):
-                return _parse_header(key, entry, path)
-            break
-    finally:
-        fs.close(handle)
-    raise CorruptIndexError("index has no header entry", path=path)
-
-
 MergeInput = Tuple[str, pb.BundleHeaderProto, Sequence[Tuple[bytes, bytes]]]
 
 
@@ -415,7 +343,7 @@ def plan_merge(inputs: Iterable[MergeInput]) -> MergePlan:
     first: Optional[pb.BundleHeaderProto] = None
     for prefix, header, items in inputs:
         path = index_filename(prefix)
-        if not 1 <= header.num_shards <= 1 << 24:
+        if not 1 <= header.num_shards <= MAX_SHARDS:
             raise CorruptIndexError(f"bad num_shards {header.num_shards} in header", path=path)
         if first is None:
             first = header

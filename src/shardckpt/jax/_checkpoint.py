@@ -24,6 +24,7 @@ from ..distributed.coordinator import Coordinator
 from ..format.bundle_reader import BundleReader
 from ..saving.async_save import AsyncSaver
 from ..saving.options import CheckpointOptions
+from ..storage.location import Location
 from ._restore import KeyMap, restore
 from ._save import save_pytree
 from ._tree import METADATA_KEY, decode_metadata
@@ -88,7 +89,7 @@ class PyTreeCheckpoint:
         self._wait_for_pending()
         prefix = resolve_prefix(os.fspath(save_path))
         self.state = restore(prefix, self.state, key_map=self._key_map)
-        with BundleReader(prefix) as reader:
+        with BundleReader(Location.of(prefix)) as reader:
             if METADATA_KEY in reader:
                 counter = decode_metadata(reader.read(METADATA_KEY), prefix).get("save_counter")
                 if counter is not None:

@@ -94,9 +94,9 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import numpy as np
 import xxhash
 
+from ..format.bundle_index import header_from_entry
 from ..format.bundle_writer import byte_chunks, byte_view, encode_key, shape_proto, to_disk_array
 from ..format.crc import default_context
-from ..format.merge import _parse_header
 from ..format.naming import data_filename, index_filename
 from ..format.ordered_code import encode_tensor_name_slice
 from ..format.protos import tensor_bundle_pb2 as pb
@@ -350,7 +350,7 @@ def load_previous(prefix: str, fs: FileSystem) -> Optional[Previous]:
     path = index_filename(prefix)
     try:
         items = list(read_table(sidecar["_index"], path))
-        header = _parse_header(items[0][0], items[0][1], path)
+        header = header_from_entry(items[0][0], items[0][1], path)
         entries = {k: pb.BundleEntryProto.FromString(v) for k, v in items[1:]}
         pieces = {(str(p[0]), str(p[1])): _Record(p[2], p[3], p[5] if len(p) > 5 else None,
                                                   p[6] if len(p) > 6 else None) for p in sidecar["pieces"]}
@@ -581,7 +581,7 @@ def _files_section(written: Sequence[Written], pieces: List[List[Any]], index: b
     """The sidecar's ``files``: per data file (shard id) its stamp, the age of its last proof (0: written
     by this save) and whether that proof was a scrub (:mod:`shardckpt.saving.scrub`)."""
     items = list(read_table(index, index_filename(prefix)))
-    num_shards = int(_parse_header(items[0][0], items[0][1], index_filename(prefix)).num_shards)
+    num_shards = int(header_from_entry(items[0][0], items[0][1], index_filename(prefix)).num_shards)
     reused: Dict[int, Written] = {}
     for number, shard_id in _files_of_records(pieces, items[1:]).items():
         if written[number].get("file"):
@@ -653,7 +653,7 @@ def checkpoint_damaged(prefix: str, fs: FileSystem) -> bool:
         return False
     try:
         first = next(iter(read_table(sidecar["_index"], index_filename(prefix))))
-        num_shards = int(_parse_header(first[0], first[1], index_filename(prefix)).num_shards)
+        num_shards = int(header_from_entry(first[0], first[1], index_filename(prefix)).num_shards)
     except Exception:
         return True  # the index itself does not parse
     paths = {i: data_filename(prefix, i, num_shards) for i in records if i < num_shards}
