@@ -16,9 +16,10 @@ is trivial. Steps (``io``: the request's io client; ``all``: every client)::
     prepare   io   committer.prepare(): leftovers removed, scratch area made,
                    registered savers' bundles written
     identity  all  all-gather of every client's save identity (prefix, number),
-                   its shard count and the io client's setup: clients running
-                   different saves fail; shard i of client r gets the id
-                   first + sum(counts[:r]) + i; committer.plan(total)
+                   its shard count and the io client's Setup (or why it has
+                   none): clients running different saves fail; shard i of
+                   client r gets the id first + sum(counts[:r]) + i;
+                   committer.plan(total)
     write     all  committer.write_shard() per own shard, in parallel, on a helper
                    thread, while on this thread:
     number    all  gather of piece descriptions (and a digest of the list of every
@@ -33,7 +34,7 @@ is trivial. Steps (``io``: the request's io client; ``all``: every client)::
                    With funnelling (the io client first receives everyone's
                    values) the counts come with this step and the writes follow it
     agree     all  barrier (a dead client is named), then one all-gather of every
-                   client's success and written parts: any failure fails the save
+                   client's success and Written parts: any failure fails the save
                    everywhere, nothing committed, committer.abort() on the io client
     commit    io   committer.commit(): the commit point; then committer.finish()
                    and the request's on_commit (the state file)   -> broadcast
@@ -41,10 +42,13 @@ is trivial. Steps (``io``: the request's io client; ``all``: every client)::
     after     all  a SharedCommitStep's adopt (a manager's state), then write
                    callbacks, on every client once the commit is known
 
-When a step fails on some client, every client raises the same
+Each collective step is a round of :mod:`.rounds` (all-gather; gather, judge on the io
+client, broadcast; the io client's announcement; every client's success) carrying the typed
+messages of :mod:`.messages` as JSON. When a step fails on some client, every client raises the same
 :class:`~shardckpt.distributed.CoordinationError` naming the client(s) and their errors
 (on a failing client it is chained to the original error); a single client raises
-its original error. Which store is written
+its original error; any failure before the commit runs ``committer.abort()`` on the io
+client (:meth:`.rounds.Rounds.undoing`). Which store is written
 (rename-commit or index-last, or their incremental forms that link or copy reused
 data files) is the committer's business; the engine never asks.
 """
@@ -190,7 +194,7 @@ def _run_save(plan: SavePlan, request: SaveRequest, coordinator: Coordinator) ->
         problem = identity_problem([list(h.identity) for h in hello], io)
         if problem is not None:
             raise CoordinationError(f"the save of {prefix}: {problem}")
-        committer.adopt(rounds.settle(hello[io].setup or Outcome(error="no setup"),
+        committer.adopt(rounds.settle(hello[io].setup or Outcome(error="it sent none"),
                                       f"client {io} could not prepare the save of {prefix}", setup))
         # write [all], the pieces checked meanwhile -> every client's success and what it wrote
         written = _write(plan, request, rounds, committer, [h.shards or 0 for h in hello] if early else None)
@@ -244,7 +248,7 @@ def _write(plan: SavePlan, request: SaveRequest, rounds: Rounds, committer: Comm
         shards = _funnel(plan, request, rounds)
         verdict = _pieces_verdict(rounds, request, plan, len(shards), with_counts=True)
         if verdict.problem is not None:
-            raise CoordinationError(f"the save of {prefix} was not committed: {verdict.problem}")
+            raise _not_committed(prefix, verdict.problem)
         counts = list(verdict.counts or ())
     else:
         shards = list(plan.shards)
@@ -262,8 +266,12 @@ def _write(plan: SavePlan, request: SaveRequest, rounds: Rounds, committer: Comm
     if verdict.problem is not None:
         # every client stopped writing before the io client's abort removes the scratch area
         rounds.coordinator.barrier(f"shards of {prefix} written", timeout=request.timeout)
-        raise CoordinationError(f"the save of {prefix} was not committed: {verdict.problem}")
+        raise _not_committed(prefix, verdict.problem)
     return written
+
+
+def _not_committed(prefix: str, problem: str) -> CoordinationError:
+    return CoordinationError(f"the save of {prefix} was not committed: {problem}")
 
 
 def _nothing(committer: Committer, counts: List[int], prefix: str) -> Optional[Outcome[Parts]]:
@@ -307,7 +315,7 @@ def _pieces_verdict(rounds: Rounds, request: SaveRequest, plan: SavePlan, shards
 
     held = request.held if rounds.coordinator.size > 1 else None
     mine = Pieces(shards, pack_pieces(describe_pieces(plan)), held_digest(held))
-    verdict = rounds.decide(mine, judge, Verdict, f"the save of {request.prefix} was not committed")
+    verdict = rounds.decide(mine, judge, Verdict, str(_not_committed(request.prefix, "the check failed")))
     if verdict.held_from is not None:
         said = _held_verdict(rounds, request, verdict.held_from, digests)
         if said is not None:
@@ -328,7 +336,7 @@ def _held_verdict(rounds: Rounds, request: SaveRequest, ask: Sequence[int],
             return Problem(f"client {io} could not compare what the clients hold: {describe(exc)}")
 
     mine = HeldList(request.held if request.held is not None and rounds.coordinator.rank in ask else None)
-    return rounds.decide(mine, judge, Problem, f"the save of {request.prefix} was not committed").text
+    return rounds.decide(mine, judge, Problem, str(_not_committed(request.prefix, "the check failed"))).text
 
 
 def _write_shards(committer: Committer, shards: Sequence[ShardPlan], first_id: int,
