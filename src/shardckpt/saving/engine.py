@@ -30,7 +30,8 @@ is trivial. Steps (``io``: the request's io client; ``all``: every client)::
                    the io client, which names the clients and variables that
                    differ (one more broadcast); a disagreement fails every client
                    alike once all writes ended (a barrier), before anything is
-                   committed.
+                   committed (a single client whose pieces are whole tensors
+                   under distinct keys has nothing to check and skips this).
                    With funnelling (the io client first receives everyone's
                    values) the counts come with this step and the writes follow it
     agree     all  barrier (a dead client is named), then one all-gather of every
@@ -301,6 +302,8 @@ def _pieces_verdict(rounds: Rounds, request: SaveRequest, plan: SavePlan, shards
     checks them; its verdict, on every client (``counts`` only ``with_counts``). Only when the digests
     differ, one client of each digest sends its whole list in one more round (:func:`_held_verdict`)."""
     io = rounds.root
+    if rounds.coordinator.size == 1 and _whole_and_distinct(plan):  # nothing to learn: skip describing them
+        return Verdict(None, (shards,) if with_counts else None)
     digests: List[Optional[str]] = []  # every client's, on the io client
 
     def judge(gathered: List[Pieces]) -> Verdict:
@@ -321,6 +324,17 @@ def _pieces_verdict(rounds: Rounds, request: SaveRequest, plan: SavePlan, shards
         if said is not None:
             verdict = dataclasses.replace(verdict, problem="; ".join(p for p in (verdict.problem, said) if p))
     return verdict
+
+
+def _whole_and_distinct(plan: SavePlan) -> bool:
+    """Whether every piece of ``plan`` is a whole tensor under a key of its own: such pieces tile their
+    tensors by themselves (one dtype and shape per key, no gap, no overlap)."""
+    keys = set()
+    for item in plan.items:
+        if item.slice_spec or item.key in keys:
+            return False
+        keys.add(item.key)
+    return True
 
 
 def _held_verdict(rounds: Rounds, request: SaveRequest, ask: Sequence[int],
