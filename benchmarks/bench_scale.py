@@ -16,10 +16,11 @@ entries. Phases, each timed:
 * ``gather``: the bytes a client contributes to the save's gathers (packed piece
   descriptions for the agreement check; index entries on object stores), per entry;
 * ``agree``: the io client's agreement check: the gathered JSON of every client decoded,
-  as the coordinator's ``gather`` does, into the engine's ``Pieces`` messages, then ``check_pieces`` of all clients' packed
-  tables (streaming, vectorized) and the comparison of their digests of what they hold
-  (``held_representatives``), and the ``Verdict`` with the shard counts encoded for the
-  broadcast; its peak RSS alone ("agree peak", where the peak can be reset);
+  as the coordinator's ``gather`` does, into the engine's ``Pieces`` messages, then
+  ``check_pieces`` of all clients' packed tables (streaming, vectorized) and the comparison
+  of their digests of what they hold (``held_representatives``), and the ``Verdict`` with
+  the shard counts encoded for the broadcast; its peak RSS alone ("agree peak", where the
+  peak can be reset);
 * ``merge_mem``: the io client's merge of all clients' entries held in memory and the
   index bytes (the object-store commit: each client's gathered entries decoded,
   ``merge_entries`` + ``index_bytes``);
