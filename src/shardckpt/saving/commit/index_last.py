@@ -215,12 +215,12 @@ class IndexLastCommitter(Committer):
                     entries[key] = entry.SerializeToString()
                 self._extra.append((bundle, entries, ids))
             first = len(ids)
-        self.setup = {"avoid": sorted(avoid), "first_shard_id": first, "has_index": self._scan.has_index,
-                      "index_etag": self._scan.index_etag}
+        self.setup = Setup(first, avoid=tuple(sorted(avoid)), has_index=self._scan.has_index,
+                           index_etag=self._scan.index_etag)
         return self.setup
 
     def plan(self, total: int) -> int:
-        self.num_shards = pick_num_shards(total, self.setup["avoid"])
+        self.num_shards = pick_num_shards(total, list(self.setup.avoid))
         return self.num_shards
 
     def write_shard(self, shard: ShardPlan, shard_id: int) -> Written:
@@ -237,10 +237,8 @@ class IndexLastCommitter(Committer):
         for entry in entries.values():
             entry.shard_id = shard_id
         etag = self._created(path)
-        out: Written = {"entries": _encode_entries(entries), "bytes": written, "etag": etag}
-        if digests is not None:
-            out["pieces"] = piece_records(shard, *digests)
-        return out
+        return Written(written, entries=_encode_entries(entries), etag=etag,
+                       pieces=piece_records(shard, *digests) if digests is not None else None)
 
     def _before_index(self, written: List[Written], index: bytes) -> None:
         """[io client] Called with the index's bytes just before the index PUT (the commit)."""
@@ -326,8 +324,8 @@ class IndexLastCommitter(Committer):
         fs: Any = self.location.fs
         prefix = self.location.prefix
         for i, w in enumerate(written):
-            if w.get("etag"):
-                self._mine[data_filename(prefix, self.first_shard_id + i, self.num_shards)] = str(w["etag"])
+            if w.etag:
+                self._mine[data_filename(prefix, self.first_shard_id + i, self.num_shards)] = w.etag
         self._upload_extra()
         merged = merge_entries(self._parts(written))
         for pad in range(self.first_shard_id + len(written), self.num_shards):
@@ -340,9 +338,9 @@ class IndexLastCommitter(Committer):
             self._committed = True
             return
         self._check_ours([data_filename(prefix, i, self.num_shards) for i in range(self.num_shards)])
-        seen = self.setup.get("index_etag")
+        seen = self.setup.index_etag
         try:
-            if self.setup.get("has_index") and seen:
+            if self.setup.has_index and seen:
                 fs.put(index, data, if_match=seen)
             else:
                 fs.put(index, data, if_none_match=True)
@@ -358,7 +356,7 @@ class IndexLastCommitter(Committer):
             yield bundle, sorted(entries.items())
         for i, w in enumerate(written):
             name = data_filename(prefix, self.first_shard_id + i, self.num_shards)
-            yield name, _decode_entries(w["entries"], name)
+            yield name, _decode_entries(w.entries or "", name)
 
     def finish(self) -> None:
         old = [path for path, count in self._previous.items() if count != self.num_shards]

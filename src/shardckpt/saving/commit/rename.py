@@ -81,7 +81,8 @@ class RenameCommitter(Committer):
     @property
     def temp_dir(self) -> str:
         """The save's temporary folder (known on every client after ``adopt``)."""
-        return str(self.setup["temp"])
+        assert self.setup.temp is not None, "prepare() or adopt() first"
+        return self.setup.temp
 
     def prepare(self, extra_bundles: Optional[BundleMaker] = None) -> Setup:
         fs = self.location.fs
@@ -91,10 +92,10 @@ class RenameCommitter(Committer):
             temp_dir = new_temp_dir(self.location)
             fs.makedirs(temp_dir)
             self._claim = fs.claim(temp_dir)  # live: other processes' cleaning leaves it alone
-        self.setup = {"temp": temp_dir}
+        self.setup = Setup(temp=temp_dir)
         if extra_bundles is not None:
             self._extra = list(extra_bundles(temp_dir))
-        self.setup["first_shard_id"] = 0  # parts are merged after the extras, which keep their own names
+        # first_shard_id stays 0: parts are merged after the extras, which keep their own names
         return self.setup
 
     def plan(self, total: int) -> int:
@@ -110,10 +111,8 @@ class RenameCommitter(Committer):
         with BundleWriter(part, fsync=self.fsync, durable_index=False, fs=self.location.fs,
                           checksum_executor=shared_executor(), page_phase=self.page_phase) as writer:
             digests = fill_bundle(writer, shard)
-            written: Written = {"part": part, "bytes": writer.bytes_written}
-        if digests is not None:
-            written["pieces"] = piece_records(shard, *digests)
-        return written
+            size = writer.bytes_written
+        return Written(size, part=part, pieces=piece_records(shard, *digests) if digests is not None else None)
 
     def _before_index(self, written: List[Written], index: bytes) -> None:
         """[io client] Called with the merged index's bytes just before they are written (the commit)."""
@@ -123,7 +122,7 @@ class RenameCommitter(Committer):
         return {}
 
     def commit(self, written: List[Written]) -> None:
-        parts = [str(w["part"]) for w in written]
+        parts = [str(w.part) for w in written]
         fs = self.location.fs
         with fs.exclusive(self.location.directory):  # one commit at a time in this folder
             self._avoid = existing_shard_counts(self.location)  # counts in use now: never overwritten
@@ -150,7 +149,7 @@ class RenameCommitter(Committer):
                 for count in existing_shard_counts(self.location) - self._avoid - {committed}:
                     for i in range(count):
                         fs.remove(data_filename(self.location.prefix, i, count))
-        if "temp" in self.setup:
+        if self.setup.temp is not None:
             fs.remove_tree(self.temp_dir)
         self._release()
 
