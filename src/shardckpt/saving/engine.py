@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..distributed.coordinator import CoordinationError, CoordinationTimeout, Coordinator, raise_failures
+from ..runtime import ThreadPool
 from .agreement import (
     check_pieces,
     describe_pieces,
@@ -381,7 +382,7 @@ def _write_checking_pieces(plan: SavePlan, request: SaveRequest, coordinator: Co
     pool: Optional[ThreadPoolExecutor] = None
     writes: "Optional[Future[List[Written]]]" = None
     if plan.shards:
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardckpt-save")
+        pool = ThreadPool(max_workers=1, thread_name_prefix="shardckpt-save")
         writes = pool.submit(_write_shards, committer, plan.shards, first + sum(counts[:rank]), request.max_workers)
     try:
         verdict = _pieces_verdict(coordinator, request, len(plan.shards), pack_pieces(describe_pieces(plan)),
@@ -421,7 +422,7 @@ def _write_shards(committer: Committer, shards: Sequence[ShardPlan], first_id: i
     step = max(1, -(-len(reused) // workers))
     tasks = fresh + [reused[n:n + step] for n in range(0, len(reused), step)]
     out: List[Optional[Written]] = [None] * len(shards)
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardckpt-write") as pool:
+    with ThreadPool(max_workers=workers, thread_name_prefix="shardckpt-write") as pool:
         futures = [(batch, pool.submit(run, batch)) for batch in tasks]
         for batch, future in futures:
             for i, w in zip(batch, future.result()):
