@@ -11,12 +11,15 @@
   its parent made.
 * At interpreter exit a :class:`~shardckpt.runtime.ThreadPool` still runs work handed to
   it by a non-daemon thread (a background save), where a plain ``ThreadPoolExecutor``
-  refuses it; a pool shut down by its owner still refuses.
+  refuses it; a pool shut down by its owner still refuses. An async save to an object
+  store still in flight when the script ends commits, although its HTTP client looks
+  names up on its event loop's default executor.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import textwrap
@@ -245,3 +248,29 @@ def test_a_thread_pool_still_runs_work_while_the_interpreter_shuts_down(tmp_path
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("plain refused:"), proc.stdout  # what concurrent.futures does at exit
     assert lines[1:] == ["pool: 285", "new pool: ran", "closed refused"], proc.stdout
+
+
+_S3_EXIT = """
+import sys
+import numpy as np
+import shardckpt
+state = {f"t{i}": np.full((256, 1024), i, np.float32) for i in range(16)}
+shardckpt.save_tensors(sys.argv[1], state, options=shardckpt.CheckpointOptions(enable_async=True))
+print("RETURNED", flush=True)
+"""
+
+
+def test_an_async_save_to_an_object_store_in_flight_at_exit_commits(tmp_path: Path, s3dir: str) -> None:
+    """The script ends right after the call; the background save's first requests come after that. Through
+    ``localhost`` the HTTP client looks the name up on its event loop's default executor, which
+    ``concurrent.futures`` would refuse by then."""
+    script = tmp_path / "s3_exit.py"
+    script.write_text(_S3_EXIT)
+    env = dict(os.environ, PYTHONPATH=str(Path(rt.__file__).parents[1]))
+    env["AWS_ENDPOINT_URL"] = env["AWS_ENDPOINT_URL"].replace("127.0.0.1", "localhost")
+    proc = subprocess.run([sys.executable, str(script), s3dir + "/ck"], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == 0 and "RETURNED" in proc.stdout, proc.stderr[-3000:]
+    assert "failed" not in proc.stderr, proc.stderr[-3000:]
+    with shardckpt.load_checkpoint(s3dir + "/ck") as reader:
+        np.testing.assert_array_equal(reader.get_tensor("t15"), np.full((256, 1024), 15, np.float32))

@@ -56,9 +56,15 @@ threads (its exit hook runs first, as its documentation says), so a plain
 ``ThreadPoolExecutor.submit`` then raises ``RuntimeError``. The pools of shardckpt's
 save path are :class:`ThreadPool` objects: when an executor refuses work although nobody
 shut it down, the work runs on a new non-daemon thread of its own (threads may start
-while the interpreter joins non-daemon threads; it joins those too), so the pending
-save completes and commits. Only documented behaviour is used: non-daemon threads are
-joined at exit, ``submit`` raises ``RuntimeError`` once its executor is shut down.
+while the interpreter joins non-daemon threads, and it joins those too; CPython
+3.12.0-3.12.2 refused that, gh-113964: there the work runs on the submitting thread),
+so the pending save completes and commits. Only documented behaviour is used:
+non-daemon threads are joined at exit, ``submit`` raises ``RuntimeError`` once its
+executor is shut down, ``atexit`` hooks run after the joins. No interpreter hook runs
+before ``concurrent.futures``' own (``threading._register_atexit`` is private), so
+this is how work handed to a pool survives it. An object store's event loop hands
+blocking calls (DNS lookups of new connections) to its default executor: the loops
+shardckpt's stores run on get a :class:`ThreadPool` too (:func:`adopt_event_loop`).
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, Generic, Hashable, List, Optional, TypeVar
 
-__all__ = ["Runtime", "Slot", "ThreadPool", "runtime", "reset"]
+__all__ = ["Runtime", "Slot", "ThreadPool", "runtime", "reset", "adopt_event_loop"]
 
 T = TypeVar("T")
 
@@ -242,8 +248,9 @@ class ThreadPool(ThreadPoolExecutor):
     """A ``ThreadPoolExecutor`` that still runs work while the interpreter shuts down (see the module docstring).
 
     When ``concurrent.futures`` refuses new work (its exit hook ran) although this pool
-    was not shut down, each submitted call runs on a new non-daemon thread; the
-    returned future behaves as usual.
+    was not shut down, each submitted call runs on a new non-daemon thread (or, where
+    the interpreter refuses new threads, on the caller's); the returned future behaves
+    as usual.
     """
 
     def __init__(self, max_workers: Optional[int] = None, thread_name_prefix: str = "") -> None:
@@ -270,10 +277,32 @@ class ThreadPool(ThreadPoolExecutor):
             else:
                 future.set_result(result)
 
-        threading.Thread(target=run, name=f"{self._prefix}-at-exit", daemon=False).start()
+        try:
+            threading.Thread(target=run, name=f"{self._prefix}-at-exit", daemon=False).start()
+        except RuntimeError:  # CPython 3.12.0-3.12.2 refuse new threads then (gh-113964): run it here
+            run()
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """As ``ThreadPoolExecutor.shutdown``; later submits raise ``RuntimeError``."""
         self._closed = True
         super().shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
+#: The key of an event loop's default executor in the keyed cache (anchored on the loop).
+_LOOP_EXECUTOR = "default executor"
+
+
+def adopt_event_loop(loop: Any) -> None:
+    """Give the asyncio event ``loop`` (running on another thread) a :class:`ThreadPool` as its default
+    executor, once per loop: its blocking calls (``run_in_executor(None, ...)``, e.g. an HTTP client's DNS
+    lookups) then still run while the interpreter shuts down. ``None``: nothing to do."""
+    if loop is None:
+        return
+
+    def make() -> ThreadPool:
+        pool = ThreadPool(thread_name_prefix="shardckpt-loop")
+        loop.call_soon_threadsafe(loop.set_default_executor, pool)  # before any call queued after this one
+        return pool
+
+    runtime().keep(_LOOP_EXECUTOR, make, anchor=loop)
