@@ -72,7 +72,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import BrokenExecutor, Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, Generic, Hashable, List, Optional, TypeVar
 
 __all__ = ["Runtime", "Slot", "ThreadPool", "runtime", "reset", "adopt_event_loop"]
@@ -262,6 +262,8 @@ class ThreadPool(ThreadPoolExecutor):
         """``fn(*args, **kwargs)`` on a pool thread (on a thread of its own at interpreter shutdown)."""
         try:
             return super().submit(fn, *args, **kwargs)
+        except BrokenExecutor:
+            raise
         except RuntimeError:
             if self._closed:
                 raise  # shut down by its owner: refusing is right
