@@ -59,11 +59,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from ..distributed.coordinator import CoordinationError, CoordinationTimeout, Coordinator
+from ..runtime import ThreadPool
 from .agreement import (
     check_pieces,
     describe_pieces,
@@ -257,7 +257,7 @@ def _write(plan: SavePlan, request: SaveRequest, rounds: Rounds, committer: Comm
     first = committer.first_shard_id + sum(counts[:rank])
     if nothing is not None or verdict is not None:  # nobody has anything, or checked already: no overlap
         return nothing or Outcome.of(lambda: _write_shards(committer, shards, first, request.max_workers))
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardckpt-save")
+    pool = ThreadPool(max_workers=1, thread_name_prefix="shardckpt-save")
     writes = pool.submit(Outcome.of, lambda: _write_shards(committer, shards, first, request.max_workers))
     try:
         verdict = _pieces_verdict(rounds, request, plan, len(plan.shards), with_counts=False)
@@ -372,7 +372,7 @@ def _write_shards(committer: Committer, shards: Sequence[ShardPlan], first_id: i
     step = max(1, -(-len(reused) // workers))
     tasks = fresh + [reused[n:n + step] for n in range(0, len(reused), step)]
     out: List[Optional[Written]] = [None] * len(shards)
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardckpt-write") as pool:
+    with ThreadPool(max_workers=workers, thread_name_prefix="shardckpt-write") as pool:
         futures = [(batch, pool.submit(run, batch)) for batch in tasks]
         for batch, future in futures:
             for i, w in zip(batch, future.result()):

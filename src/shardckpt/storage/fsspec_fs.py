@@ -77,6 +77,7 @@ from ..errors import (
     StorageError,
     UnsupportedError,
 )
+from ..runtime import adopt_event_loop
 from .base import FileSystem, RunBatch, posix_dirname, split_scheme
 from .readahead import BlockCache, Blocks, plan_spans
 
@@ -411,6 +412,7 @@ class FsspecFileSystem(FileSystem):
                  read_cache: int = 256 << 20, stale_after: float = 3600.0,
                  multipart_threshold: int = 64 << 20) -> None:
         self.fs = fs
+        adopt_event_loop(getattr(fs, "loop", None))  # blocking calls of its loop run at interpreter exit too
         self.protocol = protocol
         self.retries = max(1, int(retries))
         self.backoff = float(backoff)

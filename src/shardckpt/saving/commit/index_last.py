@@ -66,7 +66,6 @@ import shutil
 import tempfile
 import threading
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 from ...errors import AbortedError, CorruptIndexError, NotFoundError
@@ -76,6 +75,7 @@ from ...format.merge import index_bytes, merge_entries, read_index
 from ...format.naming import data_filename, index_filename
 from ...format.protos import tensor_bundle_pb2 as pb
 from ...format.sstable import TableWriter, read_table
+from ...runtime import ThreadPool
 from ...storage.base import FileSystem, WriteHandle
 from ...storage.local import local_fs
 from ...storage.location import Location
@@ -83,7 +83,14 @@ from ...storage.wrappers import FileSystemWrapper
 from ..incremental import piece_records
 from ..plan import ShardPlan
 from .base import BundleMaker, Committer, Setup, Written
-from .leftovers import InPlaceScan, abort_stale_uploads, committed_num_shards, remove_data_files, scan_in_place
+from .leftovers import (
+    InPlaceScan,
+    abort_stale_uploads,
+    committed_num_shards,
+    pick_num_shards,
+    remove_data_files,
+    scan_in_place,
+)
 from .writing import fill_bundle
 
 __all__ = ["IndexLastCommitter", "pick_num_shards"]
@@ -91,14 +98,6 @@ __all__ = ["IndexLastCommitter", "pick_num_shards"]
 _log = logging.getLogger("shardckpt")
 Entries = Dict[bytes, pb.BundleEntryProto]
 Serialized = Dict[bytes, bytes]
-
-
-def pick_num_shards(count: int, avoid: List[int]) -> int:
-    """``count`` (at least 1), raised past every shard count in ``avoid`` (empty padding data files)."""
-    n = max(1, count)
-    while n in avoid:
-        n += 1
-    return n
 
 
 def _encode_entries(entries: Mapping[bytes, pb.BundleEntryProto]) -> str:
@@ -311,7 +310,7 @@ class IndexLastCommitter(Committer):
         if listed is not None and all(p in listed for p in named):
             problems = [p for p in map(check, named) if p is not None]
         else:
-            with ThreadPoolExecutor(max_workers=min(16, max(1, len(named))),
+            with ThreadPool(max_workers=min(16, max(1, len(named))),
                                     thread_name_prefix="shardckpt-check") as pool:
                 problems = [p for p in pool.map(check, named) if p is not None]
         if problems:

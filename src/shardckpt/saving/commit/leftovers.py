@@ -20,7 +20,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Collection, Dict, List, Optional, Set
 
 from ...format.merge import read_index_header
 from ...format.naming import DATA_SUFFIX_PATTERN, data_filename, index_filename, parse_data_filename
@@ -28,8 +28,8 @@ from ...storage.base import FileSystem
 from ...storage.location import Location
 
 __all__ = ["TEMP_SUFFIX", "new_temp_dir", "clean_leftovers", "clean_directory", "data_files", "existing_shard_counts",
-           "committed_num_shards", "remove_data_files", "remove_stale_data_files", "NO_INDEX", "UNREADABLE_INDEX",
-           "scan_in_place", "InPlaceScan", "abort_stale_uploads"]
+           "pick_num_shards", "committed_num_shards", "remove_data_files", "remove_stale_data_files", "NO_INDEX",
+           "UNREADABLE_INDEX", "scan_in_place", "InPlaceScan", "abort_stale_uploads"]
 
 TEMP_SUFFIX = "_temp_"
 NO_INDEX = -1
@@ -83,6 +83,15 @@ def data_files(location: Location, names: List[str]) -> Dict[str, int]:
 def existing_shard_counts(location: Location) -> Set[int]:
     """Shard counts (``-of-N``) of the data files present at the prefix."""
     return set(data_files(location, _siblings(location)).values())
+
+
+def pick_num_shards(count: int, avoid: Collection[int]) -> int:
+    """``count`` (at least 1), raised past every shard count in ``avoid`` (the counts of data files already at
+    the prefix, which a new checkpoint must not overwrite; it adds empty padding data files instead)."""
+    n = max(1, count)
+    while n in avoid:
+        n += 1
+    return n
 
 
 def remove_data_files(location: Location, num_shards: int) -> None:

@@ -56,6 +56,7 @@ from .leftovers import (
     committed_num_shards,
     existing_shard_counts,
     new_temp_dir,
+    pick_num_shards,
     remove_stale_data_files,
 )
 from .writing import fill_bundle
@@ -210,9 +211,7 @@ def merge_bundles(prefixes: Sequence[str], destination: str, *, delete_old_dirs:
                 yield prefix, header, items
 
     merged = plan_merge(inputs())
-    num_shards = max(merged.count, 1)
-    while num_shards in avoid_num_shards:
-        num_shards += 1
+    num_shards = pick_num_shards(merged.count, avoid_num_shards)
     renames = {source: data_filename(destination, i, num_shards) for i, source in enumerate(merged.sources)}
     index = merged.index(num_shards)
     for source in renames:  # everything is checked before the first rename
