@@ -60,6 +60,7 @@ from ..errors import (
     UnsupportedError,
 )
 from ..storage.base import FileSystem, RunBatch, normalize
+from ..storage.object_store import ObjectStore
 from ..storage.registry import get_fs
 from . import crc
 from .bundle_writer import byte_view
@@ -237,9 +238,9 @@ class BundleReader:
         fs = fs if fs is not None else get_fs(prefix)
         self._fs = fs
         self._context = context if context is not None else crc.default_context()
-        self._identity_of = getattr(fs, "identity", None)
+        self._identity_of = fs.identity
         #: object stores: reads held to the version an identity names (``If-Match``), see _open_index
-        self._pin = getattr(fs, "pin", None) if self._identity_of is not None else None
+        self._pin = fs.pin if isinstance(fs, ObjectStore) else None
         self._unit = fs.read_step or _UNIT  # a store's preferred request size, when it has one
         self._min_unit = fs.read_step or _MIN_UNIT
         self._sub = fs.read_step or _SUB
@@ -281,7 +282,7 @@ class BundleReader:
         # of every data object, and reads the index's first bytes with the identity of the
         # version read. Both name the same index, or the open starts again; later reads are
         # pinned to the identities (a replaced object fails the read), so no HEAD is needed.
-        both = getattr(fs, "list_and_read", None) if self._pin is not None else None
+        both = fs.list_and_read if isinstance(fs, ObjectStore) else None
         got = both(self.prefix + ".", self.index_path, _EAGER_INDEX_BYTES) if both is not None else None
         listed, head = got if got is not None else (None, None)
         if head is not None:
@@ -346,7 +347,7 @@ class BundleReader:
             return True
         if self.num_shards <= _EAGER_IDENTITY:
             paths = [self.data_path(shard) for shard in range(self.num_shards)]
-            batch = getattr(self._fs, "identities", None)
+            batch = self._fs.identities
             if batch is not None:  # e.g. one listing on an object store
                 found = batch(paths)
                 self._identities = {shard: found.get(path) for shard, path in enumerate(paths)}
@@ -858,7 +859,7 @@ class BundleReader:
     @property
     def prefetches(self) -> bool:
         """Whether :meth:`prefetch` does anything on this reader's store (callers may skip building the list)."""
-        return getattr(self._fs, "prefetch", None) is not None and bool(getattr(self._fs, "prefetches", False))
+        return self._fs.prefetches
 
     def prefetch(self, regions: Sequence[Tuple[KeyLike, Optional[Union[Box, TensorSlice, str]]]]) -> int:
         """Announce the reads of ``regions`` (``(key, region)``; ``None``: the whole tensor) to the store.
@@ -896,7 +897,7 @@ class BundleReader:
         or slice is looked up again. Returns the number of requests planned."""
         if not self.prefetches:
             return 0
-        hint = self._fs.prefetch  # type: ignore[attr-defined]
+        hint = self._fs.prefetch
         files: Dict[int, Tuple[Any, str, int]] = {}  # shard -> (descriptor, path, size)
         # shard -> announced [start, end) pairs: of whole pieces (ints), of regions (arrays of runs)
         whole: Dict[int, Tuple[List[int], List[int]]] = {}

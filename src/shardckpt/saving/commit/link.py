@@ -42,7 +42,7 @@ Deleting the previous checkpoint's objects afterwards leaves the copies intact.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
 from ...format.naming import data_filename
 from ...format.protos import tensor_bundle_pb2 as pb
@@ -109,7 +109,7 @@ class CopyIndexLastCommitter(IndexLastCommitter):
     def write_shard(self, shard: ShardPlan, shard_id: int) -> Written:
         if shard.reuse is None:
             return super().write_shard(shard, shard_id)
-        fs: Any = self.location.fs
+        fs = self.store
         path = data_filename(self.location.prefix, shard_id, self.num_shards)
         how = fs.copy_file(shard.reuse.source, path)
         etag = fs.head_etag(path) if self._conditional else None
