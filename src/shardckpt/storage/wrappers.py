@@ -40,6 +40,8 @@ _FORMS_LOCK = threading.Lock()
 def _object_store_form(cls: type) -> type:
     """``cls`` (a wrapper class) as a wrapper of object stores: a subclass of it and :class:`ObjectStoreWrapper`
     (made once per class; ``cls``'s own overrides come first)."""
+    if cls is FileSystemWrapper:
+        return ObjectStoreWrapper
     with _FORMS_LOCK:
         form = _OBJECT_STORE_FORMS.get(cls)
         if form is None:
