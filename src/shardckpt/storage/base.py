@@ -18,8 +18,10 @@ Roles and call sequences (who calls what):
   without publishing anything it wrote where the store allows that.
   ``write_atomic`` writes a small whole file (an index, the state file) so that
   readers see the old content or the new one, never a mix.
-* **Readers** (``format.BundleReader``): ``open_read`` -> ``pread_into`` (repeated) /
-  ``pread_batch`` -> ``close``; ``size`` and ``read_bytes`` for whole small files.
+* **Readers** (``format.BundleReader``): ``open_read`` -> [``prefetch``: the ranges it
+  will read] -> ``pread_into`` (repeated) / ``pread_batch`` -> ``close``; ``size`` and
+  ``read_bytes`` for whole small files; ``identity`` / ``identities`` at open and again
+  later, to tell a checkpoint replaced under the reader.
 * **Committers** (``saving.commit``): names (``rename``, ``remove``, ``listdir``,
   ...), ``copy_file`` (incremental saves: a hard link, a reflink, a server-side copy),
   durability of names (``fsync_dir``), and coordination between processes:
