@@ -61,9 +61,8 @@ class FileSystemWrapper(FileSystem):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "FileSystemWrapper":
         inner = args[0] if args else kwargs.get("inner")
-        if isinstance(inner, ObjectStore) and not issubclass(cls, ObjectStore):
-            cls = _object_store_form(cls)
-        return super().__new__(cls)
+        form = _object_store_form(cls) if isinstance(inner, ObjectStore) and not issubclass(cls, ObjectStore) else cls
+        return super().__new__(form)
 
     def __init__(self, inner: FileSystem) -> None:
         self.inner = inner
