@@ -10,8 +10,9 @@ too, where each step is one request):
 an empty ``<old>.deleting`` marker per checkpoint beyond ``max_to_keep``; the state file
 (naming the new checkpoint and the kept ones, never the doomed); the doomed checkpoints
 deleted (index first) and their markers removed; markers a dead process left finished
-(their checkpoints deleted unless named again); what dead saves left removed
-(:func:`~shardckpt.saving.commit.leftovers.clean_directory`).
+(their checkpoints deleted unless named again); what dead saves left removed. Every
+deletion is :mod:`shardckpt.saving.commit.deletion`'s (the committers' own), through the
+folder's ``FileSystem``.
 
 Several clients (a checkpoint saved collectively: DVariables on a mesh of several
 clients, a ``DTensorCheckpoint``): every client runs the same manager calls. Only the
@@ -25,30 +26,26 @@ so every client restores, or every client initializes.
 
 from __future__ import annotations
 
-import glob
 import os
-import re
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..distributed.coordinator import CoordinationError, Coordinator
 from ..errors import InvalidArgumentError, NotFoundError
 from ..format.naming import index_filename
-from ..saving.commit.leftovers import clean_directory
-from ..saving.incremental import retained_for_damage, sidecar_filename
+from ..saving.commit.deletion import DELETING, clean_directory, delete_marked, finish_deletions, mark_deleting
+from ..saving.incremental import retained_for_damage
 from ..saving.options import CheckpointOptions
 from ..saving.request import SharedCommitStep
-from ..storage.base import is_local_path, normalize
+from ..storage.base import normalize
+from ..storage.object_store import ObjectStore
 from ..storage.registry import get_fs
 from .state import STATE_FILENAME, CheckpointState, clean_path, get_checkpoint_state, update_checkpoint_state
 
-__all__ = ["CheckpointManager"]
-
-#: Suffix of the marker ``<prefix>.deleting`` that stands while a retention deletion of ``<prefix>`` runs.
-DELETING = ".deleting"
+__all__ = ["CheckpointManager", "DELETING"]
 
 
 def _value(counter: Any) -> int:
@@ -235,7 +232,7 @@ class CheckpointManager:
                                     "sharing this folder?); the state file was not changed", path=path)
             now = time.time()
             kept = OrderedDict(self._maybe_delete)
-            if fs.supports_rename:  # local: another manager sharing this folder may have deleted some
+            if not isinstance(fs, ObjectStore):  # local: another manager sharing this folder may have deleted some
                 for other in [p for p in kept if p != path]:
                     if not fs.exists(index_filename(clean_path(other))):
                         del kept[other]
@@ -249,21 +246,16 @@ class CheckpointManager:
                 doomed.remove(old)
                 kept[old] = stamps[old]
                 kept.move_to_end(old, last=False)
-            marked = True  # a marker per doomed checkpoint (every store), so a death below is finished later
-            for old in doomed if marked else []:
-                fs.close(fs.open_write(clean_path(old) + DELETING))
+            # a marker per doomed checkpoint (every store), so a death below is finished later
+            mark_deleting(fs, [clean_path(old) for old in doomed])
             update_checkpoint_state(self._directory, path, list(kept),
                                     all_model_checkpoint_timestamps=list(kept.values()),
                                     last_preserved_timestamp=preserved)
             state = {"latest": path, "kept": [[p, t] for p, t in kept.items()], "preserved": preserved}
             self._adopt(path, state)
-            for old in doomed:
-                _delete_checkpoint(clean_path(old))
-                if marked:
-                    fs.remove(clean_path(old) + DELETING)
+            delete_marked(fs, [clean_path(old) for old in doomed])
             tracked = [clean_path(p) for p in kept]
-            if marked:
-                _finish_deletions(fs, folder, fs.basename(self._prefix), set(tracked))
+            finish_deletions(fs, folder, fs.basename(self._prefix), set(tracked))
             # Other complete checkpoints the state file does not name are left alone, as TensorFlow's
             # manager leaves them (a save killed between its commit and this point leaves one; the
             # next save with the restored counter reuses its number and replaces it).
@@ -320,45 +312,6 @@ def _recovered(state: Optional[CheckpointState]) -> Optional[Dict[str, Any]]:
     return {"latest": state.model_checkpoint_path, "paths": list(state.all_model_checkpoint_paths),
             "stamps": list(state.all_model_checkpoint_timestamps),
             "preserved": float(state.last_preserved_timestamp)}
-
-def _finish_deletions(fs: Any, directory: str, base: str, tracked: Set[str]) -> None:
-    """Finish the retention deletions a dead manager began: ``<base>-<N>.deleting`` markers.
-
-    A marker is made before the state file stops naming a doomed checkpoint and removed once
-    the checkpoint is deleted; one that is left means the process died in between. Its
-    checkpoint is deleted unless the state file names it again (a later save reused the
-    number: then only the marker goes).
-    """
-    pattern = re.compile(re.escape(base) + r"-\d+" + re.escape(DELETING))
-    for name in fs.listdir(directory):
-        if pattern.fullmatch(name):
-            prefix = fs.join(directory, name[:-len(DELETING)])
-            if prefix not in tracked:
-                _delete_checkpoint(prefix)
-            fs.remove(fs.join(directory, name))
-
-
-def _delete_checkpoint(prefix: str) -> None:
-    """Remove a checkpoint's index (first: it stops being a checkpoint), its data files and its sidecar.
-
-    Incremental saves link data files into newer checkpoints (or copy them): removing
-    this checkpoint's names never removes bytes a newer checkpoint uses."""
-    if is_local_path(prefix):
-        for name in ([index_filename(prefix)] + glob.glob(glob.escape(prefix) + ".data-*-of-*")
-                     + [sidecar_filename(prefix)]):
-            try:
-                os.remove(name)
-            except FileNotFoundError:
-                pass
-        return
-    fs = get_fs(prefix)
-    fs.remove(index_filename(prefix))
-    pattern = re.compile(re.escape(fs.basename(prefix)) + r"\.data-\d+-of-\d+$")
-    directory = fs.dirname(prefix)
-    for name in fs.listdir(directory):
-        if pattern.match(name):
-            fs.remove(fs.join(directory, name))
-    fs.remove(sidecar_filename(prefix))
 
 
 def _clock_checked(last_preserved: float, now: float) -> float:

@@ -73,8 +73,7 @@ Identity = Tuple[Any, ...]
 
 def file_identity(fs: FileSystem, path: str) -> Optional[Identity]:
     """The store's identity of the file at ``path`` (``None``: the store has none to give)."""
-    identity = getattr(fs, "identity", None)
-    return None if identity is None else tuple(identity(path))
+    return tuple(fs.identity(path))
 
 
 def file_stamp(identity: Optional[Identity]) -> Optional[Stamp]:
@@ -290,13 +289,4 @@ def wait_for_scrubs(timeout: Optional[float] = None) -> bool:
 def identities_of(fs: FileSystem, paths: Sequence[str]) -> Dict[str, Optional[Identity]]:
     """The identity of each of ``paths`` (``None``: missing, or the store gives none), in one batch
     where the store offers one (an object store: one listing)."""
-    batch = getattr(fs, "identities", None)
-    if batch is not None:
-        return {p: (None if i is None else tuple(i)) for p, i in batch(list(paths)).items()}
-    out: Dict[str, Optional[Identity]] = {}
-    for p in paths:
-        try:
-            out[p] = file_identity(fs, p)
-        except Exception:
-            out[p] = None
-    return out
+    return {p: (None if i is None else tuple(i)) for p, i in fs.identities(list(paths)).items()}

@@ -108,7 +108,7 @@ class CopyIndexLastCommitter(IndexLastCommitter):
     def write_shard(self, shard: ShardPlan, shard_id: int) -> Written:
         if shard.reuse is None:
             return super().write_shard(shard, shard_id)
-        fs: Any = self.location.fs
+        fs = self.store
         path = data_filename(self.location.prefix, shard_id, self.num_shards)
         how = fs.copy_file(shard.reuse.source, path)
         etag = fs.head_etag(path) if self._conditional else None
