@@ -31,6 +31,7 @@ from shardckpt import io
 from shardckpt.checkpoint.state import update_checkpoint_state
 from shardckpt.convert import open_source
 from shardckpt.format.bundle_reader import BundleReader
+from shardckpt.storage.location import Location
 
 RNG = np.random.default_rng(27)
 KERNEL = RNG.standard_normal((8, 4)).astype(np.float32)
@@ -95,14 +96,14 @@ def _delete(s3_server: Any, url: str) -> None:
 
 
 def _entry_span(prefix: str, key: str) -> Tuple[int, int]:
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         entry = reader.entry(key)
         return int(entry.offset), int(entry.size)
 
 
 def _needed(prefix: str) -> int:
     """The size the index says the data file has: the end of its last entry."""
-    with BundleReader(prefix) as reader:
+    with BundleReader(Location.of(prefix)) as reader:
         return max(int(reader.entry(k).offset) + int(reader.entry(k).size) for k in reader.keys(include_slices=True)
                    if reader.entry(k).size)
 
