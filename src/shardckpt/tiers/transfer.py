@@ -1,0 +1,115 @@
+"""Moving a node's bundle to another node over the coordinator (point-to-point, bounded memory).
+
+The sending leader streams the bundle's files; the receiving leader writes them into its
+own tier under the sender's node folder. On the wire, one message after another on
+:data:`TAG`::
+
+    8 bytes       little-endian length L of the manifest
+    L bytes       manifest (JSON): {"files": [[name, size], ...]}: data files first, index last
+    per file      its bytes, in messages of at most ``chunk`` bytes
+
+The receiver removes what its tier held of that bundle (marker first), then writes each
+file under its final name, fsyncs it, and the folder at the end; the index is written
+last. No marker is written here: the bundle counts once the save's agreement says every
+replica arrived (:mod:`.save`). A receiver that cannot write (a full or read-only tier)
+keeps receiving and drops the bytes, so the sender is never left blocked, and reports its
+error; the caller fails the save on every client. Only one buffer of ``chunk`` bytes is
+in flight per side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any, List, Optional, Tuple
+
+from ..distributed.coordinator import Coordinator
+from .tier import bundle_files, fsync_dir, remove_bundle
+
+__all__ = ["send_bundle", "receive_bundle", "TAG"]
+
+TAG = 28
+
+
+def send_bundle(coordinator: Coordinator, dst: int, prefix: str, chunk: int) -> int:
+    """Send the bundle at ``prefix`` to rank ``dst``; return the bytes of its files sent."""
+    files = bundle_files(prefix)
+    manifest = json.dumps({"files": files}).encode("utf-8")
+    coordinator.send_bytes(memoryview(struct.pack("<Q", len(manifest))), dst, tag=TAG)
+    coordinator.send_bytes(memoryview(manifest), dst, tag=TAG)
+    folder = os.path.dirname(prefix)
+    buffer = bytearray(min(chunk, max((size for _, size in files), default=0)) or 1)
+    view = memoryview(buffer)
+    sent = 0
+    for name, size in files:
+        with open(os.path.join(folder, name), "rb", buffering=0) as f:
+            left = size
+            while left:
+                n = f.readinto(view[:min(left, len(buffer))])
+                if not n:
+                    raise OSError(f"{os.path.join(folder, name)}: ended {left} bytes before its size {size}")
+                coordinator.send_bytes(view[:n], dst, tag=TAG)
+                left -= n
+                sent += n
+    return sent
+
+
+def receive_bundle(coordinator: Coordinator, src: int, prefix: str, chunk: int,
+                   timeout: Optional[float] = None) -> Tuple[int, Optional[str]]:
+    """Receive a bundle from rank ``src`` into ``prefix`` (its folder is made); return ``(bytes received,
+    error)``: a write error is returned after every byte was received, never raised."""
+    head = coordinator.recv_bytes(src, 8, tag=TAG, timeout=timeout)
+    (length,) = struct.unpack("<Q", bytes(head))
+    manifest = json.loads(bytes(coordinator.recv_bytes(src, length, tag=TAG, timeout=timeout)).decode("utf-8"))
+    files: List[Tuple[str, int]] = [(str(n), int(s)) for n, s in manifest["files"]]
+    error: Optional[str] = None
+    folder, base = os.path.split(prefix)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        remove_bundle(prefix)
+    except OSError as e:
+        error = f"{folder}: {e}"
+    buffer = bytearray(min(chunk, max((size for _, size in files), default=0)) or 1)
+    view = memoryview(buffer)
+    received = 0
+    for name, size in files:
+        target = os.path.join(folder, base + name[name.index("."):]) if "." in name else prefix
+        out = None
+        if error is None:
+            try:
+                out = open(target, "wb", buffering=0)
+            except OSError as e:
+                error = f"{target}: {e}"
+        left = size
+        while left:
+            n = min(left, len(buffer))
+            coordinator.recv_bytes(src, n, out=view[:n], tag=TAG, timeout=timeout)
+            left -= n
+            received += n
+            if out is not None:
+                try:
+                    out.write(view[:n])
+                except OSError as e:
+                    error = f"{target}: {e}"
+                    _close_quietly(out)
+                    out = None
+        if out is not None:
+            try:
+                os.fsync(out.fileno())
+                out.close()
+            except OSError as e:
+                error = f"{target}: {e}"
+    if error is None:
+        try:
+            fsync_dir(folder)
+        except OSError as e:
+            error = f"{folder}: {e}"
+    return received, error
+
+
+def _close_quietly(handle: Any) -> None:
+    try:
+        handle.close()
+    except OSError:
+        pass
