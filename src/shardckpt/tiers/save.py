@@ -175,8 +175,11 @@ def save_to_tier(tier: LocalTier, step: int, pieces: List[TierPiece], coordinato
                     error = error or problem
         _round(coordinator, error, timeout)  # 4 agree
     except BaseException:
-        for owner in held:  # unmarked: they never counted; removed so that no leftover lingers
-            remove_bundle(tier.prefix(me, owner, step))
+        for owner in held:  # unmarked: they never counted; removed (best effort) so that no leftover lingers
+            try:
+                remove_bundle(tier.prefix(me, owner, step))
+            except OSError:
+                pass
         shutil.rmtree(parts, ignore_errors=True)
         raise
     error = None

@@ -1,0 +1,136 @@
+"""Tiered checkpoints in one process: placement, node identity, the files of a tier, restore choices.
+
+(Four clients as two nodes under torchrun and mpiexec: tests/test_tiers_multiclient.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import shardckpt
+from shardckpt.errors import InvalidArgumentError
+from shardckpt.tiers import NodeMap, node_id, replica_targets
+from shardckpt.tiers.restore import choose_step
+
+
+def test_replicas_go_to_the_next_nodes_never_the_node_itself():
+    assert replica_targets(0, 4, 1) == [1]
+    assert replica_targets(3, 4, 2) == [0, 1]
+    assert replica_targets(1, 2, 5) == [0]  # fewer other nodes than replicas
+    assert replica_targets(0, 1, 1) == []
+    for nodes in range(1, 6):
+        for i in range(nodes):
+            assert i not in replica_targets(i, nodes, 3)
+
+
+def test_node_id_prefers_shardckpt_node_then_group_rank(monkeypatch):
+    monkeypatch.setenv("GROUP_RANK", "3")
+    monkeypatch.setenv("SHARDCKPT_NODE", "7")
+    assert node_id() == "7"
+    monkeypatch.delenv("SHARDCKPT_NODE")
+    assert node_id() == "3"
+
+
+def test_node_map_orders_numeric_ids_numerically():
+    m = NodeMap(("10", "10", "2", "2"), ("2", "10"))
+    assert m.leader("10") == 0 and m.leader("2") == 2
+    assert m.replicas_of("2", 1) == ["10"]
+
+
+def test_the_newest_step_complete_across_nodes_is_chosen():
+    nodes = NodeMap(("0", "1"), ("0", "1"))
+    # step 6: node 1's bundle only at node 0 (replica); step 7: node 0's bundle nowhere
+    reports = {"0": {"6": ["0", "1"], "7": ["1"]}, "1": {"5": ["0", "1"], "7": ["1"]}}
+    assert choose_step(reports, nodes) == (6, {"0": ["0"], "1": ["0"]})
+    assert choose_step({"0": {}, "1": {}}, nodes) == (None, {})
+
+
+def _saves(tmp_path, count=6):
+    value = shardckpt.Variable(np.zeros(5, np.float32))
+    tier = shardckpt.LocalTier(str(tmp_path / "tier" / "{node}"))
+    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(v=value), str(tmp_path / "persistent"), max_to_keep=3,
+                                          local=tier, persist_every=5)
+    paths = []
+    for n in range(1, count + 1):
+        value.assign(np.full(5, n, np.float32))
+        paths.append(manager.save())
+    return paths
+
+
+def _restore(tmp_path):
+    value = shardckpt.Variable(np.zeros(5, np.float32))
+    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(v=value), str(tmp_path / "persistent"), max_to_keep=3,
+                                          local=shardckpt.LocalTier(str(tmp_path / "tier" / "{node}")),
+                                          persist_every=5)
+    return manager.restore_or_initialize(), value.numpy(), manager.local.last_restore
+
+
+def test_local_saves_persist_every_fifth_and_restore_the_newest(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    paths = _saves(tmp_path)
+    own = tmp_path / "tier" / "n0" / "node-n0"
+    assert paths[4] == str(tmp_path / "persistent" / "ckpt-5")
+    assert paths[5] == str(own / "ckpt-6")
+    assert sorted(p.name for p in own.iterdir() if p.name.endswith(".committed")) == \
+        ["ckpt-5.committed", "ckpt-6.committed"]  # keep=2
+    assert shardckpt.latest_checkpoint(str(tmp_path / "persistent")).endswith("ckpt-5")
+    # a tier bundle is a TF-format checkpoint
+    assert np.array_equal(shardckpt.load_checkpoint(str(own / "ckpt-6")).get_tensor("v/.ATTRIBUTES/VARIABLE_VALUE"),
+                          np.full(5, 6, np.float32))
+    returned, value, last = _restore(tmp_path)
+    assert returned == str(own / "ckpt-6") and last.step == 6 and np.array_equal(value, np.full(5, 6))
+
+
+def test_an_unmarked_bundle_never_counts_and_is_dropped(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    _saves(tmp_path)
+    own = tmp_path / "tier" / "n0" / "node-n0"
+    for p in list(own.iterdir()):  # what a save of step 7 killed before its marker leaves
+        if p.name.startswith("ckpt-6.") and not p.name.endswith(".committed"):
+            shutil.copy(p, own / p.name.replace("ckpt-6", "ckpt-7"))
+    returned, value, _ = _restore(tmp_path)
+    assert returned == str(own / "ckpt-6") and np.array_equal(value, np.full(5, 6))
+    assert not [p for p in own.iterdir() if p.name.startswith("ckpt-7")]
+
+
+def test_a_damaged_bundle_does_not_count(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    _saves(tmp_path)
+    own = tmp_path / "tier" / "n0" / "node-n0"
+    with open(own / "ckpt-6.data-00000-of-00001", "ab") as f:
+        f.write(b"x")  # its size no longer what the marker says
+    returned, value, last = _restore(tmp_path)
+    assert returned == str(own / "ckpt-5") and last.step == 5 and np.array_equal(value, np.full(5, 5))
+
+
+def test_a_wiped_tier_restores_the_persistent_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    _saves(tmp_path)
+    shutil.rmtree(tmp_path / "tier")
+    returned, value, last = _restore(tmp_path)
+    assert returned == str(tmp_path / "persistent" / "ckpt-5") and last.step is None
+    assert np.array_equal(value, np.full(5, 5))
+
+
+def test_a_newer_persistent_checkpoint_wins(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    _saves(tmp_path, count=5)
+    own = tmp_path / "tier" / "n0" / "node-n0"
+    for name in os.listdir(own):
+        if name.startswith("ckpt-5"):
+            os.remove(own / name)  # the tier's newest is step 4; the persistent one is 5
+    returned, value, last = _restore(tmp_path)
+    assert returned == str(tmp_path / "persistent" / "ckpt-5") and "newer" in last.reason
+    assert np.array_equal(value, np.full(5, 5))
+
+
+def test_persist_every_needs_a_local_tier(tmp_path):
+    ckpt = shardckpt.Checkpoint(v=shardckpt.Variable(np.zeros(2)))
+    with pytest.raises(InvalidArgumentError, match="persist_every"):
+        shardckpt.CheckpointManager(ckpt, str(tmp_path), max_to_keep=1, persist_every=5)
+    with pytest.raises(InvalidArgumentError, match="replicas"):
+        shardckpt.LocalTier(str(tmp_path), replicas=-1)
