@@ -10,11 +10,12 @@ same order. Steps::
                     (its own or a replica holder); if the newest persistent checkpoint
                     (``persistent_step``) is newer, or no step is complete, nothing here:
                     the caller restores the persistent checkpoint (never a mix of steps)
-    3 repopulate    for each node's bundle of S and each node that should hold it (the
-                    node itself and its replica nodes) but does not: the first holder's
+    3 repopulate    for each node that lacks its own bundle of S: the first holder's
                     leader (in node order) streams it to that node's leader
                     (:mod:`.transfer`), one transfer at a time; all-gather of the outcome;
-                    the receivers write the markers
+                    the receivers write the markers. Replicas a lost node held for others
+                    are not re-sent here (they are not needed to restore): the next save
+                    writes every bundle and replica of its step afresh
     4 drop     L    bundles of steps newer than S are removed from every tier (marker
                     first), so that later saves of those numbers never meet them
     5 read     all  each client restores from its own node's bundle of S through the one
@@ -101,8 +102,8 @@ def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap,
     sent = received = 0
     error: Optional[str] = None
     got: List[str] = []
-    for owner in nodes.nodes:  # 3 repopulate
-        for target in [owner] + nodes.replicas_of(owner, tier.replicas):
+    for owner in nodes.nodes:  # 3 repopulate: each node's own bundle (replicas: by the next save)
+        for target in [owner]:
             if target in holders[owner]:
                 continue
             source = holders[owner][0]

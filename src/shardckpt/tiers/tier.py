@@ -50,8 +50,8 @@ class LocalTier:
         path); ``{node}`` in it is replaced by the node id.
       replicas: how many other nodes hold a copy of each node's bundle (fewer when the job has
         fewer other nodes): the placement of :func:`~shardckpt.tiers.nodes.replica_targets`.
-      keep: how many of the newest local steps each node keeps (at least 1; with 1 each save
-        takes one more agreement round before deleting the previous step).
+      keep: how many of the newest local steps each node keeps (at least 1; every node deletes
+        older steps only after every node committed the new one).
       chunk_bytes: bytes in flight per replica transfer message (memory held per transfer).
     """
 
