@@ -170,3 +170,24 @@ def test_verify_and_inspect_read_a_tier_folder(tmp_path, monkeypatch, capsys):
     assert _cli("verify", str(tmp_path / "tier")) == 1
     out = capsys.readouterr().out
     assert "BAD key 'w'" in out and "FAILED: 1 of 1 committed bundles bad" in out
+
+
+def test_an_asynchronous_tiered_save_keeps_the_values_of_its_call(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    value = shardckpt.Variable(np.zeros(1000, np.float32))
+    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(v=value), str(tmp_path / "persistent"), max_to_keep=3,
+                                          local=shardckpt.LocalTier(str(tmp_path / "tier" / "{node}")),
+                                          persist_every=3)
+    options = shardckpt.CheckpointOptions(enable_async=True)
+    for n in range(1, 6):
+        value.assign(np.full(1000, n, np.float32))
+        manager.save(options=options)
+        value.assign(np.full(1000, -1, np.float32))  # after the return: in no checkpoint
+    manager.sync()
+    target = shardckpt.Variable(np.zeros(1000, np.float32))
+    again = shardckpt.CheckpointManager(shardckpt.Checkpoint(v=target), str(tmp_path / "persistent"), max_to_keep=3,
+                                        local=shardckpt.LocalTier(str(tmp_path / "tier" / "{node}")), persist_every=3)
+    again.restore_or_initialize()
+    assert again.local.last_restore.step == 5 and np.array_equal(target.numpy(), np.full(1000, 5, np.float32))
+    persistent = shardckpt.load_checkpoint(str(tmp_path / "persistent" / "ckpt-3"))
+    assert np.array_equal(persistent.get_tensor("v/.ATTRIBUTES/VARIABLE_VALUE"), np.full(1000, 3, np.float32))

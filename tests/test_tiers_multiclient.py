@@ -14,7 +14,9 @@ replicas=1, keep=2), persist_every=5)``, six times. What is held (the issue's Te
 * a replica transfer failing (node 1 cannot write node 0's replica of step 7) fails the save on
   every client, commits nothing (no marker, no file of step 7 left) and gives the number back;
   step 6 is restored afterwards;
-* both tiers wiped: every client restores the persistent step 5 exactly, never a mix.
+* both tiers wiped: every client restores the persistent step 5 exactly, never a mix;
+* asynchronous tiered saves (values clobbered right after each return) commit what was saved:
+  step 7 is restored exactly from the tiers.
 """
 
 from __future__ import annotations
@@ -129,3 +131,15 @@ def test_both_wiped_restores_the_persistent_step_5(job):
         _exact(got)
         assert got["step"] is None and got["returned"] == str(job["data"] / "persistent" / "ckpt-5")
         assert got["save_counter"] == 5
+
+
+def test_asynchronous_tiered_saves_commit_what_was_saved(job):
+    for rank in range(NPROC):
+        node = rank // 2
+        for n in (6, 7):
+            assert _phase(job, rank, f"async_save{n}") == str(job["data"] / "tier" / str(node) / f"node-{node}"
+                                                               / f"ckpt-{n}")
+        _phase(job, rank, "async_sync")
+        got = _phase(job, rank, "restore_after_async")
+        _exact(got)
+        assert got["step"] == 7 and got["save_counter"] == 7 and got["persistent_opens"] == 0

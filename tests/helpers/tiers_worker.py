@@ -17,7 +17,10 @@ manager_worker.py (DVariables of every layout of ``dtensor_worker.VARS`` on
   write node 0's replica of step 7 (``tier/1/node-0/ckpt-7.index``): the save of generation 7
   must fail on every client; then the files are looked at (no marker of step 7 anywhere) and the fault removed;
 * ``restore_after_fault``: a restore gives step 6 again;
-* ``restore_both_wiped``: both tiers removed: the restore gives the persistent ``ckpt-5``.
+* ``restore_both_wiped``: both tiers removed: the restore gives the persistent ``ckpt-5``;
+* ``async_save6``, ``async_save7``: a new manager restores step 5, then saves generations 6 and 7
+  with ``CheckpointOptions(enable_async=True)``, the values clobbered right after each return,
+  then ``sync()``; ``restore_after_async`` gives step 7 exactly, from the tiers.
 
 Each restore phase records what ``restore_or_initialize`` returned, the tier's
 ``last_restore``, the bytes this client passed to ``send_bytes`` during the phase (every
@@ -142,6 +145,28 @@ def run(data: str) -> None:
         shutil.rmtree(os.path.join(data, "tier", str(rank // 2)))
     coord.barrier("wiped both")
     W.phase("restore_both_wiped", lambda: restore_phase(mesh, data, PERSIST_EVERY))
+
+    modela, variablesa = M.build_model(mesh, 0)
+    managera = manager_for(modela, data)
+    W.phase("async_restore", lambda: managera.restore_or_initialize())
+    options = shardckpt_options(enable_async=True)
+    for generation in (PERSIST_EVERY + 1, PERSIST_EVERY + 2):
+        W.set_generation(variablesa, modela.plain, generation)
+
+        def save_async():
+            path = str(managera.save(options=options))
+            W.set_generation(variablesa, modela.plain, W.CLOBBER_GEN)  # after the return: not in the step
+            return path
+
+        W.phase(f"async_save{generation}", save_async)
+    W.phase("async_sync", managera.sync)
+    W.phase("restore_after_async", lambda: restore_phase(mesh, data, PERSIST_EVERY + 2))
+
+
+def shardckpt_options(**kwargs: Any) -> Any:
+    import shardckpt
+
+    return shardckpt.CheckpointOptions(**kwargs)
 
 
 def main() -> None:

@@ -227,7 +227,10 @@ class CheckpointManager:
         object.__setattr__(self._checkpoint, "_pending_rollback", rollback)
         try:
             if self._tiered is not None:  # tiered checkpoints: every save to the local tier first
-                local = self._tiered.save(number, timeout=(options.timeout if options else None)).prefix
+                local = self._tiered.save(number, timeout=options.timeout if options else None,
+                                          saver=self._checkpoint._async_saver(options)
+                                          if options is not None and options.enable_async else None,
+                                          on_failure=rollback)
                 if self._persist_every and number % self._persist_every:
                     if self._checkpoint_interval is not None:
                         self._last_checkpoint_step = _value(self._step_counter)

@@ -7,19 +7,28 @@ distinct pieces once per node, replicated copies included; whole values and the 
 graph by each node's leader) and runs the collective steps of :mod:`.save` and
 :mod:`.restore` over the checkpoint's coordinator (a one-process coordinator when this
 client saves alone). The node map is gathered once, on first use.
+
+An asynchronous save (``CheckpointOptions(enable_async=True)``) blocks for the host copy of
+this client's pieces only (into buffers reused from save to save); the tiered save (write,
+merge, replicas, markers) runs on the checkpoint's ``AsyncSaver`` thread over a clone of the
+coordinator, one save at a time, with the checkpoint's ``sync()`` semantics: the next save,
+``sync()`` or exit waits for it and raises its error (its number given back).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
 from ..distributed.coordinator import Coordinator
 from ..distributed.single import SingleProcessCoordinator
+from ..saving.async_save import AsyncSaver
+from ..saving.context import default_context
+from ..saving.plan import SavePlan
 from .nodes import NodeMap
 from .restore import TierRestore, restore_from_tier
-from .save import TierPiece, TierSave, node_pieces, save_to_tier
+from .save import TierPiece, node_pieces, save_to_tier
 from .tier import LocalTier
 
 __all__ = ["Tiered"]
@@ -35,6 +44,7 @@ class Tiered:
         self._find = coordinator
         self._nodes: Optional[NodeMap] = None
         self._coordinator: Optional[Coordinator] = None
+        self._buffers: Dict[Any, np.ndarray] = {}
 
     def _setup(self) -> Coordinator:
         if self._coordinator is None:
@@ -66,10 +76,46 @@ class Tiered:
             out.append((OBJECT_GRAPH_KEY, None, None, np.array(graph.proto.SerializeToString(), dtype=object)))
         return out
 
-    def save(self, step: int, timeout: Optional[float] = None) -> TierSave:
-        """Save the checkpoint's values as local step ``step`` (collective)."""
+    def save(self, step: int, timeout: Optional[float] = None, saver: Optional[AsyncSaver] = None,
+             on_failure: Optional[Callable[[], None]] = None) -> str:
+        """Save the checkpoint's values as local step ``step`` (collective); return this node's bundle prefix.
+
+        With ``saver`` (an asynchronous save) the values are copied to host buffers (reused from
+        save to save) and the call returns; the tiered save runs on ``saver``'s thread over a
+        clone of the coordinator, its error raised by the next save or ``sync()`` (``on_failure``
+        then runs)."""
         coordinator = self._setup()
-        return save_to_tier(self.tier, step, self.pieces(), coordinator, self.nodes, timeout=timeout)
+        nodes = self.nodes
+        me = nodes.node_of_rank[coordinator.rank]
+        if saver is None:
+            return save_to_tier(self.tier, step, self.pieces(), coordinator, nodes, timeout=timeout).prefix
+        saver.wait()  # the buffers are the previous save's until it ended
+        staged = self._stage(self.pieces())
+        background = default_context().background(coordinator)
+
+        def write(_plan: SavePlan) -> None:
+            save_to_tier(self.tier, step, staged, background, nodes, timeout=timeout)
+
+        saver.submit(self.tier.prefix(me, me, step), SavePlan.empty(), write, on_failure)
+        return self.tier.prefix(me, me, step)
+
+    def _stage(self, pieces: List[TierPiece]) -> List[TierPiece]:
+        """Host copies of ``pieces``' values, into buffers kept from the last save where they fit."""
+        from ..sharding.shardable import ShardableTensor
+
+        buffers: Dict[Any, np.ndarray] = {}
+        out: List[TierPiece] = []
+        for key, shape, box, value in pieces:
+            array = np.asarray(value) if box is not None else ShardableTensor.from_value(key, value).value()
+            name = (key, None if box is None else tuple(box))
+            buffer = self._buffers.get(name)
+            if buffer is None or buffer.shape != array.shape or buffer.dtype != array.dtype:
+                buffer = np.empty_like(array)
+            np.copyto(buffer, array)
+            buffers[name] = buffer
+            out.append((key, shape, box, buffer))
+        self._buffers = buffers
+        return out
 
     def restore(self, persistent_step: Optional[int], timeout: Optional[float] = None) -> TierRestore:
         """Restore the newest complete local step unless ``persistent_step`` is newer (collective); a result
