@@ -10,7 +10,9 @@ Phases, each repeat alternating their order, times from a barrier to the slowest
 
 * ``memcpy``: each client copies its components into preallocated arrays (the host copy);
 * ``tier save``: ``manager.save()`` to the tiers only (each node's bundle written, sent to
-  the other node, committed) - synchronous: the issue's async tier save is not built yet;
+  the other node, committed), synchronous;
+* ``async tier save (blocking)``: the same with ``CheckpointOptions(enable_async=True)``: the
+  time the call blocks (the host copy); ``sync()`` after it, untimed;
 * ``persistent save``: ``manager.save()`` of a save that also persists (what a persistent
   save costs; every ``persist_every``-th save pays it);
 * ``tier restore``: ``restore_or_initialize()`` from the tiers (nothing lost);
@@ -113,12 +115,16 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool) -> 
     for r in range(repeats):
         timed("memcpy", lambda: [np.copyto(d, s) for d, s in zip(copies, sources)])
         # save numbers alternate: odd ones go to the tiers only, even ones also persist (persist_every=2)
-        order = ["tier save", "persistent save"] if r % 2 == 0 else ["persistent save", "tier save"]
-        for name in order:
-            if (saved + 1) % 2 == (0 if name == "persistent save" else 1):
+        kinds = ["tier save", "async tier save (blocking)", "persistent save"]
+        for name in kinds[r % 3:] + kinds[:r % 3]:
+            if ((saved + 1) % 2 == 0) != (name == "persistent save"):
                 manager.save()  # brings the numbering to this phase's kind, untimed
                 saved += 1
-            timed(name, manager.save)
+            if name.startswith("async"):
+                timed(name, lambda: manager.save(options=shardckpt.CheckpointOptions(enable_async=True)))
+                manager.sync()
+            else:
+                timed(name, manager.save)
             saved += 1
         if saved % 2 == 1:
             manager.save()  # the tiers' newest step is then also the persistent one
@@ -201,7 +207,8 @@ def main() -> None:
     for name, t in med.items():
         print(f"{name:<26} {t:>8.3f}")
     print(f"{'ratio':<48} {'value':>8}")
-    ratios = {"tier save (sync) / memcpy": med["tier save"] / med["memcpy"],
+    ratios = {"async tier save blocking / memcpy": med["async tier save (blocking)"] / med["memcpy"],
+              "tier save (sync) / memcpy": med["tier save"] / med["memcpy"],
               "persistent save / tier save": med["persistent save"] / med["tier save"],
               "cold persistent restore / tier restore": med["cold persistent restore"] / med["tier restore"],
               "cold persistent restore / recovery (1 node wiped)": med["cold persistent restore"] / med["recovery"]}

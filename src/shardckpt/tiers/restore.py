@@ -37,7 +37,7 @@ from ..distributed.coordinator import Coordinator
 from .nodes import NodeMap
 from .save import describe_error
 from .tier import LocalTier, bundle_files, read_marker, remove_bundle, write_marker
-from .transfer import receive_bundle, send_bundle
+from .transfer import move_bundles
 
 __all__ = ["TierRestore", "restore_from_tier", "choose_step"]
 
@@ -99,26 +99,10 @@ def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap,
     if persistent_step is not None and persistent_step > step:
         return _done(tier, TierRestore(None, None, reason=f"the persistent step {persistent_step} is newer than "
                                                            f"the newest complete local step {step}"))
-    sent = received = 0
-    error: Optional[str] = None
-    got: List[str] = []
-    for owner in nodes.nodes:  # 3 repopulate: each node's own bundle (replicas: by the next save)
-        for target in [owner]:
-            if target in holders[owner]:
-                continue
-            source = holders[owner][0]
-            src, dst = nodes.leader(source), nodes.leader(target)
-            if rank == src:
-                try:
-                    sent += send_bundle(coordinator, dst, tier.prefix(source, owner, step), tier.chunk_bytes)
-                except Exception as exc:  # noqa: BLE001
-                    error = error or f"sending {owner}'s bundle of step {step}: {describe_error(exc)}"
-            elif rank == dst:
-                n, problem = receive_bundle(coordinator, src, tier.prefix(target, owner, step), tier.chunk_bytes,
-                                            timeout=timeout)
-                received += n
-                error = error or problem
-                got.append(owner)
+    # 3 repopulate: each node's own bundle (the replicas it held for others: by the next save)
+    moved = move_bundles(coordinator, tier, nodes, step, [(holders[owner][0], owner, owner) for owner in nodes.nodes
+                                                          if owner not in holders[owner]], timeout=timeout)
+    sent, received, error, got = moved.sent, moved.received, moved.error, moved.owners
     results = coordinator.all_gather({"ok": error is None, "error": error or ""}, timeout=timeout)
     failed = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if not res["ok"]]
     if not failed:

@@ -50,7 +50,7 @@ from ..saving.commit.rename import merge_bundles
 from ..storage.local import LocalFileSystem
 from .nodes import NodeMap
 from .tier import LocalTier, bundle_files, remove_bundle, retain, write_marker
-from .transfer import receive_bundle, send_bundle
+from .transfer import move_bundles
 
 __all__ = ["TierPiece", "TierSave", "save_to_tier", "node_pieces", "describe_error"]
 
@@ -159,20 +159,10 @@ def save_to_tier(tier: LocalTier, step: int, pieces: List[TierPiece], coordinato
             except Exception as exc:  # noqa: BLE001
                 error = f"{own}: {describe_error(exc)}"
         _round(coordinator, error, timeout)
-        for owner in nodes.nodes:  # 3 replicas, one transfer at a time, in one order everywhere
-            for target in nodes.replicas_of(owner, tier.replicas):
-                src, dst = nodes.leader(owner), nodes.leader(target)
-                if rank == src:
-                    try:
-                        sent += send_bundle(coordinator, dst, tier.prefix(owner, owner, step), tier.chunk_bytes)
-                    except Exception as exc:  # noqa: BLE001
-                        error = error or f"sending {owner}'s bundle to node {target}: {describe_error(exc)}"
-                elif rank == dst:
-                    held.append(owner)
-                    got, problem = receive_bundle(coordinator, src, tier.prefix(target, owner, step),
-                                                  tier.chunk_bytes, timeout=timeout)
-                    received += got
-                    error = error or problem
+        moves = [(owner, target, owner) for owner in nodes.nodes for target in nodes.replicas_of(owner, tier.replicas)]
+        moved = move_bundles(coordinator, tier, nodes, step, moves, timeout=timeout)  # 3 replicas
+        held += moved.owners
+        sent, received, error = moved.sent, moved.received, error or moved.error
         _round(coordinator, error, timeout)  # 4 agree
     except BaseException:
         for owner in held:  # unmarked: they never counted; removed (best effort) so that no leftover lingers

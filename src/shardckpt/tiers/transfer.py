@@ -22,12 +22,17 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Any, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 from ..distributed.coordinator import Coordinator
 from .tier import bundle_files, fsync_dir, remove_bundle
 
-__all__ = ["send_bundle", "receive_bundle", "TAG"]
+if TYPE_CHECKING:
+    from .nodes import NodeMap
+    from .tier import LocalTier
+
+__all__ = ["send_bundle", "receive_bundle", "move_bundles", "Moved", "TAG"]
 
 TAG = 28
 
@@ -113,3 +118,41 @@ def _close_quietly(handle: Any) -> None:
         handle.close()
     except OSError:
         pass
+
+
+@dataclass
+class Moved:
+    """What :func:`move_bundles` did on this client: bytes sent and received, the owners of the bundles it
+    received (into its node's tier), and the first error (``None``: none)."""
+
+    sent: int = 0
+    received: int = 0
+    owners: List[str] = field(default_factory=list)
+    error: Optional[str] = None
+
+
+def move_bundles(coordinator: Coordinator, tier: "LocalTier", nodes: "NodeMap", step: int,
+                 moves: Sequence[Tuple[str, str, str]], timeout: Optional[float] = None) -> Moved:
+    """Copy bundles of ``step`` between nodes, one at a time in the order of ``moves`` (every client passes
+    the same list): ``(source node, target node, owner)`` sends ``owner``'s bundle from the source
+    node's tier (its leader) to the target node's (its leader). Errors are returned, never raised, so
+    that every client goes on to the caller's agreement round."""
+    from .save import describe_error
+
+    rank = coordinator.rank
+    moved = Moved()
+    for source, target, owner in moves:
+        src, dst = nodes.leader(source), nodes.leader(target)
+        if rank == src:
+            try:
+                moved.sent += send_bundle(coordinator, dst, tier.prefix(source, owner, step), tier.chunk_bytes)
+            except Exception as exc:  # noqa: BLE001 - told to every client by the caller's round
+                moved.error = moved.error or f"sending {owner}'s bundle of step {step} to node {target}: " \
+                                             f"{describe_error(exc)}"
+        elif rank == dst:
+            moved.owners.append(owner)
+            got, problem = receive_bundle(coordinator, src, tier.prefix(target, owner, step), tier.chunk_bytes,
+                                          timeout=timeout)
+            moved.received += got
+            moved.error = moved.error or problem
+    return moved
