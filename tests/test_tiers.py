@@ -191,3 +191,29 @@ def test_an_asynchronous_tiered_save_keeps_the_values_of_its_call(tmp_path, monk
     assert again.local.last_restore.step == 5 and np.array_equal(target.numpy(), np.full(1000, 5, np.float32))
     persistent = shardckpt.load_checkpoint(str(tmp_path / "persistent" / "ckpt-3"))
     assert np.array_equal(persistent.get_tensor("v/.ATTRIBUTES/VARIABLE_VALUE"), np.full(1000, 3, np.float32))
+
+
+def test_under_mpiexec_clients_of_one_machine_are_one_node(tmp_path):
+    """Without SHARDCKPT_NODE, MPI's shared-memory split names the node (its lowest COMM_WORLD rank)."""
+    import json
+
+    from helpers.launchers import clean_env, launch_command, run_launched
+
+    script = tmp_path / "node.py"
+    script.write_text(
+        "import json, os\n"
+        "from shardckpt.distributed.mpi_backend import MPICoordinator\n"
+        "from shardckpt.tiers import NodeMap\n"
+        "c = MPICoordinator(timeout=60)\n"
+        "m = NodeMap.gather(c)\n"
+        f"open(os.path.join({str(tmp_path)!r}, f'rank{{c.rank}}.json'), 'w').write(json.dumps(m.as_json()))\n"
+        "c.close()\n")
+    env = clean_env()
+    env.pop("SHARDCKPT_NODE", None)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(os.path.dirname(shardckpt.__file__))),
+                                         env.get("PYTHONPATH", "")])
+    proc = run_launched(launch_command("mpi", 2, script), env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got == {"nodes": ["0"], "node_of_rank": ["0", "0"]}
