@@ -217,3 +217,18 @@ def test_under_mpiexec_clients_of_one_machine_are_one_node(tmp_path):
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got == {"nodes": ["0"], "node_of_rank": ["0", "0"]}
+
+
+def test_restore_waits_for_a_tiered_save_in_flight(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    value = shardckpt.Variable(np.zeros(16 << 20, np.float32))  # 64 MiB: its save is still in flight below
+    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(v=value), str(tmp_path / "persistent"), max_to_keep=3,
+                                          local=shardckpt.LocalTier(str(tmp_path / "tier" / "{node}")),
+                                          persist_every=10)
+    options = shardckpt.CheckpointOptions(enable_async=True)
+    for n in (1, 2):
+        value.assign(np.full(16 << 20, n, np.float32))
+        manager.save(options=options)
+    value.assign(np.zeros(16 << 20, np.float32))
+    assert manager.restore_or_initialize() == str(tmp_path / "tier" / "n0" / "node-n0" / "ckpt-2")
+    assert manager.local.last_restore.step == 2 and value.numpy()[0] == 2 and value.numpy()[-1] == 2

@@ -320,6 +320,8 @@ class CheckpointManager:
 
         With several clients the io client's latest checkpoint is every client's choice: every
         client restores it, or every client initializes."""
+        if self._tiered is not None:  # tiered: a save in flight commits (or fails) before the tiers are read
+            self._checkpoint._wait_for_pending()
         latest = self._shared(lambda: self._latest_checkpoint, "choose between restoring and initializing")
         if self._tiered is not None:  # tiered checkpoints: the newest complete local step, if not older
             restored = self._tiered.restore(_number_of(latest))
