@@ -7,7 +7,7 @@ the key and the file, never return the flipped value:
 * the front doors on an object store: ``restore_tensors``, ``Checkpoint.restore``,
   ``shardckpt.jax.restore`` and a DCP load through ``TFBundleReader``;
 * each place a comparison is made (``format/bundle_reader.py``, ``format/whole_reads.py``,
-  ``saving/funnel_restore.py``, ``format/strings.py``), reached through the read paths that
+  ``restoring/funnel.py``, ``format/strings.py``), reached through the read paths that
   lead there: a local read through the read pump (in a session, and alone), a read of one unit
   alone, the store-sized units of object stores (in a session and alone), a guided read (a huge-page
   map of the file), reads with run maps or io_uring switched on (which serve only parts of

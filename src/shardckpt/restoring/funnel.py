@@ -58,6 +58,7 @@ from ..format.bundle_writer import byte_view
 from ..format.dtypes import DType, from_enum
 from ..format.tensor_slice import Box, TensorSlice, box_shape, box_volume, boxes_tile, intersect
 from ..saving.distributed import io_rank_of
+from ..storage.registry import get_fs
 from .engine import collective_call
 from .plan import Read
 from .source import PieceSource
@@ -156,7 +157,7 @@ class FunnelledSource(PieceSource):
         if coordinator.rank == io_rank:
             try:
                 prefix = resolve(save_path) if resolve is not None else save_path
-                bundle = BundleReader(prefix)
+                bundle = BundleReader(prefix, fs=get_fs(prefix))
                 self._bundle = bundle
                 keys = {k.decode("utf-8", "backslashreplace"): [bundle.dtype(k).enum, list(bundle.shape(k))]
                         for k in bundle.keys()}

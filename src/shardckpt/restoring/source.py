@@ -32,6 +32,7 @@ from ..format.bundle_reader import BundleReader, StoredPiece
 from ..format.dtypes import DType
 from ..format.tensor_slice import Box
 from ..storage.base import FileSystem
+from ..storage.registry import get_fs
 from .plan import Read
 
 __all__ = ["PieceSource", "BundleSource", "as_source"]
@@ -123,7 +124,7 @@ class BundleSource(PieceSource):
     @classmethod
     def open(cls, prefix: str, fs: Optional[FileSystem] = None, **kwargs: Any) -> "BundleSource":
         """The checkpoint at ``prefix`` (its store: ``fs``, default chosen from the path)."""
-        return cls(BundleReader(prefix, fs=fs, **kwargs))
+        return cls(BundleReader(prefix, fs=fs if fs is not None else get_fs(prefix), **kwargs))
 
     @property
     def index_path(self) -> str:
