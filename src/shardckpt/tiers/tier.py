@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import InvalidArgumentError
+from ..storage.local import LocalFileSystem
 
 __all__ = ["LocalTier", "MARKER", "NAME"]
 
@@ -163,11 +164,8 @@ def write_marker(prefix: str, info: Dict[str, Any]) -> None:
 
 
 def fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Make ``folder``'s entries durable (errors: :class:`~shardckpt.errors.StorageError`, an ``OSError``)."""
+    LocalFileSystem().fsync_dir(folder)
 
 
 def remove_bundle(prefix: str, parts: bool = True) -> None:
