@@ -15,6 +15,8 @@ Phases, each repeat alternating their order, times from a barrier to the slowest
   time the call blocks (the host copy); ``sync()`` after it, untimed;
 * ``persistent save``: ``manager.save()`` of a save that also persists (what a persistent
   save costs; every ``persist_every``-th save pays it);
+* ``save without a tier``: today's ``CheckpointManager`` (no ``local=``) saving the same state
+  into a folder of its own;
 * ``tier restore``: ``restore_or_initialize()`` from the tiers (nothing lost);
 * ``cold persistent restore``: ``Checkpoint.restore`` of the persistent checkpoint after the
   page cache was dropped (root; ``--no-cold`` or a smoke run: warm);
@@ -87,6 +89,7 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool) -> 
 
     state = variables(1)
     manager = manager_of(state)
+    plain = shardckpt.CheckpointManager(shardckpt.Checkpoint(**state), os.path.join(folder, "plain"), max_to_keep=1)
     times: Dict[str, List[float]] = {}
     wrong: List[str] = []
     counts: Dict[str, int] = {}
@@ -115,8 +118,11 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool) -> 
     for r in range(repeats):
         timed("memcpy", lambda: [np.copyto(d, s) for d, s in zip(copies, sources)])
         # save numbers alternate: odd ones go to the tiers only, even ones also persist (persist_every=2)
-        kinds = ["tier save", "async tier save (blocking)", "persistent save"]
-        for name in kinds[r % 3:] + kinds[:r % 3]:
+        kinds = ["tier save", "async tier save (blocking)", "persistent save", "save without a tier"]
+        for name in kinds[r % 4:] + kinds[:r % 4]:
+            if name == "save without a tier":  # today's manager, into a folder of its own
+                timed(name, plain.save)
+                continue
             if ((saved + 1) % 2 == 0) != (name == "persistent save"):
                 manager.save()  # brings the numbering to this phase's kind, untimed
                 saved += 1
@@ -206,16 +212,18 @@ def main() -> None:
     print(f"{'phase':<26} {'s':>8}")
     for name, t in med.items():
         print(f"{name:<26} {t:>8.3f}")
-    print(f"{'ratio':<48} {'value':>8}")
+    print(f"{'ratio':<56} {'value':>8}")
     ratios = {"async tier save blocking / memcpy": med["async tier save (blocking)"] / med["memcpy"],
               "tier save (sync) / memcpy": med["tier save"] / med["memcpy"],
               "persistent save / tier save": med["persistent save"] / med["tier save"],
+              "persistent save (tiered manager) / save without a tier": med["persistent save"]
+              / med["save without a tier"],
               "cold persistent restore / tier restore": med["cold persistent restore"] / med["tier restore"],
               "cold persistent restore / recovery (1 node wiped)": med["cold persistent restore"] / med["recovery"]}
     for name, value in ratios.items():
-        print(f"{name:<48} {value:>8.2f}")
+        print(f"{name:<56} {value:>8.2f}")
     for name, value in r["counts"].items():
-        print(f"{name:<48} {value:>8}")
+        print(f"{name:<56} {value:>8}")
     C.write_results("tiers", dict(r, repeats=args.repeats, ratios=ratios, load=load))
     failed = [k for k, v in r["counts"].items() if k.endswith("bytes from persistent") and v]
     C.finish(wrong=r["wrong"], failed=[f"{k}: {r['counts'][k]} bytes" for k in failed])
