@@ -66,13 +66,19 @@ class CheckpointManager:
     complete, so retention deletes old ones safely; it keeps the newest checkpoint not known
     damaged while every newer one shares a damaged data file
     (:func:`~shardckpt.saving.incremental.retained_for_damage`).
+
+    With ``local`` (a :class:`~shardckpt.LocalTier`) every save first goes to each node's local
+    tier, with replicas on other nodes (:mod:`shardckpt.tiers`), and only every
+    ``persist_every``-th (every one when ``None``) also to ``directory``; a save that is local
+    only returns the node's bundle prefix. ``restore_or_initialize`` restores the newest step
+    complete across the tiers unless the persistent latest is newer.
     """
 
     def __init__(self, checkpoint: Any, directory: str, max_to_keep: Optional[int],
                  keep_checkpoint_every_n_hours: Optional[float] = None, checkpoint_name: str = "ckpt",
                  step_counter: Any = None, checkpoint_interval: Optional[int] = None,
                  init_fn: Optional[Callable[[], Any]] = None, last_checkpoint_step: Optional[int] = None,
-                 incremental: bool = False) -> None:
+                 incremental: bool = False, local: Any = None, persist_every: Optional[int] = None) -> None:
         if max_to_keep is not None and max_to_keep <= 0:
             raise InvalidArgumentError(f"Expected a positive integer or `None` for `max_to_keep`, got {max_to_keep}")
         if checkpoint_interval is not None and step_counter is None:
@@ -89,6 +95,7 @@ class CheckpointManager:
         self._last_checkpoint_step: Optional[int] = None if last_checkpoint_step is None \
             else _value(last_checkpoint_step)
         self._maybe_delete: "OrderedDict[str, float]" = OrderedDict()
+        self._tiered = self._tiered_setup(local, persist_every)
         now = time.time()
         # TF: one second back, so that a manager re-created at once does not race the last one.
         self._last_preserved_timestamp = now - 1.0
@@ -113,6 +120,24 @@ class CheckpointManager:
         if collective is None or int(collective.coordinator.size) == 1:
             return None
         return collective.coordinator  # type: ignore[no-any-return]
+
+    # -- tiered checkpoints (issue 28: ``local=``, ``persist_every=``; see shardckpt.tiers) ----------------
+    def _tiered_setup(self, local: Any, persist_every: Optional[int]) -> Any:
+        """The manager's :class:`~shardckpt.tiers.checkpoints.Tiered` for ``local`` (``None``: no tier)."""
+        if persist_every is not None and (local is None or int(persist_every) < 1):
+            raise InvalidArgumentError(f"persist_every={persist_every!r} needs local= (a LocalTier) and a "
+                                       "positive number of saves")
+        self._persist_every = None if persist_every is None else int(persist_every)
+        if local is None:
+            return None
+        from ..tiers.checkpoints import Tiered
+
+        return Tiered(local, self._checkpoint, self._coordinator)
+
+    @property
+    def local(self) -> Any:
+        """The manager's :class:`~shardckpt.LocalTier` (``None``: no local tier)."""
+        return None if self._tiered is None else self._tiered.tier
 
     def _shared(self, decide: Callable[[], Any], what: str) -> Any:
         """``decide()`` on this client alone, or, with several clients, on the io client (client 0), whose
@@ -198,6 +223,15 @@ class CheckpointManager:
 
         object.__setattr__(self._checkpoint, "_pending_rollback", rollback)
         try:
+            if self._tiered is not None:  # tiered checkpoints: every save to the local tier first
+                local = self._tiered.save(number, timeout=options.timeout if options else None,
+                                          saver=self._checkpoint._async_saver(options)
+                                          if options is not None and options.enable_async else None,
+                                          on_failure=rollback)
+                if self._persist_every and number % self._persist_every:
+                    if self._checkpoint_interval is not None:
+                        self._last_checkpoint_step = _value(self._step_counter)
+                    return local
             # The state file is recorded (and old checkpoints deleted) right after the
             # commit, before the write callbacks run; every client adopts the io client's
             # new state once it knows the save committed.
@@ -278,7 +312,15 @@ class CheckpointManager:
 
         With several clients the io client's latest checkpoint is every client's choice: every
         client restores it, or every client initializes."""
+        if self._tiered is not None:  # tiered: a save in flight commits (or fails) before the tiers are read
+            self._checkpoint._wait_for_pending()
         latest = self._shared(lambda: self._latest_checkpoint, "choose between restoring and initializing")
+        if self._tiered is not None:  # tiered checkpoints: the newest complete local step, if not older
+            restored = self._tiered.restore(_number_of(latest))
+            if restored.prefix is not None:
+                if self._checkpoint_interval is not None:
+                    self._last_checkpoint_step = _value(self._step_counter)
+                return restored.prefix
         if latest is not None:
             self._checkpoint.restore(latest)
             if self._checkpoint_interval is not None:
@@ -287,6 +329,12 @@ class CheckpointManager:
         if self._init_fn is not None:
             self._init_fn()
         return None
+
+
+def _number_of(path: Optional[str]) -> Optional[int]:
+    """The number of checkpoint ``<prefix>-<N>`` (``None``: no path, or no number)."""
+    tail = None if path is None else str(path).rsplit("-", 1)[-1]
+    return int(tail) if tail is not None and tail.isdigit() else None
 
 
 def _sweep(kept: "OrderedDict[str, float]", max_to_keep: Optional[int], keep_every_hours: Optional[float],
