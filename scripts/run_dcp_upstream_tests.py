@@ -28,7 +28,7 @@ then run on CPU with gloo, as torch allows; tests that move tensors to CUDA fail
 The tests of each file run with ``python -m pytest -rA`` (PyTorch's multi-process tests
 spawn their own ranks), ``--jobs`` files at once (default 1: one file at a time); the script
 prints, per file, passed / failed / skipped stock and swapped, then every test whose outcome
-differs, with the last line of its error.
+differs, with the last line of its error, and the tests that failed in both runs.
 Exit status: 0 when every test that passed stock passed swapped.
 """
 
@@ -136,6 +136,7 @@ def _run(scratch: Path, name: str, timeout: float, swapped: bool) -> Dict[str, T
     if swapped:
         paths.append(str(ROOT / "src"))
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["COLUMNS"] = "400"  # pytest's summary lines keep their error text (cut to the terminal's width)
     cmd = [sys.executable, "-m", "pytest", "-rA", "-q", "-p", "no:cacheprovider", str(scratch / name)]
     try:
         proc = subprocess.run(cmd, cwd=str(scratch), env=env, capture_output=True, text=True, timeout=timeout)
@@ -202,6 +203,12 @@ def main(argv: List[str]) -> int:
         for key in differ:
             stock, swapped = results["stock"].get(key, ("-", "")), results["swapped"].get(key, ("-", ""))
             print(f"  {key}: {stock[0]} -> {swapped[0]}  {swapped[1]}")
+    both = sorted(k for k, (outcome, _) in results["stock"].items()
+                  if outcome != "PASSED" and results["swapped"].get(k, ("",))[0] == outcome and "<" not in k)
+    if both:
+        print("\nnot passed in both runs (stock's reason):")
+        for key in both:
+            print(f"  {key}: {results['stock'][key][0]}  {results['stock'][key][1]}")
     for mode in ("stock", "swapped"):
         for key, (outcome, why) in sorted(results[mode].items()):
             if key.endswith("::<file>"):
