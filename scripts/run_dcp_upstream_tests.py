@@ -26,8 +26,9 @@ test file, as every rank of a multi-process test imports the file again): DTenso
 then run on CPU with gloo, as torch allows; tests that move tensors to CUDA fail in both.
 
 The tests of each file run with ``python -m pytest -rA`` (PyTorch's multi-process tests
-spawn their own ranks); the script prints, per file, passed / failed / skipped stock and
-swapped, then every test whose outcome differs, with the last line of its error.
+spawn their own ranks), ``--jobs`` files at once (default 1: one file at a time); the script
+prints, per file, passed / failed / skipped stock and swapped, then every test whose outcome
+differs, with the last line of its error, and the tests that failed in both runs.
 Exit status: 0 when every test that passed stock passed swapped.
 """
 
@@ -40,6 +41,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -134,6 +136,7 @@ def _run(scratch: Path, name: str, timeout: float, swapped: bool) -> Dict[str, T
     if swapped:
         paths.append(str(ROOT / "src"))
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["COLUMNS"] = "400"  # pytest's summary lines keep their error text (cut to the terminal's width)
     cmd = [sys.executable, "-m", "pytest", "-rA", "-q", "-p", "no:cacheprovider", str(scratch / name)]
     try:
         proc = subprocess.run(cmd, cwd=str(scratch), env=env, capture_output=True, text=True, timeout=timeout)
@@ -161,6 +164,7 @@ def main(argv: List[str]) -> int:
     parser.add_argument("tests_dir", type=Path, help="a copy of PyTorch's test/distributed/checkpoint/")
     parser.add_argument("files", nargs="*", help="test files relative to TESTS_DIR (default: the five named above)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per test file and run")
+    parser.add_argument("--jobs", type=int, default=1, help="test files run at once (default 1)")
     args = parser.parse_args(argv)
     source = args.tests_dir.resolve()
     files = args.files or [f for f in DEFAULT_FILES if (source / f).is_file()]
@@ -172,9 +176,14 @@ def main(argv: List[str]) -> int:
             scratch = Path(tmp) / "checkpoint"
             _prepare(source, scratch, files, swapped=mode == "swapped")
             results[mode] = {}
-            for name in files:
+
+            def one(name: str, mode: str = mode, scratch: Path = scratch) -> Dict[str, Tuple[str, str]]:
                 print(f"[{mode}] {name} ...", flush=True)
-                results[mode].update(_run(scratch, name, args.timeout, swapped=mode == "swapped"))
+                return _run(scratch, name, args.timeout, swapped=mode == "swapped")
+
+            with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+                for outcomes in pool.map(one, files):
+                    results[mode].update(outcomes)
     print(f"\n{'file':45} {'stock pass/fail/skip':>22} {'swapped pass/fail/skip':>24}")
     totals = {"stock": [0, 0, 0], "swapped": [0, 0, 0]}
     for name in files:
@@ -194,6 +203,12 @@ def main(argv: List[str]) -> int:
         for key in differ:
             stock, swapped = results["stock"].get(key, ("-", "")), results["swapped"].get(key, ("-", ""))
             print(f"  {key}: {stock[0]} -> {swapped[0]}  {swapped[1]}")
+    both = sorted(k for k, (outcome, _) in results["stock"].items()
+                  if outcome != "PASSED" and results["swapped"].get(k, ("",))[0] == outcome and "<" not in k)
+    if both:
+        print("\nnot passed in both runs (stock's reason):")
+        for key in both:
+            print(f"  {key}: {results['stock'][key][0]}  {results['stock'][key][1]}")
     for mode in ("stock", "swapped"):
         for key, (outcome, why) in sorted(results[mode].items()):
             if key.endswith("::<file>"):

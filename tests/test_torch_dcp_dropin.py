@@ -147,3 +147,14 @@ def test_writer_options_refused_where_they_cannot_apply() -> None:
         TFBundleWriter(thread_count=2, options=CheckpointOptions(sharding_callback=MaxShardSizePolicy(1 << 20)))
     with pytest.raises(InvalidArgumentError, match="per_thread_copy_ahead"):
         TFBundleWriter(per_thread_copy_ahead=-1)
+
+
+def test_overwrite_false_raises_as_dcp_does(tmp_path: Path) -> None:
+    """DCP's own tests (e2e ``test_overwrite``) look for "Checkpoint already exists" in the
+    CheckpointException of a refused save: the swapped-in writer says it the same way."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    dcp.save({"random": torch.randn(10)}, checkpoint_id=tmp_path, storage_writer=TFBundleWriter())
+    with pytest.raises(CheckpointException, match="Checkpoint already exists") as refused:
+        dcp.save({"random": torch.randn(10)}, storage_writer=TFBundleWriter(tmp_path, overwrite=False))
+    assert str(tmp_path) in str(refused.value) and "overwrite=False" in str(refused.value)

@@ -206,7 +206,7 @@ class TFBundleWriter(StorageWriter):
             if item.tensor_data is not None:
                 to_bundle_dtype(item.tensor_data.properties.dtype, item.index.fqn, prefix)
         if not self._overwrite and get_fs(prefix).exists(index_filename(prefix)):
-            raise AlreadyExistsError("a checkpoint is already there and overwrite=False", path=prefix)
+            raise AlreadyExistsError("Checkpoint already exists here and overwrite=False", path=prefix)
         return plan
 
     def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
