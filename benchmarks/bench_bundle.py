@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import common as C
 import numpy as np
@@ -42,6 +42,7 @@ SYSTEMS: Dict[str, Tuple[str, Optional[str]]] = {
     "shardckpt_write_fsync": ("py", None),
     "shardckpt_restore": ("py", "setup_shardckpt"),
     "shardckpt_restore_into": ("py", "setup_shardckpt"),
+    "shardckpt_checkpoint_read": ("py", "setup_checkpoint"),
     "tf_save": ("tf", None),
     "tf_restore": ("tf", "setup_tf"),
 }
@@ -61,6 +62,7 @@ RATIOS = [
     ("save_v2 fsync / parallel raw write fsync", "shardckpt_save_fsync", "raw_write_fsync_parallel"),
     ("shardckpt restore into arrays / raw readinto", "shardckpt_restore_into", "raw_read"),
     ("shardckpt restore_v2 / raw readinto", "shardckpt_restore", "raw_read"),
+    ("Checkpoint.read / raw readinto", "shardckpt_checkpoint_read", "raw_read"),
     ("cold: shardckpt restore_v2 / TF RestoreV2+numpy", "shardckpt_restore_cold", "tf_restore_numpy_cold"),
     ("cold: shardckpt restore into arrays / raw readinto", "shardckpt_restore_into_cold", "raw_read_cold"),
 ]
@@ -258,6 +260,30 @@ def w_shardckpt_restore_into(ctx: Ctx) -> Dict:
     return {"shardckpt_restore_into": dict(p.sample(), ok=C.verify(ctx.spec, dest))}
 
 
+def _module_of(arrays: List[np.ndarray]) -> Any:
+    """A ``Module`` of ``Variable``s holding ``arrays`` (the object graph ``Checkpoint.write`` saves)."""
+    import shardckpt
+    model = shardckpt.Module()
+    model.tensors = [shardckpt.Variable(a) for a in arrays]
+    return model
+
+
+def w_shardckpt_checkpoint_read(ctx: Ctx) -> Dict:
+    """``Checkpoint.read`` of what ``Checkpoint.write`` wrote, into the variables of a live object graph
+    (matched, checked, then read in place): the per-variable cost above the bytes."""
+    import shardckpt
+    dest = C.alloc(ctx.spec)
+    model = _module_of(dest)
+    ckpt = shardckpt.Checkpoint(model=model)
+    _sc_warmup(ctx)
+    ctx.before_timing(dest, 0)
+    p = C.Probe().start()
+    ckpt.read(ctx.prefix).assert_consumed()
+    fig = p.sample()
+    values = [v.numpy() for v in model.tensors]
+    return {"shardckpt_checkpoint_read": dict(fig, ok=C.verify(ctx.spec, values))}
+
+
 def _tf():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
@@ -308,6 +334,9 @@ def w_setup(ctx: Ctx, how: str) -> Dict:
     elif how == "setup_shardckpt":
         from shardckpt.io import save_v2
         save_v2(ctx.prefix, ctx.names, [""] * ctx.n, arrays)
+    elif how == "setup_checkpoint":
+        import shardckpt
+        shardckpt.Checkpoint(model=_module_of(arrays)).write(ctx.prefix)
     else:
         tf = _tf()
         tf.raw_ops.SaveV2(prefix=ctx.prefix, tensor_names=ctx.names, shape_and_slices=[""] * ctx.n,
@@ -353,9 +382,10 @@ WORKERS: Dict[str, Callable[[Ctx], Dict]] = {
     "shardckpt_write_fsync": w_shardckpt_write,
     "shardckpt_restore": w_shardckpt_restore,
     "shardckpt_restore_into": w_shardckpt_restore_into,
+    "shardckpt_checkpoint_read": w_shardckpt_checkpoint_read,
     "tf_save": w_tf_save,
     "tf_restore": w_tf_restore,
-    **{s: (lambda ctx, s=s: w_setup(ctx, s)) for s in ("setup_raw", "setup_shardckpt", "setup_tf")},
+    **{s: (lambda ctx, s=s: w_setup(ctx, s)) for s in ("setup_raw", "setup_shardckpt", "setup_checkpoint", "setup_tf")},
     **{s: (lambda ctx, s=s: w_one(ctx, s)) for s in ONE_SYSTEMS},
 }
 

@@ -41,6 +41,12 @@ CASES: List[Tuple[str, str, List[str], Dict[str, str]]] = [
     ("restore into arrays, 485 tensors", "bench_bundle.py",
      ["--worker", "shardckpt_restore_into", "--state", "transformer", "--size", "{size}", "--dir", "{dir}",
       "--no-cold"], {".seconds": "time"}),
+    ("Checkpoint.read, 485 tensors", "bench_bundle.py",
+     ["--worker", "shardckpt_checkpoint_read", "--state", "transformer", "--size", "{size}", "--dir", "{dir}",
+      "--no-cold"], {".seconds": "time"}),
+    ("raw readinto, 485 tensors (the floor)", "bench_bundle.py",
+     ["--worker", "raw_read", "--state", "transformer", "--size", "{size}", "--dir", "{dir}",
+      "--no-cold"], {".seconds": "time"}),
     ("sharded save, 2 shards + fsync", "bench_sharded.py",
      ["--worker", "shardckpt", "--size", "{size}", "--shards", "2", "--fsync", "1", "--dir", "{dir}",
       "--state", "uniform"], {"seconds": "time"}),
@@ -50,6 +56,11 @@ CASES: List[Tuple[str, str, List[str], Dict[str, str]]] = [
     ("async Checkpoint.save", "bench_async.py",
      ["--worker", "shardckpt_async", "--size", "{size}", "--dir", "{dir}"], {}),
 ]
+
+
+# bench_bundle workers that read a checkpoint -> the worker that writes it first (untimed)
+SETUPS = {"shardckpt_restore": "setup_shardckpt", "shardckpt_restore_into": "setup_shardckpt",
+          "shardckpt_checkpoint_read": "setup_checkpoint", "raw_read": "setup_raw"}
 
 
 def _spawn(script: str, args: List[str], src: str) -> Dict:
@@ -65,8 +76,8 @@ def run(script: str, args: List[str], src: str, work: str) -> Dict:
     """One measurement in a fresh process (after the case's setup worker, when it reads a checkpoint)."""
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
-    if script == "bench_bundle.py" and "restore" in args[1]:
-        setup = ["--worker", "setup_shardckpt"] + args[2:]
+    if script == "bench_bundle.py" and args[1] in SETUPS:
+        setup = ["--worker", SETUPS[args[1]]] + args[2:]
         _spawn(script, setup, src)
     os.sync()
     try:

@@ -16,6 +16,7 @@ rm -rf "$OUT"
 mkdir -p "$OUT"
 PYTHONWARNINGS=error "$PYTHON" -m pdoc --docformat restructuredtext --no-show-source \
     --footer-text "shardckpt API reference" -o "$OUT" \
-    shardckpt shardckpt.dtensor shardckpt.distributed shardckpt.storage shardckpt.torch shardckpt.jax shardckpt.convert
+    shardckpt shardckpt.dtensor shardckpt.distributed shardckpt.storage shardckpt.restoring shardckpt.torch shardckpt.jax \
+    shardckpt.convert
 cp "$ROOT"/docs/*.md "$OUT"/ 2>/dev/null || true
 echo "API reference written to $OUT/index.html"

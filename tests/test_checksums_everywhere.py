@@ -7,7 +7,7 @@ the key and the file, never return the flipped value:
 * the front doors on an object store: ``restore_tensors``, ``Checkpoint.restore``,
   ``shardckpt.jax.restore`` and a DCP load through ``TFBundleReader``;
 * each place a comparison is made (``format/bundle_reader.py``, ``format/whole_reads.py``,
-  ``saving/funnel_restore.py``, ``format/strings.py``), reached through the read paths that
+  ``restoring/funnel.py``, ``format/strings.py``), reached through the read paths that
   lead there: a local read through the read pump (in a session, and alone), a read of one unit
   alone, the store-sized units of object stores (in a session and alone), a guided read (a huge-page
   map of the file), reads with run maps or io_uring switched on (which serve only parts of
@@ -40,7 +40,7 @@ import shardckpt
 from shardckpt.distributed.single import SingleProcessCoordinator
 from shardckpt.errors import DataLossError
 from shardckpt.format.bundle_reader import BundleReader
-from shardckpt.saving.funnel_restore import FunnelledReader
+from shardckpt.restoring.funnel import FunnelledReader
 from shardckpt.storage import get_fs, guided, uring
 from shardckpt.storage.local import LocalFileSystem
 from shardckpt.storage.location import Location

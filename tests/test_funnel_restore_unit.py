@@ -13,7 +13,7 @@ from shardckpt.distributed.single import SingleProcessCoordinator
 from shardckpt.errors import DataLossError, InvalidArgumentError, NotFoundError, UnsupportedError
 from shardckpt.format.tensor_slice import box_volume
 from shardckpt.io import save_v2
-from shardckpt.saving.funnel_restore import FunnelledReader, chunk_boxes, run_funnelled
+from shardckpt.restoring.funnel import FunnelledReader, chunk_boxes, run_funnelled
 
 W = np.arange(40 * 30, dtype=np.float32).reshape(40, 30)
 S = np.array([b"a", b"", b"\xff\x00"], dtype=object)

@@ -24,7 +24,7 @@ import shardckpt
 from shardckpt import dtensor
 from shardckpt.errors import NotFoundError, ShardckptError, StorageError
 from shardckpt.format.bundle_reader import BundleReader
-from shardckpt.saving.restore import RestoreRequest
+from shardckpt.restoring import RestoreRequest
 from shardckpt.storage import configure
 from shardckpt.storage.fsspec_fs import FsspecFileSystem
 from shardckpt.storage.location import Location

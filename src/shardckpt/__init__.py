@@ -35,7 +35,8 @@ from .checkpoint import (
     register_checkpoint_saver,
 )
 from .format.dtypes import DType, as_dtype
-from .saving import CheckpointOptions, RestoreRequest, restore_tensors, save_tensors
+from .restoring import RestoreRequest, restore_tensors
+from .saving import CheckpointOptions, save_tensors
 from .sharding import MaxShardSizePolicy, ShardableTensor, ShardByDevicePolicy, ShardByTaskPolicy, ShardingCallback
 
 __version__ = "0.1.0"

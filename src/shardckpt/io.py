@@ -18,13 +18,14 @@ from typing import Any, List, Optional, Sequence, Union
 
 import numpy as np
 
-from .errors import InvalidArgumentError, ShardckptError
-from .format.bundle_reader import BundleReader
+from .errors import InvalidArgumentError
+from .format.bundle_reader import region_box
 from .format.bundle_writer import BundleWriter
 from .format.crc import shared_executor
 from .format.dtypes import as_dtype
 from .format.naming import sharded_filename
-from .format.tensor_slice import TensorSlice, parse_shape_and_slice
+from .format.tensor_slice import Box, parse_shape_and_slice
+from .restoring import BundleSource, Read, RestorePlan, run
 from .saving.commit import merge_bundles
 from .storage.location import Location
 
@@ -70,38 +71,24 @@ def restore_v2(prefix: str, tensor_names: Sequence[Union[str, bytes]], shape_and
     regions are read.
     """
     _check_lengths(tensor_names, shape_and_slices, dtypes, "dtypes")
-    out = []
-    with BundleReader(Location.of(prefix)) as reader:
-        _announce(reader, tensor_names, shape_and_slices)
-        with reader.session() as session:  # whole tensors read by the pump's helpers, all checked at the end
-            for name, spec, dtype in zip(tensor_names, shape_and_slices, dtypes):
-                stored = reader.dtype(name)
-                wanted = as_dtype(dtype)
-                if wanted.enum != stored.enum:
-                    raise InvalidArgumentError(f"expected dtype {wanted.name} does not equal the stored "
-                                               f"dtype {stored.name}", path=prefix, key=name)
-                region: Optional[TensorSlice] = None
-                if spec != "":
-                    full_shape, region = parse_shape_and_slice(spec)
-                    if full_shape != reader.shape(name):
-                        raise InvalidArgumentError(f"requested full shape {list(full_shape)} does not equal the "
-                                                   f"stored shape {list(reader.shape(name))}", path=prefix, key=name)
-                out.append(session.read_region(name, region))
-    return out
-
-
-def _announce(reader: BundleReader, names: Sequence[Union[str, bytes]], specs: Sequence[str]) -> None:
-    """Object stores: announce every requested range (fetched in few large GETs ahead of the reads);
-    a spec that does not parse is left for its read to report."""
-    if not reader.prefetches:
-        return
-    regions: List[Any] = []
-    for name, spec in zip(names, specs):
-        try:
-            regions.append((name, parse_shape_and_slice(spec)[1] if spec else None))
-        except ShardckptError:
-            continue
-    reader.prefetch(regions)
+    with BundleSource.open(prefix) as source:  # every request checked first, then one plan of the restore engine
+        reads = []
+        for name, spec, dtype in zip(tensor_names, shape_and_slices, dtypes):
+            key = name
+            stored = source.dtype(key)
+            wanted = as_dtype(dtype)
+            if wanted.enum != stored.enum:
+                raise InvalidArgumentError(f"expected dtype {wanted.name} does not equal the stored "
+                                           f"dtype {stored.name}", path=prefix, key=key)
+            region: Optional[Box] = None
+            if spec != "":
+                full_shape, tslice = parse_shape_and_slice(spec)
+                if full_shape != source.shape(key):
+                    raise InvalidArgumentError(f"requested full shape {list(full_shape)} does not equal the "
+                                               f"stored shape {list(source.shape(key))}", path=prefix, key=key)
+                region = region_box(tslice, full_shape, prefix, key)
+            reads.append(Read(key, region))
+        return run(RestorePlan.of(source, reads))
 
 
 def merge_v2_checkpoints(checkpoint_prefixes: Sequence[str], destination_prefix: str,

@@ -16,7 +16,7 @@ import atheris
 
 with atheris.instrument_imports(include=["shardckpt"]):
     from shardckpt.format.bundle_reader import BundleReader
-    from shardckpt.saving.restore import restore_tensors
+    from shardckpt.restoring import restore_tensors
     from shardckpt.storage.location import Location
 
 _MAX_KEYS = 32

@@ -116,7 +116,7 @@ def main() -> None:
     from shardckpt.distributed import set_coordinator
     from shardckpt.format.tensor_slice import box_shape
     from shardckpt.io import save_v2
-    from shardckpt.saving.restore import RestoreRequest, restore_tensors
+    from shardckpt.restoring import RestoreRequest, restore_tensors
 
     coord = W.make_coordinator(60.0)
     set_coordinator(coord)
@@ -192,7 +192,7 @@ def main() -> None:
                 "shape": list(box_shape(region))}
 
     def big_once() -> Dict[str, Any]:  # each byte read once by the io client, each client gets its own
-        from shardckpt.saving.funnel_restore import FunnelledReader, run_funnelled
+        from shardckpt.restoring.funnel import FunnelledReader, run_funnelled
 
         targets = W.zero_dvariables(mesh, W.OTHER_24, ["big"])
         W.BYTES_READ["bytes"] = 0

@@ -20,8 +20,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import DataLossError, InvalidArgumentError, NotFoundError
+from ..restoring import as_source, collective_call, funnelled_reader
 from ..saving.async_save import AsyncSaver
-from ..saving.funnel_restore import funnelled_reader
 from ..saving.options import CheckpointOptions
 from ..saving.pieces import pieces_of
 from ..saving.save import save_tensors
@@ -216,15 +216,8 @@ class Checkpoint(AutoTrackable):
         options = options or CheckpointOptions()
         self._wait_for_pending()  # never restore around a save in flight
         reader = self._open_for_restore(os.fspath(save_path), options, saved_model)
-        finish = getattr(reader, "finish", None)  # a funnelled restore's exchange (collective)
-        if finish is None:
-            return self._restore_from(reader, options)
-        try:
+        with collective_call(as_source(reader)):  # a funnelled restore's exchange when the call ends
             status = self._restore_from(reader, options)
-        except BaseException as exc:
-            finish(exc)  # the other clients are told, and raise
-            raise
-        finish()
         return status
 
     def _open_for_restore(self, save_path: str, options: CheckpointOptions, saved_model: bool = False) -> Any:

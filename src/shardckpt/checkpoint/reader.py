@@ -11,6 +11,7 @@ from ..errors import NoCheckpointError, NotFoundError
 from ..format.bundle_reader import BundleReader
 from ..format.dtypes import DType
 from ..format.naming import index_filename
+from ..restoring import BundleSource, Read, read_one
 from ..storage.base import FileSystem
 from ..storage.location import Location
 from ..storage.registry import get_fs
@@ -120,7 +121,7 @@ class CheckpointReader:
         Scalars come back as NumPy scalars (``np.float32(1.0)``; a scalar string as
         ``bytes``), as TensorFlow's reader returns them.
         """
-        value = self.bundle.read(key)
+        value = read_one(BundleSource(self.bundle, owned=False), Read(key))
         return value[()] if value.ndim == 0 else value
 
     def close(self) -> None:

@@ -13,10 +13,11 @@ unless ``expect_partial()``) when the restore's session ends, as TF does: the st
 and every deferred restoration still waiting hold the session, so values restored
 later by deferred restoration are never reported.
 
-The values of one restore are read together (:func:`read_values`): on object stores
-their byte ranges are announced first, so a full restore is a few large GETs fetched in
-parallel, not one request per variable; the arrays are read and checksummed by the
-reader's helpers in one deferring session, all checked before the restore returns.
+The values of one restore are read together (:func:`read_values`), as one plan of the restore
+engine (:mod:`shardckpt.restoring`): on object stores their byte ranges are announced first,
+so a full restore is a few large GETs fetched in parallel, not one request per variable; the
+arrays are read and checksummed by the reader's helpers in one deferring session, all checked
+before the restore returns.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..errors import CorruptIndexError, InvalidArgumentError, NotFoundError
 from ..format.bundle_reader import BundleReader
 from ..format.dtypes import as_dtype
 from ..format.protos.trackable_object_graph_pb2 import TrackableObjectGraph
+from ..restoring import Read, RestorePlan, as_source, run
 from .graph import OBJECT_GRAPH_KEY, build_graph, slot_variables_of, walk
 from .registration import get_saver
 from .trackable import Trackable, Variable
@@ -66,37 +68,19 @@ def load_object_graph(reader: BundleReader) -> TrackableObjectGraph:
 
 
 def read_values(reader: Any, targets: List[Tuple[str, Any]]) -> None:
-    """Read checkpoint key -> target (an array filled in place, or a ``DistributedValue`` that reads its own
-    pieces) for every pair; all values are read and checked when this returns.
-
-    On a :class:`BundleReader` every byte range the reads need is announced first
-    (:meth:`BundleReader.prefetch`: on object stores, few large GETs in parallel, ahead of
-    the reads; nothing elsewhere), then the arrays are read in one deferring session
-    (:meth:`ReadSession.read_many`: planned in one pass, read and checksummed by the
-    reader's helpers). A distributed value announces the regions it will read when it
-    says which (``regions_to_read()``). Other readers (a funnelled restore's, which
-    records reads) get one ``read_region`` per array.
+    """Read checkpoint key -> target (an array filled in place, or a ``DistributedValue`` whose
+    ``restore_reads(key)`` says what it reads) for every pair, as one plan of the restore
+    engine (:func:`shardckpt.restoring.run`: announced once, arrays read whole and checksummed
+    by the reader's helpers, regions on its threads); all values are read and checked when this
+    returns — for a funnelled restore, when its call ends.
     """
-    arrays = [(key, target) for key, target in targets if isinstance(target, np.ndarray)]
-    others = [(key, target) for key, target in targets if not isinstance(target, np.ndarray)]
-    session = getattr(reader, "session", None)
-    if session is None:
-        with reader.deferred_verification():
-            for key, target in targets:
-                if isinstance(target, np.ndarray):
-                    reader.read_region(key, None, out=target)
-                else:
-                    target.restore_from(reader, key)
-        return
-    announced: List[Tuple[str, Any]] = [(key, None) for key, _ in arrays]
-    for key, target in others:
-        regions = getattr(target, "regions_to_read", None)
-        announced += [(key, region) for region in (regions() if regions is not None else ())]
-    reader.prefetch(announced)
-    with session(defer=True) as reads:
-        reads.read_many([key for key, _ in arrays], [target for _, target in arrays])
-        for key, target in others:  # each reads its own pieces (regions: read at once, checked as they land)
-            target.restore_from(reader, key)
+    items: List[Any] = []
+    for key, target in targets:
+        if isinstance(target, np.ndarray):
+            items.append(Read(key, None, target))
+        else:
+            items.extend(target.restore_reads(key))
+    run(RestorePlan.of(as_source(reader), items))
 
 
 @dataclass

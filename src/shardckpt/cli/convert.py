@@ -22,6 +22,7 @@ from ..convert import ConvertResult, Rules, convert, parse_size
 from ..convert.detect import FORMATS
 from ..convert.presets import PRESETS
 from ..convert.select import load_name_map
+from ._layout import locate
 from ._text import description_of
 from .progress import progress_bar
 
@@ -89,8 +90,7 @@ def _summary(result: ConvertResult) -> str:
 def run(args: argparse.Namespace) -> int:
     name_map = {}
     if args.map:
-        with open(args.map, encoding="utf-8") as f:
-            name_map = load_name_map(f.read(), args.map)
+        name_map = load_name_map(locate(args.map).fs.read_bytes(args.map).decode("utf-8"), args.map)
     rules = Rules(keep=args.keep, drop=args.drop, rename=args.rename, name_map=name_map, transpose=args.transpose,
                   casts=args.dtype)
     # the handler takes sys.stderr as the bar leaves it (rich's proxy prints above the bar)

@@ -12,12 +12,13 @@ Clients are coordinated by the standard library alone (no torch or MPI needed). 
 first mesh has 8 devices and the second 4, so ``--clients`` is one of 1, 2, 4, 8 and
 ``--resume-clients`` one of 1, 2, 4. Without ``--dir`` the demo works in a new temporary
 folder, removes it when every check passed, and keeps it (saying where) when one failed.
+``--dir`` may be on an object store (``s3://bucket/demo``): the checkpoints and the
+clients' reports are written there, through the store, as into a local folder.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import tempfile
 import time
@@ -27,7 +28,7 @@ import numpy as np
 
 from ..checkpoint.reader import load_checkpoint
 from ..checkpoint.state import latest_checkpoint
-from ._layout import data_files, open_bundle
+from ._layout import data_files, locate, open_bundle
 from ._text import description_of
 from .demo_clients import WEIGHTS, expected, launch
 from .inspect import list_tensors, render_listing
@@ -63,10 +64,11 @@ def _print_events(reports: List[Dict[str, Any]]) -> None:
 
 
 def run_story(directory: str, clients: int = 4, resume_clients: int = 2) -> bool:
-    """Run the story; return whether every check passed."""
-    ckpt_dir = os.path.join(directory, "train")
-    reports_dir = os.path.join(directory, "reports")
-    os.makedirs(reports_dir, exist_ok=True)
+    """Run the story in ``directory`` (local or on an object store); return whether every check passed."""
+    fs = locate(directory).fs
+    ckpt_dir = fs.join(directory, "train")
+    reports_dir = fs.join(directory, "reports")
+    fs.makedirs(reports_dir)
     total = sum(int(np.prod(shape)) * 4 for shape, _, _ in WEIGHTS.values())
     first = {"name": "first", "mesh": [("x", 2), ("y", 4)], "which": 0, "resume": False, "steps": 12, "every": 4,
              "directory": ckpt_dir}
@@ -79,17 +81,19 @@ def run_story(directory: str, clients: int = 4, resume_clients: int = 2) -> bool
     started = time.perf_counter()
     print(f"\n1. {clients} clients, mesh x=2 x y=4 ({8 // clients} devices each): train 12 steps, checkpoint every 4")
     _print_events(launch(clients, first, reports_dir))
-    print(f"   stopped; latest checkpoint: {os.path.basename(latest_checkpoint(ckpt_dir) or '-')}")
+    print(f"   stopped; latest checkpoint: {fs.basename(latest_checkpoint(ckpt_dir) or '-')}")
     print(f"\n2. {resume_clients} clients, mesh a=4 ({4 // resume_clients} devices each), other layouts: "
           "resume, train 6 more steps, checkpoint every 3")
     _print_events(launch(resume_clients, second, reports_dir))
     final = latest_checkpoint(ckpt_dir)
-    print(f"\n3. verify {os.path.basename(final or '-')}")
+    print(f"\n3. verify {fs.basename(final or '-')}")
     ok = final is not None
     if final is not None:
-        with open_bundle(final) as reader:
-            print(render_listing(reader.prefix, data_files(reader), list_tensors(reader)))
-            report = verify_bundle(reader)
+        location = locate(final)
+        with open_bundle(location) as reader:
+            rows = list_tensors(reader)
+            print(render_listing(reader.prefix, data_files(reader, location.fs, rows), rows))
+            report = verify_bundle(reader, fs=location.fs)
         print(render_report(report))
         ok = report.ok
         with load_checkpoint(final) as reader:

@@ -10,11 +10,13 @@ exactly by replaying the steps on full arrays.
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
+
+from ..storage.base import FileSystem
+from ..storage.registry import get_fs
 
 LR = np.float32(0.25)
 # name -> (global shape, layout on the first mesh (x=2, y=4), layout on the second mesh (a=4))
@@ -81,11 +83,12 @@ def run_client(group: Any, rank: int, phase: Dict[str, Any], out_dir: str) -> No
     ckpt = dtensor.DTensorCheckpoint(mesh, model=model, step=step_counter, coordinator=coordinator)
     events: List[Dict[str, Any]] = []
     directory = phase["directory"]
+    fs = get_fs(directory)
     if phase["resume"]:
         path = latest_checkpoint(directory)
         started = time.perf_counter()
         ckpt.restore(path).assert_consumed()
-        events.append({"event": "restore", "path": os.path.basename(path or ""), "step": int(step_counter.numpy()),
+        events.append({"event": "restore", "path": fs.basename(path or ""), "step": int(step_counter.numpy()),
                        "seconds": time.perf_counter() - started})
     for _ in range(phase["steps"]):
         for name in WEIGHTS:
@@ -96,14 +99,18 @@ def run_client(group: Any, rank: int, phase: Dict[str, Any], out_dir: str) -> No
         step_counter.assign_add(1)
         if int(step_counter.numpy()) % phase["every"] == 0:
             started = time.perf_counter()
-            path = ckpt.save(os.path.join(directory, "ckpt"))
-            events.append({"event": "save", "path": os.path.basename(path), "step": int(step_counter.numpy()),
+            path = ckpt.save(fs.join(directory, "ckpt"))
+            events.append({"event": "save", "path": fs.basename(path), "step": int(step_counter.numpy()),
                            "seconds": time.perf_counter() - started})
     local_bytes = sum(c.nbytes for name in WEIGHTS
                       for c in getattr(model, name.replace("/", "_")).value().components.values())
-    with open(os.path.join(out_dir, f"client-{phase['name']}-{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "events": events, "devices": mesh.local_device_ids(),
-                   "local_bytes": local_bytes}, f)
+    report = {"rank": rank, "events": events, "devices": mesh.local_device_ids(), "local_bytes": local_bytes}
+    reports = get_fs(out_dir)
+    reports.write_atomic(_report_path(reports, out_dir, phase, rank), json.dumps(report).encode("utf-8"))
+
+
+def _report_path(fs: FileSystem, out_dir: str, phase: Dict[str, Any], rank: int) -> str:
+    return fs.join(out_dir, f"client-{phase['name']}-{rank}.json")
 
 
 def launch(size: int, phase: Dict[str, Any], out_dir: str, timeout: float = 300.0) -> List[Dict[str, Any]]:
@@ -126,11 +133,8 @@ def launch(size: int, phase: Dict[str, Any], out_dir: str, timeout: float = 300.
             p.kill()
     if failed:
         raise RuntimeError(f"demo clients failed: {failed}")
-    reports = []
-    for r in range(size):
-        with open(os.path.join(out_dir, f"client-{phase['name']}-{r}.json")) as f:
-            reports.append(json.load(f))
-    return reports
+    fs = get_fs(out_dir)
+    return [json.loads(fs.read_bytes(_report_path(fs, out_dir, phase, r))) for r in range(size)]
 
 
 def names() -> Sequence[str]:

@@ -23,9 +23,13 @@ when the tensor has at most ``--limit`` elements; strings as base64 plus UTF-8
 (``null`` where not UTF-8), flattened row-major.
 
 Listing a TF checkpoint describes every entry from the index (no tensor bytes are
-read); on a terminal a progress bar counts the tensors described (on stderr, erased
-before the listing is printed), which matters for checkpoints of many thousands of
-keys or on object stores; off a terminal and with ``--json`` nothing else is printed.
+read) and asks the store for each data file's size; a data file that is missing, or
+shorter than the index's entries in it need (cut short), is named on stderr and the exit
+status is 1, as for a bad entry, with the listing, tree or map still printed. ``PATH`` (and
+the ``--map`` output) may be local or on an object store (``s3://...``). On a terminal a
+progress bar counts the tensors described (on stderr, erased before the listing is
+printed), which matters for checkpoints of many thousands of keys or on object stores;
+off a terminal and with ``--json`` nothing else is printed.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
@@ -45,10 +49,9 @@ from ..errors import NotFoundError, ShardckptError
 from ..format.bundle_reader import BundleReader
 from ..format.ordered_code import is_slice_key
 from ..saving.incremental import data_file_origins
-from ..storage.registry import get_fs
 from . import shard_map
-from ._layout import DataFile, TensorLayout, data_files, open_bundle, tensor_layout
-from ._text import description_of, error_text, human_size, key_text, render_table, shape_text
+from ._layout import DataFile, TensorLayout, data_files, file_problems, locate, open_bundle, tensor_layout
+from ._text import bare_message, description_of, error_text, human_size, key_text, render_table, shape_text
 from ._values import format_stats, format_values, json_number, numeric_stats, string_stats, strings_json, values_json
 from .progress import Advance, progress_bar
 from .tree import build_tree, render_tree, tree_json
@@ -104,14 +107,15 @@ def _non_negative(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``inspect``; returns the exit status."""
-    if getattr(args, "tree", False) and source_format(args.path) != "tf":
-        with open_source(args.path) as source:  # safetensors, HF folders, npz: the tree of their names
+    location = locate(args.path)
+    if getattr(args, "tree", False) and source_format(location.prefix) != "tf":
+        with open_source(location.prefix) as source:  # safetensors, HF folders, npz: the tree of their names
             infos = source.tensors()
         sep = "/" if any("/" in i.name for i in infos) else "."
         root = build_tree([(i.name, i.dtype.name, i.shape, i.nbytes) for i in infos], sep)
         print(json.dumps(tree_json(root), indent=2) if args.json else render_tree(root, sep))
         return 0
-    with open_bundle(args.path) as reader:
+    with open_bundle(location) as reader:
         if args.key is not None:
             detail = load_tensor(reader, args.key)
             print(json.dumps(tensor_json(detail, args.limit), indent=2) if args.json
@@ -119,22 +123,31 @@ def run(args: argparse.Namespace) -> int:
             return 0
         with progress_bar("inspect", None, enabled=not args.json, unit="items") as advance:
             rows = list_tensors(reader, advance)
+        files = data_files(reader, location.fs, rows)
         if getattr(args, "tree", False):
             root = build_tree([(r.name, r.dtype.name, tuple(r.shape), r.nbytes) for r in rows
                                if isinstance(r, TensorLayout)])
             print(json.dumps(tree_json(root), indent=2) if args.json else render_tree(root))
-            return 1 if any(isinstance(r, BadTensor) for r in rows) else 0
-        files = data_files(reader)
-        if getattr(args, "map", None):
+        elif getattr(args, "map", None):
             chosen = shard_map.choose_tensors([r for r in rows if isinstance(r, TensorLayout)], args.keys)
-            counts = shard_map.write_map(args.map, reader.prefix, chosen, files)
+            counts = shard_map.write_map(args.map, reader.prefix, chosen, files, fs=locate(args.map).fs)
             print(f"shard map of {counts['tensors']} tensors ({counts['pieces']} pieces) written to {args.map}"
                   + (f"; {counts['with_problems']} with holes or overlaps" if counts["with_problems"] else ""))
-            return 1 if any(isinstance(r, BadTensor) for r in rows) else 0
-        origins = data_file_origins(reader.prefix, get_fs(reader.prefix))
-        print(json.dumps(listing_json(reader.prefix, files, rows, origins), indent=2) if args.json
-              else render_listing(reader.prefix, files, rows, origins))
-        return 1 if any(isinstance(r, BadTensor) for r in rows) else 0
+        else:
+            origins = data_file_origins(reader.prefix, location.fs)
+            print(json.dumps(listing_json(reader.prefix, files, rows, origins), indent=2) if args.json
+                  else render_listing(reader.prefix, files, rows, origins))
+        return _trouble(rows, files, listed=not (getattr(args, "tree", False) or getattr(args, "map", None)))
+
+
+def _trouble(rows: List[Row], files: List[DataFile], listed: bool) -> int:
+    """The exit status of a listing, a tree or a map: 1 when an entry is bad or a data file is missing
+    or cut short. Each such file is named on stderr, and so is each bad entry where no listing named it."""
+    problems = file_problems(files)
+    bad = [r for r in rows if isinstance(r, BadTensor)]
+    for problem in problems + ([] if listed else [r.error for r in bad]):
+        print(f"error: {error_text(problem)}", file=sys.stderr)
+    return 1 if problems or bad else 0
 
 
 # -- the listing ---------------------------------------------------------------------------------
@@ -195,8 +208,10 @@ def render_listing(prefix: str, files: List[DataFile], rows: List[Row], origins:
     lines.append("data files:")
     for f in files:
         size = "MISSING" if f.size is None else f"{f.size} bytes ({human_size(f.size)})"
+        if f.size is not None and f.problem() is not None:
+            size += f"  CUT SHORT (entries up to byte {f.needed})"
         origin = "" if origins is None else "  " + _origin_text(origins.get(f.shard, {"how": "written"}))
-        lines.append(f"  {os.path.basename(f.path)}  {size}{origin}")
+        lines.append(f"  {f.name}  {size}{origin}")
     table: List[List[str]] = []
     for row in rows:
         if isinstance(row, BadTensor):
@@ -237,6 +252,8 @@ def listing_json(prefix: str, files: List[DataFile], rows: List[Row], origins: O
         "checkpoint": prefix, "num_shards": len(files), "num_tensors": len(rows), "total_bytes": _total_bytes(rows),
         "data_files": [{"shard": f.shard, "path": f.path, "size": f.size, "exists": f.size is not None}
                        for f in files],
+        "data_file_problems": [{"path": problem.path, "problem": bare_message(problem)}
+                               for problem in file_problems(files)],
         "tensors": tensors}
     if origins is not None:
         for f, described in zip(files, out["data_files"]):

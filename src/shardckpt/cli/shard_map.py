@@ -38,6 +38,8 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..format.tensor_slice import Box
+from ..storage.base import FileSystem
+from ..storage.registry import get_fs
 from ._layout import DataFile, TensorLayout
 from ._text import human_size, shape_text
 
@@ -220,7 +222,7 @@ def render_svg(prefix: str, layouts: Sequence[TensorLayout], files: Sequence[Dat
     by_shard = {f.shard: f for f in files}
     for i, shard in enumerate(used):
         ly = MARGIN + 22 + LEGEND_ROW * i
-        name = by_shard[shard].path.rsplit("/", 1)[-1] if shard in by_shard else f"shard {shard}"
+        name = by_shard[shard].name if shard in by_shard else f"shard {shard}"
         legend.append(f'<g class="legend" data-shard="{shard}"><rect x="{MARGIN}" y="{ly}" width="12" height="12" '
                       f'fill="{_colour(shard)}"/><text x="{MARGIN + 18}" y="{ly + 11}">{html.escape(name)}</text></g>')
     height_total = y + MARGIN
@@ -240,8 +242,10 @@ def render_html(prefix: str, layouts: Sequence[TensorLayout], files: Sequence[Da
             "<body style=\"margin:0;background:#f6f6f6\">" + svg + "</body></html>\n")
 
 
-def write_map(path: str, prefix: str, layouts: Sequence[TensorLayout], files: Sequence[DataFile]) -> Dict[str, int]:
-    """Write the picture to ``path`` (``.svg`` or ``.html``); returns counts for the command's summary line."""
+def write_map(path: str, prefix: str, layouts: Sequence[TensorLayout], files: Sequence[DataFile], *,
+              fs: Optional[FileSystem] = None) -> Dict[str, int]:
+    """Write the picture to ``path`` (``.svg`` or ``.html``) on ``fs`` (default: the store serving ``path``,
+    local or an object store), whole or not at all; returns counts for the command's summary line."""
     lower = path.lower()
     covers = _coverages(layouts)  # once: for the picture and for the count
     if lower.endswith(".svg"):
@@ -250,7 +254,6 @@ def write_map(path: str, prefix: str, layouts: Sequence[TensorLayout], files: Se
         text = render_html(prefix, layouts, files, covers)
     else:
         raise InvalidArgumentError(f"--map {path!r}: the file name must end in .svg or .html")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    (fs if fs is not None else get_fs(path)).write_atomic(path, text.encode("utf-8"))
     problems = sum(1 for c in covers if not c.ok)
     return {"tensors": len(layouts), "pieces": sum(len(t.pieces) for t in layouts), "with_problems": problems}

@@ -26,7 +26,8 @@ from ..errors import ShardckptError
 from ..format.bundle_reader import BundleReader
 from ..format.ordered_code import decode_tensor_name_slice
 from ..format.tiling import check_tiling
-from ._layout import TensorLayout, data_files, open_bundle, tensor_layout
+from ..storage.base import FileSystem
+from ._layout import TensorLayout, data_files, locate, open_bundle, tensor_layout
 from ._text import bare_message, description_of, error_text, human_size, key_text, piece_key_text
 from .progress import Advance, progress_bar
 
@@ -76,8 +77,9 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 def run(args: argparse.Namespace) -> int:
     """Run ``verify``; returns the exit status."""
+    location = locate(args.path)
     try:
-        reader = open_bundle(args.path)
+        reader = open_bundle(location)
     except ShardckptError as exc:
         message = f"cannot read the checkpoint index: {error_text(exc)}"
         if args.json:
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     with reader:
         with progress_bar("verify", None, enabled=not args.json) as advance:
-            report = verify_bundle(reader, advance)
+            report = verify_bundle(reader, advance, fs=location.fs)
     print(json.dumps(report_json(report), indent=2) if args.json else render_report(report))
     return 0 if report.ok else 1
 
@@ -123,14 +125,16 @@ def _no_progress(name: str, nbytes: int) -> None:
     return None
 
 
-def verify_bundle(reader: BundleReader, progress: Advance = _no_progress) -> VerifyReport:
-    """Check every data file, entry and stored piece of ``reader``'s bundle.
+def verify_bundle(reader: BundleReader, progress: Advance = _no_progress, *,
+                  fs: Optional[FileSystem] = None) -> VerifyReport:
+    """Check every data file, entry and stored piece of ``reader``'s bundle (its data files' sizes
+    asked of ``fs``, default the store serving its prefix).
 
     ``progress(key, nbytes)`` is called after each tensor (or orphan slice entry) is checked,
     and ``progress.set_total(nbytes)`` (where it has one) once, with the data files' total size.
     """
     report = VerifyReport(prefix=reader.prefix)
-    files = data_files(reader)
+    files = data_files(reader, fs if fs is not None else locate(reader.prefix).fs)
     report.missing_files = [f.path for f in files if f.size is None]
     set_total = getattr(progress, "set_total", None)
     if set_total is not None:

@@ -36,6 +36,7 @@ from ..checkpoint.state import update_checkpoint_state
 from ..errors import DataLossError, NotFoundError
 from ..format.bundle_reader import BundleReader
 from ..format.tensor_slice import TensorSlice, box_volume, format_shape_and_slice
+from ..restoring import BundleSource, Read, read_one
 from ..saving import CheckpointOptions, save_tensors
 from ..sharding import MaxShardSizePolicy, ShardableTensor
 from ..sharding.callback import Shard
@@ -56,6 +57,7 @@ class TFSource(Source):
     def __init__(self, path: str) -> None:
         self.path = resolve_prefix(path)
         self.bundle = BundleReader(Location.of(self.path))
+        self.source = BundleSource(self.bundle)  # reads: plans of the restore engine, one tensor at a time
         self.infos: Dict[str, TensorInfo] = {}
         self.keys: Dict[str, bytes] = {}
         for key in self.bundle.keys():
@@ -84,18 +86,18 @@ class TFSource(Source):
     def read(self, name: str) -> np.ndarray:
         if name not in self.keys:
             raise NotFoundError("no such tensor", path=self.path, key=name)
-        return self.bundle.read(self.keys[name])
+        return read_one(self.source, Read(self.keys[name]))
 
     def read_into(self, name: str, out: np.ndarray) -> Optional[np.ndarray]:
-        return self.bundle.read_region(self.keys[name], None, out=out)
+        return read_one(self.source, Read(self.keys[name], None, out))
 
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         info = self.infos[name]
         box = ((start, stop),) + tuple((0, d) for d in info.shape[1:])
-        return self.bundle.read_region(self.keys[name], box)
+        return read_one(self.source, Read(self.keys[name], box))
 
     def close(self) -> None:
-        self.bundle.close()
+        self.source.close()
 
 
 class StreamingShardPolicy(MaxShardSizePolicy):

@@ -18,15 +18,15 @@ import contextlib
 import hashlib
 import json
 import threading
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..checkpoint.convert import convert_python_value
 from ..errors import InvalidArgumentError
-from ..format.bundle_reader import BundleReader
 from ..format.bundle_writer import byte_view
 from ..format.tensor_slice import Box, box_shape
+from ..restoring import Read, RestorePlan, as_source, run
 from ..sharding.shardable import canonical_device
 from ._layout import Layout
 from ._mesh import Mesh
@@ -82,10 +82,6 @@ class DTensor:
             out.setdefault(self.box(device), []).append(device)
         return out
 
-    def regions_to_read(self) -> List[Box]:
-        """The regions :meth:`restore_from` reads (one per distinct local piece), for a restore to announce."""
-        return list(self.local_pieces())
-
     @property
     def spanned_clients(self) -> int:
         """How many clients hold pieces of this value (its mesh's clients): a ``Checkpoint`` holding a
@@ -121,19 +117,20 @@ class DTensor:
                                                       _mesh_signature(layout.mesh))
         return told[1], told[2]
 
-    def restore_from(self, reader: BundleReader, key: str) -> None:
-        """Fill the components from checkpoint ``key``: each distinct local piece is read once
+    def restore_reads(self, key: str) -> List[Read]:
+        """What fills the components from checkpoint ``key``: each distinct local piece read once
         (only the bytes overlapping it), then copied to the other local replicas."""
-        fills_later = getattr(reader, "fills_later", False)  # a funnelled restore: values arrive later
+        reads = []
         for box, devices in self.local_pieces().items():
-            if fills_later:
-                for device in devices:
-                    reader.read_region(key, box, out=self.components[device])
-                continue
             first = self.components[devices[0]]
-            reader.read_region(key, box, out=first)
-            for other in devices[1:]:
-                np.copyto(self.components[other], first)
+            others = [self.components[d] for d in devices[1:]]
+            reads.append(Read(key, box, first, then=_copy_to(others) if others else None))
+        return reads
+
+    def restore_from(self, reader: Any, key: str) -> None:
+        """Fill the components from checkpoint ``key`` of ``reader`` (a ``BundleReader`` or a restore
+        source; a funnelled one fills them when its call ends)."""
+        run(RestorePlan.of(as_source(reader), self.restore_reads(key)))
 
     @property
     def rank(self) -> int:
@@ -150,6 +147,13 @@ class DTensor:
 
     def __repr__(self) -> str:
         return f"DTensor(shape={list(self.shape)}, dtype={self.dtype}, layout={self.layout.sharding_specs})"
+
+
+def _copy_to(others: List[np.ndarray]) -> Callable[[np.ndarray], None]:
+    def copy(first: np.ndarray) -> None:
+        for other in others:
+            np.copyto(other, first)
+    return copy
 
 
 def client_device(mesh: Mesh, rank: int) -> str:

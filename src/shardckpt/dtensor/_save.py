@@ -27,16 +27,14 @@ from ..checkpoint.graph import SaveableGraph
 from ..distributed import get_coordinator
 from ..distributed.coordinator import Coordinator
 from ..errors import InvalidArgumentError, NotFoundError
-from ..format.bundle_reader import BundleReader
 from ..format.dtypes import as_dtype
 from ..format.tensor_slice import FULL, TensorSlice, format_shape_and_slice, full_box
+from ..restoring import BundleSource, PieceSource, RestorePlan, collective_call, funnelled_reader, run
 from ..saving.agreement import Held, describe_held
 from ..saving.distributed import io_rank_of, save_tensors_distributed
-from ..saving.funnel_restore import funnelled_reader, run_funnelled
 from ..saving.options import CheckpointOptions
 from ..saving.pieces import pieces_of
 from ..sharding.shardable import ShardableTensor
-from ..storage.location import Location
 from ._api import DTensor, as_dtensor, client_device, get_default_mesh, is_dtensor
 from ._layout import UNSHARDED
 from ._mesh import Mesh
@@ -119,17 +117,21 @@ def name_based_restore(mesh: Mesh, checkpoint_prefix: str, name_tensor_dict: Map
     the call is then collective (``coordinator``: default the process-wide one).
     """
     del mesh
-    funnel = funnelled_reader(os.fspath(checkpoint_prefix), options, coordinator or get_coordinator())
-    if funnel is not None:
-        restored: "OrderedDict[str, DTensor]" = run_funnelled(
-            funnel, lambda reader: _restore_named(reader, checkpoint_prefix, name_tensor_dict))
-        return restored
-    with BundleReader(Location.of(checkpoint_prefix)) as reader:
-        return _restore_named(reader, checkpoint_prefix, name_tensor_dict)
+    source = (funnelled_reader(os.fspath(checkpoint_prefix), options, coordinator or get_coordinator())
+              or BundleSource.open(os.fspath(checkpoint_prefix)))
+    try:
+        with collective_call(source):
+            targets = _targets(source, checkpoint_prefix, name_tensor_dict)
+            run(RestorePlan.of(source, [read for name, target in targets.items()
+                                        for read in target.restore_reads(name)]))
+        return targets
+    finally:
+        source.close()
 
 
-def _restore_named(reader: Any, checkpoint_prefix: str,
-                   name_tensor_dict: Mapping[str, Any]) -> "OrderedDict[str, DTensor]":
+def _targets(reader: PieceSource, checkpoint_prefix: str,
+             name_tensor_dict: Mapping[str, Any]) -> "OrderedDict[str, DTensor]":
+    """A new DTensor for every name, on the given value's layout, each checked against the checkpoint."""
     targets: "OrderedDict[str, DTensor]" = OrderedDict()
     for name, tensor in name_tensor_dict.items():
         if not is_dtensor(tensor):
@@ -145,8 +147,6 @@ def _restore_named(reader: Any, checkpoint_prefix: str,
                                        path=checkpoint_prefix, key=name)
         targets[name] = DTensor(like.layout, like.shape,
                                 {d: np.empty_like(c) for d, c in like.components.items()})
-    for name, target in targets.items():
-        target.restore_from(reader, name)
     return targets
 
 

@@ -9,19 +9,19 @@ sharding=...)`` leaf comes back as a new ``jax.Array`` with exactly that shardin
 empty containers stay as they are; a target holding a sub-tree of what was saved
 restores just that sub-tree.
 
-Steps, all on one :class:`~shardckpt.format.bundle_reader.BundleReader`:
+Steps, as one streaming plan of the restore engine (:mod:`shardckpt.restoring`):
 
 1. Every leaf's checkpoint key is found (its path key, through ``key_map`` when
    given; a key written by ``Checkpoint``/``DTensorCheckpoint``'s object graph,
    ``<key>/.ATTRIBUTES/VARIABLE_VALUE``, is found too) and its stored dtype and
    shape are checked against the target's, for every leaf before anything is read.
-   On object stores every read below is then announced (``BundleReader.prefetch``:
+   On object stores every read below is then announced (the engine's first step:
    few large GETs, fetched ahead within the store's read budget).
 2. Scalars and NumPy leaves are read whole.
 3. For each array leaf, this process's distinct regions (each region of the
    target sharding's addressable devices, once however many local devices
-   replicate it) are read by a pool of threads, straight from the overlapping
-   stored bytes (:meth:`BundleReader.read_region`). Leaves are read ahead in order
+   replicate it) are read by the engine's threads, straight from the overlapping
+   stored bytes, into 64-byte aligned buffers. Leaves are read ahead in order
    while the host bytes in flight stay within ``memory_budget`` (a leaf larger
    than the budget is read alone); each leaf's array is made as soon as its
    regions are in, and its host buffers are dropped.
@@ -32,10 +32,7 @@ Nothing is written; a failed restore returns nothing and leaves the target alone
 from __future__ import annotations
 
 import os
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import jax
 import numpy as np
@@ -44,10 +41,10 @@ from ..checkpoint.reader import open_bundle
 from ..errors import InvalidArgumentError, NotFoundError, ShardckptError
 from ..format.bundle_reader import BundleReader
 from ..format.dtypes import as_dtype
-from ..format.tensor_slice import Box
+from ..restoring import BundleSource, Read, ReadGroup, RestorePlan, run
 from ..storage.base import FileSystem
 from ._tree import METADATA_KEY, decode_metadata, leaves_with_keys, python_value, rebuild
-from ._values import distinct_boxes, read_onto, region_bytes
+from ._values import array_reads
 
 __all__ = ["restore", "DEFAULT_MEMORY_BUDGET"]
 
@@ -55,17 +52,6 @@ DEFAULT_MEMORY_BUDGET = 1 << 30  # host bytes read ahead of the array being made
 _OBJECT_GRAPH_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 
 KeyMap = Union[None, Mapping[str, str], Callable[[str], str]]
-
-
-@dataclass
-class _ArrayJob:
-    index: int  # position among the target's leaves
-    key: str  # checkpoint key
-    shape: Tuple[int, ...]
-    dtype: Any
-    sharding: Any
-    boxes: Dict[Box, List[Any]]
-    nbytes: int
 
 
 def _checkpoint_key(reader: BundleReader, key: str, key_map: KeyMap) -> str:
@@ -164,12 +150,16 @@ def _restore_saved_structure(reader: BundleReader) -> Any:
                                    "(and a key_map for other names)", path=reader.prefix)
     meta = decode_metadata(reader.read(METADATA_KEY), reader.prefix)
     kinds: Dict[str, str] = meta["kinds"]
-
-    def value_of(key: str) -> Any:
+    keys: List[str] = []
+    rebuild(meta["tree"], keys.append)  # the keys the structure names, in order
+    for key in keys:
         if key not in reader:
             raise NotFoundError("the saved structure names a value that is not in the checkpoint",
                                 path=reader.prefix, key=key)
-        array = reader.read(key)
+    arrays = dict(zip(keys, run(RestorePlan.of(BundleSource(reader, owned=False), [Read(k) for k in keys]))))
+
+    def value_of(key: str) -> Any:
+        array = arrays[key]
         kind = kinds.get(key, "numpy")
         return array if kind in ("jax", "numpy") else python_value(key, kind, array)
 
@@ -181,8 +171,8 @@ def _restore_onto(reader: BundleReader, target: Any, key_map: KeyMap, budget: in
     leaves = leaves_with_keys(target)
     treedef = jax.tree_util.tree_structure(target)
     values: List[Any] = [None] * len(leaves)
-    jobs: List[_ArrayJob] = []
-    small: List[Tuple[int, str, str, Any]] = []
+    small: List[ReadGroup] = []
+    arrays: List[ReadGroup] = []
     for i, (path_key, leaf) in enumerate(leaves):  # 1. find and check everything first
         kind = _kind_of_target(leaf)
         key = _checkpoint_key(reader, path_key, key_map)
@@ -192,52 +182,25 @@ def _restore_onto(reader: BundleReader, target: Any, key_map: KeyMap, budget: in
             sharding = getattr(leaf, "sharding", None)
             if sharding is None:
                 sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-            boxes = distinct_boxes(sharding, shape)
-            itemsize = int(np.dtype(leaf.dtype).itemsize)
-            jobs.append(_ArrayJob(i, key, shape, leaf.dtype, sharding, boxes,
-                                  sum(region_bytes(b, itemsize) for b in boxes)))
+            arrays.append(array_reads(key, shape, leaf.dtype, sharding, _setter(values, i)))
         elif kind == "numpy":
             _check(reader, key, tuple(np.shape(leaf)), np.asarray(leaf).dtype)
-            small.append((i, key, kind, leaf))
+            small.append(ReadGroup((Read(key),), _setter(values, i, lambda got: got[0])))
         else:
             _check_scalar(reader, key, kind)
-            small.append((i, key, kind, leaf))
-    _announce(reader, small, jobs)
-    for i, key, kind, _ in small:  # 2. the small ones
-        array = reader.read(key)
-        values[i] = array if kind == "numpy" else _scalar_value(reader, key, kind, array)
-    if jobs:  # 3. the arrays, read ahead within the budget
-        workers = max_workers or max(2, min(16, 2 * (os.cpu_count() or 1)))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardckpt-jax-read") as pool:
-            try:
-                _read_arrays(reader, jobs, values, pool, budget)
-            except BaseException:
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
+            small.append(ReadGroup((Read(key),), _setter(values, i, _scalar_of(reader, key, kind))))
+    # 2. the small ones, then 3. the arrays, read ahead within the budget, each made as soon as its regions are in
+    workers = max_workers or max(2, min(16, 2 * (os.cpu_count() or 1)))
+    run(RestorePlan.of(BundleSource(reader, owned=False), small + arrays, workers=workers, budget=budget,
+                       defer=False))
     return jax.tree_util.tree_unflatten(treedef, values)
 
 
-def _announce(reader: BundleReader, small: List[Tuple[int, str, str, Any]], jobs: List[_ArrayJob]) -> None:
-    """Object stores: announce every read in the order of the reads (the small values whole, then each
-    array's regions), so they come in few large GETs fetched ahead within the store's read budget."""
-    if reader.prefetches:
-        reader.prefetch([(key, None) for _, key, _, _ in small] + [(job.key, box) for job in jobs for box in job.boxes])
+def _setter(values: List[Any], i: int, convert: Callable[[Any], Any] = lambda value: value) -> Callable[[Any], None]:
+    def put(value: Any) -> None:
+        values[i] = convert(value)
+    return put
 
 
-def _read_arrays(reader: BundleReader, jobs: List[_ArrayJob], values: List[Any], pool: ThreadPoolExecutor,
-                 budget: int) -> None:
-    pending: Deque[Tuple[_ArrayJob, Dict[Box, "Future[np.ndarray]"]]] = deque()
-    upcoming = iter(jobs)
-    following: Optional[_ArrayJob] = next(upcoming, None)
-    in_flight = 0
-    for _ in jobs:
-        while following is not None and (not pending or in_flight + following.nbytes <= budget):
-            job = following
-            pending.append((job, {box: pool.submit(reader.read_region, job.key, box) for box in job.boxes}))
-            in_flight += job.nbytes
-            following = next(upcoming, None)
-        job, futures = pending.popleft()
-        regions = {box: future.result() for box, future in futures.items()}
-        values[job.index] = read_onto(reader, job.key, job.shape, job.dtype, job.sharding, regions)
-        in_flight -= job.nbytes
-        del regions, futures
+def _scalar_of(reader: BundleReader, key: str, kind: str) -> Callable[[List[np.ndarray]], Any]:
+    return lambda got: _scalar_value(reader, key, kind, got[0])

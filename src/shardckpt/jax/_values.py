@@ -9,10 +9,10 @@ The bytes are taken (``np.asarray`` of the shard's data) only when the engine
 writes or stages them. An async save of a shard on a CPU device stages no copy: it
 holds the zero-copy NumPy view of the shard's buffer (see :class:`ShardBytes`).
 
-Restoring: :func:`read_onto` builds a new array of the wanted shape, dtype and
-sharding with ``jax.make_array_from_callback``; each distinct region among this
-process's devices is read once from the checkpoint (only the overlapping stored
-bytes) and placed on every local device that holds it.
+Restoring: :func:`array_reads` is the restore engine's group of reads for a new array of
+the wanted shape, dtype and sharding: each distinct region among this process's devices
+is read once from the checkpoint (only the overlapping stored bytes); once they are in,
+``jax.make_array_from_callback`` places each on every local device that holds it.
 """
 
 from __future__ import annotations
@@ -20,19 +20,19 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ..format.bundle_reader import BundleReader
 from ..format.dtypes import as_dtype
 from ..format.tensor_slice import FULL, Box, TensorSlice, box_shape, box_volume, format_shape_and_slice, full_box
+from ..restoring import Read, ReadGroup, RestorePlan, as_source, run
 from ..saving.staging import register_holder
 from ..sharding.shardable import ShardableTensor
 
-__all__ = ["JaxValue", "ShardBytes", "device_name", "box_of", "distinct_boxes", "read_onto"]
+__all__ = ["JaxValue", "ShardBytes", "device_name", "box_of", "distinct_boxes", "array_reads"]
 
 
 def device_name(device: Any) -> str:
@@ -108,13 +108,18 @@ class JaxValue:
         process, holds which region."""
         return _held_sharding(self.array.sharding, self.shape)
 
-    def regions_to_read(self) -> List[Box]:
-        """The regions :meth:`restore_from` reads (this process's distinct ones), for a restore to announce."""
-        return list(distinct_boxes(self.array.sharding, tuple(int(d) for d in self.array.shape)))
+    def restore_reads(self, key: str) -> List[ReadGroup]:
+        """What replaces ``array`` with checkpoint ``key`` read onto the same sharding (JAX arrays are
+        immutable): this process's distinct regions, the new array made once they are in."""
+        shape, sharding = tuple(int(d) for d in self.array.shape), self.array.sharding
+        return [array_reads(key, shape, self.array.dtype, sharding, self._replace)]
+
+    def _replace(self, array: jax.Array) -> None:
+        self.array = array
 
     def restore_from(self, reader: Any, key: str) -> None:
-        """Replace ``array`` with checkpoint ``key`` read onto the same sharding (JAX arrays are immutable)."""
-        self.array = read_onto(reader, key, self.array.shape, self.array.dtype, self.array.sharding)
+        """Replace ``array`` with checkpoint ``key`` of ``reader`` read onto the same sharding."""
+        run(RestorePlan.of(as_source(reader), self.restore_reads(key)))
 
 
 def _held_sharding(sharding: Any, shape: Tuple[int, ...]) -> Tuple[str, str]:
@@ -167,23 +172,24 @@ class ShardBytes:
 register_holder(ShardBytes, ShardBytes.held)
 
 
-def read_onto(reader: BundleReader, key: str, shape: Tuple[int, ...], dtype: Any, sharding: Any,
-              regions: Any = None) -> jax.Array:
-    """A new array of checkpoint ``key`` laid out by ``sharding``; ``regions`` (box -> host array), when given,
-    are the already read regions (see :func:`distinct_boxes`); the others are read here."""
-    shape = tuple(int(d) for d in shape)
-    host: Dict[Box, np.ndarray] = dict(regions or {})
+def array_reads(key: str, shape: Tuple[int, ...], dtype: Any, sharding: Any,
+                into: Callable[[jax.Array], Any]) -> ReadGroup:
+    """The reads of checkpoint ``key`` onto ``sharding`` (this process's distinct regions, each once
+    however many local devices replicate it); ``into(array)`` gets the new array once they are in
+    (its host buffers are then dropped)."""
+    boxes = list(distinct_boxes(sharding, shape))
+    itemsize = int(np.dtype(dtype).itemsize)
 
+    def made(regions: List[np.ndarray]) -> None:
+        into(jax.make_array_from_callback(shape, sharding, _fetch_from(dict(zip(boxes, regions)), shape)))
+
+    return ReadGroup(tuple(Read(key, box) for box in boxes), made, sum(region_bytes(b, itemsize) for b in boxes))
+
+
+def _fetch_from(host: Dict[Box, np.ndarray], shape: Tuple[int, ...]) -> Callable[[Any], np.ndarray]:
     def fetch(index: Optional[Tuple[slice, ...]]) -> np.ndarray:
-        box = box_of(index or (), shape)
-        got = host.get(box)
-        if got is None:
-            got = reader.read_region(key, box)
-            host[box] = got
-        return got
-
-    del dtype  # the reads return the stored dtype, checked by the caller
-    return jax.make_array_from_callback(shape, sharding, fetch)
+        return host[box_of(index or (), shape)]
+    return fetch
 
 
 def region_bytes(box: Box, itemsize: int) -> int:

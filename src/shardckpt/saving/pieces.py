@@ -30,9 +30,10 @@ __all__ = ["DistributedValue", "pieces_of"]
 class DistributedValue(Protocol):
     """A value whose pieces lie on several devices or clients.
 
-    It may also have ``regions_to_read() -> List[Box]``: the regions its ``restore_from``
-    will read, which a restore announces ahead of the reads (object stores fetch them in
-    few large requests); without it its reads are not announced.
+    A restore asks it what to read (``restore_reads``) and the restore engine
+    (:mod:`shardckpt.restoring`) reads it with every other value of the call: announced
+    together, on one pool, each read's follow-up (a copy to other replicas, a value built
+    from its regions) run once its bytes are in.
     """
 
     def shardable_pieces(self, key: str, *, clients: int = 1, replica_writer: str = "lowest"
@@ -40,13 +41,14 @@ class DistributedValue(Protocol):
         """The distinct pieces this client writes under ``key`` when ``clients`` clients save together
         (an error naming ``key`` when the value's layout spans another number of clients)."""
 
-    def restore_from(self, reader: Any, key: str) -> None:
-        """Fill this client's pieces from checkpoint ``key`` of ``reader`` (reading only their bytes)."""
+    def restore_reads(self, key: str) -> List[Any]:
+        """What fills this client's pieces from checkpoint ``key`` (only their bytes): restore-engine
+        reads (``shardckpt.restoring.Read`` / ``ReadGroup``) with their follow-ups."""
 
 
 def _distributed(value: Any) -> bool:
     """``isinstance(value, DistributedValue)`` without the protocol check's cost (~25 us a call)."""
-    return callable(getattr(value, "shardable_pieces", None)) and callable(getattr(value, "restore_from", None))
+    return callable(getattr(value, "shardable_pieces", None)) and callable(getattr(value, "restore_reads", None))
 
 
 def pieces_of(key: str, value: Any, *, clients: int = 1, writes_whole: bool = True, device: Optional[str] = None,

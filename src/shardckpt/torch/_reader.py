@@ -28,7 +28,8 @@ DCP's call sequence, and what each step does here::
                            loads without a target, dcp_to_torch_save and
                            _load_state_dict_from_keys rebuild the nesting).
     set_up_storage_reader  nothing (the index is already open)
-    read_data              on object stores the byte ranges of every read item are
+    read_data              one plan of the restore engine (shardckpt.restoring): on
+                           object stores the byte ranges of every read item are
                            announced first (BundleReader.prefetch: few large GETs,
                            fetched in parallel ahead of the reads); then
                            each read item names a stored chunk, the part of it to
@@ -61,7 +62,6 @@ from __future__ import annotations
 
 import io
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
@@ -77,11 +77,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import InvalidArgumentError, NotFoundError, ShardckptError
+from ..errors import InvalidArgumentError, NotFoundError
 from ..format import crc
-from ..format.bundle_reader import BundleReader, ReadSession, StoredPiece
+from ..format.bundle_reader import BundleReader, StoredPiece
 from ..format.dtypes import DType
-from ..format.tensor_slice import Box, box_shape
+from ..format.tensor_slice import box_shape
+from ..restoring import BundleSource, Read, RestorePlan, run
 from ..storage.base import normalize
 from ..storage.local import LocalFileSystem, local_fs
 from ..storage.registry import get_fs
@@ -186,17 +187,11 @@ class TFBundleReader(StorageReader):
                 planner.load_bytes(item, buf)
             else:
                 tensor_items.append(item)
-        self._announce(bundle, tensor_items)
-        done_items: List[Tuple[ReadItem, torch.Tensor]] = []
         streams = _caller_streams()
-        with bundle.session(defer=True) as session:  # whole-chunk checksums complete when the block ends
-            if self._workers == 1 or len(tensor_items) <= 1:
-                done_items = [self._read_item(bundle, session, item, planner, streams) for item in tensor_items]
-            else:
-                with ThreadPoolExecutor(self._workers, thread_name_prefix="shardckpt-dcp-read") as pool:
-                    done_items = list(pool.map(lambda it: self._read_item(bundle, session, it, planner, streams),
-                                               tensor_items))
-        for item, target in done_items:  # every byte is in place and checked
+        planned = [self._plan_item(bundle, item, planner, streams) for item in tensor_items]
+        run(RestorePlan.of(BundleSource(bundle, owned=False), [read for _, _, read in planned], verify=self._verify,
+                           workers=self._workers))
+        for item, target, _ in planned:  # every byte is in place and checked
             planner.commit_tensor(item, target)
         done: "Future[None]" = Future()
         done.set_result(None)
@@ -296,30 +291,9 @@ class TFBundleReader(StorageReader):
         return Metadata(state_dict_metadata=entries, planner_data=planner_data, storage_data={})
 
     # -- reads --------------------------------------------------------------------------------------------
-    def _announce(self, bundle: BundleReader, items: List[ReadItem]) -> None:
-        """Announce the bytes of every read item to the store (:meth:`BundleReader.prefetch_pieces`):
-        object stores fetch them in few large GETs, in parallel, ahead of the reads; local files whose
-        announced bytes leave gaps are read through a guide. Nothing on other stores. An item that
-        does not resolve is left for its read to report."""
-        if not bundle.prefetches:
-            return
-        reads: List[Tuple[StoredPiece, Optional[Box]]] = []
-        for item in items:
-            stored = self._tensors.get(item.storage_index.fqn)
-            if stored is None:
-                continue
-            try:
-                piece = stored.piece(bundle, tuple(int(d) for d in (item.storage_index.offset or ())))
-            except ShardckptError:
-                continue
-            if piece is None:
-                continue
-            local = tuple((int(o), int(o) + int(n)) for o, n in zip(item.storage_offsets, item.lengths))
-            reads.append((piece, None if local == tuple((0, b - a) for a, b in piece.box) else local))
-        bundle.prefetch_pieces(reads)
-
-    def _read_item(self, bundle: BundleReader, session: ReadSession, item: ReadItem, planner: LoadPlanner,
-                   streams: Dict[int, Any]) -> Tuple[ReadItem, torch.Tensor]:
+    def _plan_item(self, bundle: BundleReader, item: ReadItem, planner: LoadPlanner,
+                   streams: Dict[int, Any]) -> Tuple[ReadItem, torch.Tensor, Read]:
+        """The read of one DCP read item: its stored chunk, the part of it, and where the bytes go."""
         fqn = item.storage_index.fqn
         stored = self._tensors.get(fqn)
         if stored is None:
@@ -336,21 +310,23 @@ class TFBundleReader(StorageReader):
         torch_dtype = to_torch_dtype(stored.dtype)
         if target.device.type == "cpu" and target.dtype == torch_dtype:
             view = numpy_view(target, stored.dtype, contiguous=False)  # the destination's own memory
-            bundle.read_piece_region(piece, local, view, verify=self._verify, session=session)
-            return item, target
+            return item, target, Read(fqn, local, view, piece)
         if target.device.type == "cuda" and target.dtype == torch_dtype and streams:
             # read and checked into a page-locked buffer of torch's cache, then copied on the caller's stream
             host = torch.empty(tuple(target.shape), dtype=torch_dtype, pin_memory=True)
-            bundle.read_piece_region(piece, local, numpy_view(host, stored.dtype), verify=self._verify)
-            copy_on(streams[target.device.index or 0], target, host)
-            return item, target
-        # another device or dtype: through a temporary of this item only, read and checked now, then copy_
-        temp = bundle.read_piece_region(piece, local, None, verify=self._verify)
-        source = torch.from_numpy(temp.view(_CARRIERS[temp.dtype.itemsize]) if temp.dtype.kind == "V" else temp)
-        if torch_dtype is not None and source.dtype != torch_dtype:
-            source = source.view(torch_dtype)
-        target.copy_(source)
-        return item, target
+            stream = streams[target.device.index or 0]
+            return item, target, Read(fqn, local, numpy_view(host, stored.dtype), piece,
+                                      then=lambda _: copy_on(stream, target, host))
+        # another device or dtype: through a temporary of this item only, read and checked, then copy_
+        return item, target, Read(fqn, local, None, piece, then=lambda temp: _copy_cast(temp, target, torch_dtype))
+
+
+def _copy_cast(temp: np.ndarray, target: torch.Tensor, torch_dtype: Any) -> None:
+    """``target.copy_`` of a read temporary (its stored dtype), which casts as DCP's own reader does."""
+    source = torch.from_numpy(temp.view(_CARRIERS[temp.dtype.itemsize]) if temp.dtype.kind == "V" else temp)
+    if torch_dtype is not None and source.dtype != torch_dtype:
+        source = source.view(torch_dtype)
+    target.copy_(source)
 
 
 def _caller_streams() -> Dict[int, Any]:

@@ -9,7 +9,7 @@ Protocol (collective: every client calls it, in the same order; nothing is writt
    the values of a few small tensors asked for up front (the object graph), and the in-flight
    budget. A failure to open is raised on every client.
 2. **plan** (local, no communication): the front door runs its usual restore against a
-   :class:`FunnelledReader`, which answers the metadata and *records* each read (key, region,
+   :class:`FunnelledSource`, which answers the metadata and *records* each read (key, region,
    destination array) instead of reading; the destinations are filled in step 4.
 3. **exchange** (all-gather): each client's distinct reads, sorted by (key, region), and
    whether its planning succeeded; a failed client makes every client raise.
@@ -32,7 +32,9 @@ Protocol (collective: every client calls it, in the same order; nothing is writt
    not come; a checksum found wrong after its bytes went out fails the restore at step 5.
 5. **agree**: every client reports success; any failure is raised on every client.
 
-Values are only valid once :meth:`FunnelledReader.finish` returns. Reads asked for after it
+Values are only valid once :meth:`FunnelledSource.finish` returns (the engine's
+:func:`~.engine.collective_call` calls it when the front door's restore call ends); the reads'
+follow-ups (copies to replicas, values built from regions) run then. Reads asked for after it
 (deferred restoration of objects attached later) need storage and are refused.
 """
 
@@ -42,7 +44,7 @@ import base64
 import json
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -55,9 +57,14 @@ from ..format.bundle_reader import BundleReader, region_box
 from ..format.bundle_writer import byte_view
 from ..format.dtypes import DType, from_enum
 from ..format.tensor_slice import Box, TensorSlice, box_shape, box_volume, boxes_tile, intersect
-from ..storage.location import Location
+from ..saving.distributed import io_rank_of
+from ..storage.registry import get_fs
+from .engine import collective_call
+from .plan import Read
+from .source import PieceSource
 
-__all__ = ["FunnelledReader", "DEFAULT_INFLIGHT_BYTES", "chunk_boxes", "funnelled_reader", "run_funnelled"]
+__all__ = ["FunnelledSource", "FunnelledReader", "DEFAULT_INFLIGHT_BYTES", "chunk_boxes", "funnelled_reader",
+           "run_funnelled"]
 
 DEFAULT_INFLIGHT_BYTES = 64 << 20
 _OK, _FAILED = 0, 1
@@ -115,9 +122,12 @@ def _error_of(info: Dict[str, Any]) -> ShardckptError:
     return CoordinationError(message)
 
 
-class FunnelledReader:
-    """The face of a :class:`~shardckpt.format.bundle_reader.BundleReader` that a restore plans
-    with, on every client of a funnelled restore (see the module docstring).
+class FunnelledSource(PieceSource):
+    """The :class:`~.source.PieceSource` a restore plans with on every client of a funnelled restore
+    (see the module docstring): metadata from the io client; reads recorded, their bytes moved by
+    :meth:`finish` (the engine's :func:`~.engine.collective_call` calls it), then the reads'
+    follow-ups run (:meth:`after`). It keeps a ``BundleReader``'s face too (``read``,
+    ``read_region`` of keys).
 
     Collective: every client constructs it (step 1) and calls :meth:`finish` (steps 3-5) in the
     same order. ``save_path`` is resolved on the io client only, by ``resolve`` (default: the
@@ -126,7 +136,7 @@ class FunnelledReader:
     buffers the io client holds at most (also the largest message).
     """
 
-    fills_later = True  # read_region records; destinations are filled by finish()
+    collective = True  # reads are recorded; destinations are filled by finish()
 
     def __init__(self, save_path: str, coordinator: Coordinator, io_rank: int, *,
                  budget: Optional[int] = None, timeout: Optional[float] = None,
@@ -140,13 +150,14 @@ class FunnelledReader:
         self._timeout = timeout
         self._bundle: Optional[BundleReader] = None
         self._reads: Dict[ReadKey, List[np.ndarray]] = {}
+        self._follow_ups: List[Callable[[], None]] = []
         self._done = False
         self.received = 0  # payload bytes this client received (not the io client)
         info: Dict[str, Any] = {}
         if coordinator.rank == io_rank:
             try:
                 prefix = resolve(save_path) if resolve is not None else save_path
-                bundle = BundleReader(Location.of(prefix))
+                bundle = BundleReader(prefix, fs=get_fs(prefix))
                 self._bundle = bundle
                 keys = {k.decode("utf-8", "backslashreplace"): [bundle.dtype(k).enum, list(bundle.shape(k))]
                         for k in bundle.keys()}
@@ -204,16 +215,33 @@ class FunnelledReader:
         return self._lookup(key)[1]
 
     @contextmanager
-    def deferred_verification(self) -> Iterator["FunnelledReader"]:
+    def deferred_verification(self) -> Iterator["FunnelledSource"]:
         yield self  # every check happens on the io client, before finish() returns
 
-    # -- reads: recorded ---------------------------------------------------------------------
-    def read(self, key: Union[str, bytes], *, verify: bool = True, session: Any = None) -> np.ndarray:
+    def value(self, key: Union[str, bytes]) -> np.ndarray:
         """A preloaded value now; any other tensor is recorded and filled by :meth:`finish`."""
         value = self._values.get(self._name(key))
         if value is not None:
             return value.copy()
         return self.read_region(key)
+
+    # -- reads: recorded ---------------------------------------------------------------------
+    def reading(self, *, defer: bool) -> Any:
+        return nullcontext(None)
+
+    def read(self, read: Union[Read, str, bytes], session: Any = None, *, verify: bool = True) -> np.ndarray:
+        """Record ``read`` (a :class:`~.plan.Read`; or a key: :meth:`value`); returns its destination,
+        valid once :meth:`finish` has returned."""
+        if not isinstance(read, Read):
+            return self.value(read)
+        if read.piece is not None:
+            raise UnsupportedError("a funnelled restore reads regions of tensors, not stored pieces",
+                                   path=self.prefix, key=read.key)
+        return self.read_region(read.key, read.region, read.out)
+
+    def after(self, follow_up: Callable[[], None]) -> None:
+        """Run ``follow_up`` once :meth:`finish` has moved every recorded read's bytes (in order)."""
+        self._follow_ups.append(follow_up)
 
     def read_region(self, key: Union[str, bytes], region: Region = None, out: Optional[np.ndarray] = None, *,
                     verify: bool = True, session: Any = None) -> np.ndarray:
@@ -279,6 +307,9 @@ class FunnelledReader:
             if problem is not None:
                 raise problem from None
             raise
+        follow_ups, self._follow_ups = self._follow_ups, []
+        for follow_up in follow_ups:
+            follow_up()
 
     def _copy_replicas(self, read: ReadKey) -> None:
         outs = self._reads[read]
@@ -587,32 +618,29 @@ def _view(arr: np.ndarray, sub: Box, box: Box) -> np.ndarray:
     return arr[index] if index else arr[...]
 
 
+FunnelledReader = FunnelledSource  # the name it had as a reader's face
+
+
 def funnelled_reader(save_path: str, options: Any, coordinator: Coordinator, *,
                      resolve: Optional[Callable[[str], str]] = None,
-                     preload: Sequence[str] = ()) -> Optional[FunnelledReader]:
-    """A :class:`FunnelledReader` when ``options.io_device`` is set and there are several clients, else ``None``.
+                     preload: Sequence[str] = ()) -> Optional[FunnelledSource]:
+    """A :class:`FunnelledSource` when ``options.io_device`` is set and there are several clients, else ``None``.
 
     ``options`` is a :class:`~shardckpt.saving.options.CheckpointOptions`; collective when it
     returns a reader.
     """
     if options is None or options.io_device is None or coordinator.size == 1:
         return None
-    from .distributed import io_rank_of
-
-    return FunnelledReader(save_path, coordinator, io_rank_of(options, coordinator.size),
+    return FunnelledSource(save_path, coordinator, io_rank_of(options, coordinator.size),
                            budget=options.funnel_inflight_bytes, timeout=options.timeout, resolve=resolve,
                            preload=preload)
 
 
-def run_funnelled(reader: FunnelledReader, plan: Callable[[FunnelledReader], Any]) -> Any:
+def run_funnelled(reader: FunnelledSource, plan: Callable[[FunnelledSource], Any]) -> Any:
     """Run ``plan(reader)`` (which records reads), then the exchange; ``plan``'s result once values are in.
 
     A failure in ``plan`` is told to the other clients (which raise) and re-raised here.
     """
-    try:
+    with collective_call(reader):
         result = plan(reader)
-    except BaseException as exc:
-        reader.finish(exc)
-        raise
-    reader.finish()
     return result

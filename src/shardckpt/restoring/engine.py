@@ -1,0 +1,170 @@
+"""The one restore loop: :func:`run` serves a :class:`~.plan.RestorePlan` from its source.
+
+Every front door (``Checkpoint.restore``/``read``, ``dtensor`` restores, ``shardckpt.jax.restore``,
+DCP's ``TFBundleReader``, ``restore_tensors``) plans against a :class:`~.source.PieceSource`'s
+metadata, checking every target before anything is read, and hands the plan here. Steps:
+
+1. **announce** (once): every read of the plan, so object stores fetch the byte ranges in few
+   large requests ahead of the reads, and local files whose reads leave gaps get a guide.
+2. **read**, on one pool of ``plan.workers`` threads (none when ``workers == 1``):
+
+   * a *deferring* plan (the default) opens one read session: whole-tensor reads are planned
+     in one pass on the calling thread and read and checksummed by the source's helpers;
+     region reads run on the pool meanwhile. Leaving the session waits for every read and
+     raises the first failure (a read error, a checksum mismatch, a replaced file).
+   * a *streaming* plan (``defer=False``) admits groups in order while their bytes in flight
+     stay within ``plan.budget``; each group is complete and checked when its ``done`` runs,
+     so a front door builds each value (a ``jax.Array``) and drops its buffers as it goes (the
+   destinations of groups with a ``done`` are not kept, nor returned).
+
+   A read with ``then`` is read and checked at once, and ``then`` runs on its thread.
+3. **report**: groups' ``done`` run on the calling thread, in order (after the session's
+   checks for a deferring plan); :func:`run` returns every read's destination, in order.
+
+A *collective* source (a funnelled restore) records the reads instead; its bytes move when the
+front door's :func:`collective_call` block ends (every client), and the follow-ups (``then``,
+``done``) run then. Nothing here writes to storage; a failed restore raises on the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from .plan import Read, ReadGroup, RestorePlan
+from .source import PieceSource
+
+__all__ = ["run", "read_one", "collective_call"]
+
+
+def run(plan: RestorePlan) -> List[np.ndarray]:
+    """Serve ``plan`` (see the module docstring); every read's destination, in the plan's order."""
+    source: PieceSource = plan.source
+    if source.collective:
+        return _record(plan)
+    source.announce(plan.reads)
+    if plan.defer:
+        return _run_deferred(plan)
+    return _run_streaming(plan)
+
+
+def read_one(source: PieceSource, read: Read, *, verify: bool = True) -> np.ndarray:
+    """A plan of one read, on the calling thread (streaming consumers: a conversion, a tool)."""
+    return run(RestorePlan.of(source, [read], verify=verify, workers=1))[0]
+
+
+@contextlib.contextmanager
+def collective_call(source: PieceSource) -> Iterator[PieceSource]:
+    """One restore call on ``source``: for a collective source, leaving the block moves the bytes of
+    every read recorded in it (every client, in the same order) and runs their follow-ups; a
+    failure inside the block is told to the other clients (they raise) and re-raised here."""
+    if not source.collective:
+        yield source
+        return
+    try:
+        yield source
+    except BaseException as exc:
+        source.finish(exc)
+        raise
+    source.finish()
+
+
+def _one(source: PieceSource, read: Read, session: Any, verify: bool) -> np.ndarray:
+    if read.then is not None:  # read and checked now, followed up on this thread
+        value = source.read(read, None, verify=verify)
+        read.then(value)
+        return value
+    return source.read(read, session, verify=verify)
+
+
+@contextlib.contextmanager
+def _pool(workers: int, jobs: int) -> Iterator[Optional[ThreadPoolExecutor]]:
+    if workers <= 1 or jobs <= 1:
+        yield None
+        return
+    pool = ThreadPoolExecutor(max_workers=min(workers, jobs), thread_name_prefix="shardckpt-read")
+    try:
+        yield pool
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+
+
+def _finish_groups(groups: Tuple[ReadGroup, ...], values: List[np.ndarray]) -> None:
+    at = 0
+    for group in groups:
+        n = len(group.reads)
+        if group.done is not None:
+            group.done(values[at:at + n])
+        at += n
+
+
+def _run_deferred(plan: RestorePlan) -> List[np.ndarray]:
+    source, verify = plan.source, plan.verify
+    reads = plan.reads
+    out: List[Optional[np.ndarray]] = [None] * len(reads)
+    wholes = [i for i, r in enumerate(reads) if r.whole]
+    others = [i for i, r in enumerate(reads) if not r.whole]
+    with source.reading(defer=True) as session:
+        with _pool(plan.workers, len(others)) as pool:
+            futures = {i: pool.submit(_one, source, reads[i], session, verify) for i in others} if pool else {}
+            for i, value in zip(wholes, source.read_whole([reads[i] for i in wholes], session, verify=verify)):
+                out[i] = value
+            for i in others:
+                out[i] = futures[i].result() if pool else _one(source, reads[i], session, verify)
+    values: List[np.ndarray] = [v for v in out if v is not None]
+    _finish_groups(plan.groups, values)
+    return values
+
+
+def _run_streaming(plan: RestorePlan) -> List[np.ndarray]:
+    source, verify = plan.source, plan.verify
+    budget = plan.budget
+    values: List[np.ndarray] = []
+    pending: Deque[Tuple[ReadGroup, List["Future[np.ndarray]"]]] = deque()
+    upcoming = iter(plan.groups)
+    following = next(upcoming, None)
+    in_flight = 0
+    with _pool(plan.workers, len(plan.reads)) as pool:
+        def submit(read: Read) -> "Future[np.ndarray]":
+            if pool is not None:
+                return pool.submit(_one, source, read, None, verify)
+            done: "Future[np.ndarray]" = Future()
+            done.set_result(_one(source, read, None, verify))
+            return done
+
+        while following is not None or pending:
+            while following is not None and (not pending or budget is None or in_flight + following.nbytes <= budget):
+                pending.append((following, [submit(r) for r in following.reads]))
+                in_flight += following.nbytes
+                following = next(upcoming, None)
+            group, futures = pending.popleft()
+            got = [f.result() for f in futures]
+            if group.done is not None:
+                group.done(got)  # the group's buffers are the front door's now (dropped once it built its value)
+            else:
+                values.extend(got)
+            in_flight -= group.nbytes
+            del got, futures
+    return values
+
+
+def _record(plan: RestorePlan) -> List[np.ndarray]:
+    """A collective source: record every read; the follow-ups run once its bytes are in."""
+    source = plan.source
+    values = [source.read(r, None, verify=plan.verify) for r in plan.reads]
+    follow_ups: List[Callable[[], None]] = []
+    for read, value in zip(plan.reads, values):
+        if read.then is not None:
+            follow_ups.append(functools.partial(read.then, value))
+    if any(g.done is not None for g in plan.groups):
+        follow_ups.append(lambda: _finish_groups(plan.groups, values))
+    for follow_up in follow_ups:
+        source.after(follow_up)
+    return values
