@@ -16,10 +16,11 @@ entries. Phases, each timed:
 * ``gather``: the bytes a client contributes to the save's gathers (packed piece
   descriptions for the agreement check; index entries on object stores), per entry;
 * ``agree``: the io client's agreement check: the gathered JSON of every client decoded,
-  as the coordinator's ``gather`` does, then ``check_pieces`` of all clients' packed
-  tables (streaming, vectorized) and the comparison of their digests of what they hold
-  (``held_representatives``), and the verdict with the shard counts encoded for the
-  broadcast; its peak RSS alone ("agree peak", where the peak can be reset);
+  as the coordinator's ``gather`` does, into the engine's ``Pieces`` messages, then
+  ``check_pieces`` of all clients' packed tables (streaming, vectorized) and the comparison
+  of their digests of what they hold (``held_representatives``), and the ``Verdict`` with
+  the shard counts encoded for the broadcast; its peak RSS alone ("agree peak", where the
+  peak can be reset);
 * ``merge_mem``: the io client's merge of all clients' entries held in memory and the
   index bytes (the object-store commit: each client's gathered entries decoded,
   ``merge_entries`` + ``index_bytes``);
@@ -99,7 +100,9 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
         pack_pieces,
     )
     from shardckpt.saving.commit.index_last import _decode_entries, _encode_entries
+    from shardckpt.saving.messages import Pieces, Verdict
     from shardckpt.saving.plan import make_save_plan
+    from shardckpt.saving.rounds import Outcome
     from shardckpt.sharding.shardable import ShardableTensor
     from shardckpt.storage.local import local_fs
 
@@ -128,7 +131,7 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
     t0 = time.perf_counter()
     digest = held_digest(describe_held(values))
     out["held_s"] = time.perf_counter() - t0
-    mine = json.dumps({"shards": 1, "pieces": packed, "held": digest})  # what it sends the io client
+    mine = json.dumps(Pieces(1, packed, digest).to_json())  # what it sends the io client
     out["client_s"] = pieces_s + time.perf_counter() - t0
     out["client_peak_mib"] = _status_kib("VmHWM") / 1024
     out["gather_pieces_json_bytes_per_entry"] = len(json.dumps(described)) / t
@@ -136,21 +139,22 @@ def worker(n: int, t: int, folder: str) -> Dict[str, Any]:
     del mine
 
     # agreement, on the io client: every client's descriptions (client r's boxes: its rows), gathered
-    gathered_pieces = [json.dumps({"shards": 1, "pieces": pack_pieces(
+    gathered_pieces = [json.dumps(Pieces(1, pack_pieces(
         {k: [d, s, [[[r * ROWS, (r + 1) * ROWS], [0, COLS]]]] for k, (d, s, _) in described.items()}),
-        "held": digest}) for r in range(n)]
+        digest).to_json()) for r in range(n)]
     peak_before = _status_kib("VmHWM")
     windowed = C.reset_peak_rss()
     start_rss = _rss_kib()
     t0 = time.perf_counter()
-    received = [json.loads(g) for g in gathered_pieces]  # the coordinator's decoding of the gather
-    verdict = {"counts": [g["shards"] for g in received], "problem": check_pieces([g["pieces"] for g in received]),
-               "held_from": held_representatives([g["held"] for g in received])}
-    json.dumps(verdict)  # the broadcast
+    received = [Pieces.from_json(json.loads(g)) for g in gathered_pieces]  # the coordinator's decoding
+    ask = held_representatives([g.held for g in received])
+    verdict = Verdict(check_pieces([g.pieces for g in received]), tuple(g.shards for g in received),
+                      None if ask is None else tuple(ask))
+    json.dumps(Outcome(verdict).to_json())  # the broadcast
     out["agree_s"] = time.perf_counter() - t0
     out["agree_peak_mib"] = _status_kib("VmHWM") / 1024 if windowed else None
     out["agree_added_mib"] = (_status_kib("VmHWM") - start_rss) / 1024 if windowed else None
-    assert verdict["problem"] is None and verdict["held_from"] is None, verdict
+    assert verdict.problem is None and verdict.held_from is None, verdict
     del gathered_pieces, received
     peak_before = max(peak_before, _status_kib("VmHWM"))
 

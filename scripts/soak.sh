@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Kill -9 soak of CheckpointManager saves (issue 16): local, mpiexec and torchrun clients, S3, sync and async,
-# and clients that disagree on a save or skip one.
+# and clients that disagree on a save or skip one; tiered saves (issue 28: the clients as two simulated nodes,
+# a local tier with one replica, every third save persistent; kills of one client or one whole node).
 #
 #   scripts/soak.sh [--trials 200] [--clients 4] [--saves 4] [--seed S] [--dir D] [--json FILE]
 #                   [--configs local-sync,local-async,mpi-sync,mpi-async,torch-sync,torch-async,
-#                              mpi-disagree,torch-disagree,mpi-skip,torch-skip,s3-sync,s3-async]
+#                              mpi-disagree,torch-disagree,mpi-skip,torch-skip,s3-sync,s3-async,
+#                              mpi-tiered,torch-tiered]
 #                                                                (the default: all; comma-separated, no spaces)
 #
 # s3-* configs save to a moto S3 server the driver starts (one process per job). The seed is printed

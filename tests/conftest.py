@@ -98,3 +98,20 @@ def s3dir(s3_server: "S3Server", request: pytest.FixtureRequest) -> str:
 
     module = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
     return s3_server.url(f"{module}-{uuid.uuid4().hex[:12]}")
+
+
+# -- process state: a new runtime per test -------------------------------------------------
+
+
+@pytest.fixture
+def fresh_runtime() -> Iterator[object]:
+    """A new, empty process runtime (:func:`shardckpt.runtime.reset`) for the test, and another after it.
+
+    Coordinators, savers, stagers, scrubbers and save numbers made by the test are then its
+    own: none leaks into the next test, none of an earlier test's is reused. Registrations
+    (stagers and holders by type) are kept, as imports make them only once.
+    """
+    from shardckpt import runtime
+
+    yield runtime.reset()
+    runtime.reset()

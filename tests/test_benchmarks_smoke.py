@@ -39,6 +39,7 @@ TABLES = {
     "bench_restore_cpu.py": "restore_tensors, checksummed",
     "bench_scale.py": "merge mem s",
     "bench_sharded.py": "shardckpt GB/s",
+    "bench_tiers.py": "cold persistent restore / recovery (1 node wiped)",
     "bench_torch.py": "resharded load (4 -> 2), map_reads=False",
     "bench_torch_cuda.py": "async checkpoint bit-exact",
     "compare_revisions.py": "async Checkpoint.save",

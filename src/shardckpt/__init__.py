@@ -38,6 +38,7 @@ from .format.dtypes import DType, as_dtype
 from .restoring import RestoreRequest, restore_tensors
 from .saving import CheckpointOptions, save_tensors
 from .sharding import MaxShardSizePolicy, ShardableTensor, ShardByDevicePolicy, ShardByTaskPolicy, ShardingCallback
+from .tiers import LocalTier
 
 __version__ = "0.1.0"
 
@@ -49,5 +50,5 @@ __all__ = [
     "get_checkpoint_state", "checkpoints_iterator",
     "save_tensors", "restore_tensors", "RestoreRequest",
     "ShardableTensor", "ShardingCallback", "ShardByTaskPolicy", "ShardByDevicePolicy", "MaxShardSizePolicy",
-    "DType", "as_dtype", "__version__",
+    "DType", "as_dtype", "LocalTier", "__version__",
 ]

@@ -10,7 +10,9 @@ since one writer at a time means every upload it did not commit is a dead save's
 (``sync`` / ``async`` saves; ``disagree``: sync saves, every third first tried with one
 client disagreeing on a tensor's shape, which must fail everywhere and commit nothing; ``skip``:
 sync saves numbered by generation, every third skipped by one client, which goes on to the next:
-both saves must fail everywhere, commit nothing, and the clients then save on together).
+both saves must fail everywhere, commit nothing, and the clients then save on together;
+``tiered``: sync saves through a manager with a local tier of two simulated nodes, every third
+also persistent, where a kill of one client may take its whole node).
 Every config has a directory of its own. A *trial* runs tests/helpers/soak_worker.py once:
 it resumes through ``CheckpointManager.restore_or_initialize`` from ``latest_checkpoint``
 (checking every restored value on every client), then saves ``--saves`` generations with
@@ -28,6 +30,9 @@ process of the job left, it checks the directory:
   index uses, checkpoints the state file does not name, among them an old checkpoint whose
   retention deletion a kill cut short, and ``.deleting`` markers) is recorded; once a later trial of the
   config has committed a save, every one of them must be gone (else *not cleaned*);
+* **tiered**: the resume never restores a generation older than a save that returned (a
+  ``COMMITTED`` or ``LOCAL`` line), else *missing*; at the end every file in the tier folders
+  belongs to a committed bundle (else *leaked bytes*);
 * **hangs**: a job with one killed client must end by itself within the coordination
   timeout plus a margin (else a *hang*; the job is then killed). Clients still alive after
   their launcher ended are counted (*orphans*) and killed before the checks, which always
@@ -67,7 +72,7 @@ import soak_worker  # noqa: E402  (tests/helpers)
 from launchers import clean_env, tool  # noqa: E402
 
 ALL_CONFIGS = ("local-sync", "local-async", "mpi-sync", "mpi-async", "torch-sync", "torch-async", "mpi-disagree",
-               "torch-disagree", "mpi-skip", "torch-skip", "s3-sync", "s3-async")
+               "torch-disagree", "mpi-skip", "torch-skip", "s3-sync", "s3-async", "mpi-tiered", "torch-tiered")
 START_LIMIT = 180.0  # seconds for a job to reach READY (torch imports on a busy machine)
 HANG_LIMIT = soak_worker.TIMEOUT + 60.0  # a job with a dead client must end by itself within this
 FIRST_WINDOW = {"local": 0.5, "mpi": 2.0, "torch": 2.0, "s3": 2.0}  # seconds, before any save was timed
@@ -81,6 +86,7 @@ class ConfigStats:
     trials: int = 0
     killed_whole_job: int = 0
     killed_one_client: int = 0
+    killed_one_node: int = 0  # tiered: every client of one simulated node (counted in killed_one_client too)
     finished_before_kill: int = 0
     commits_reported: int = 0
     refused: int = 0  # disagreeing saves that failed on every client, as they must
@@ -293,6 +299,24 @@ def inspect_directory(directory: str) -> Tuple[Optional[str], List[str], Dict[Tu
                           if name not in wanted}
 
 
+def tier_leftovers(directory: str) -> Dict[Tuple[str, object, object], int]:
+    """tiered: every file in the simulated nodes' tier folders that no committed bundle (marker present,
+    every file it names whole) holds: identity -> bytes."""
+    from shardckpt.tiers.tier import read_marker
+
+    root = soak_worker.tier_folder(directory).replace("/{node}", "")
+    found: Dict[Tuple[str, object, object], int] = {}
+    for path in Path(root).rglob("*") if os.path.isdir(root) else []:
+        if not path.is_file():
+            continue
+        m = re.fullmatch(r"(ckpt-\d+)(\.index|\.data-\d+-of-\d+|\.committed)", path.name)
+        marker = read_marker(str(path.parent / m.group(1))) if m else None
+        if marker is None or path.name not in {str(n) for n, _ in marker["files"]} | {m.group(1) + ".committed"}:
+            st = path.stat()
+            found[(str(path.relative_to(root)), st.st_ino, st.st_mtime_ns)] = st.st_size
+    return found
+
+
 # -- one config ---------------------------------------------------------------------------
 
 class ConfigSoak:
@@ -320,6 +344,7 @@ class ConfigSoak:
         self.windows: List[float] = []  # extrapolated from killed runs
         self.whole_windows: List[float] = []  # measured on runs that ended by themselves
         self.newest_reported = 0  # the newest generation any run reported committed
+        self.newest_returned = 0  # tiered: the newest generation whose save returned (tiers or persistent)
         self.pending_leftovers: Dict[Tuple[str, object, object], int] = {}
 
     def _fail(self, what: str) -> None:
@@ -365,10 +390,16 @@ class ConfigSoak:
                 self._fail(f"trial {self.stats.trials}: no client announced its pid:\n{job.output()}")
                 job.kill_all()
             else:
-                try:
-                    os.kill(pids[self.rng.choice(sorted(pids))], signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                victims = [self.rng.choice(sorted(pids))]
+                if self.mode == "tiered" and self.rng.random() < 0.5:  # a whole simulated node
+                    node = soak_worker.node_of(victims[0], self.clients)
+                    victims = [r for r in sorted(pids) if soak_worker.node_of(r, self.clients) == node]
+                    self.stats.killed_one_node += 1
+                for victim in victims:
+                    try:
+                        os.kill(pids[victim], signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
             self.stats.killed_one_client += 1
         if before:
             self.stats.kills_after_a_commit += 1
@@ -403,6 +434,14 @@ class ConfigSoak:
                 self.stats.corrupt += 1
                 self._fail(f"trial {self.stats.trials}: restored values differ: {line}")
         reported = job.committed()
+        if self.mode == "tiered":  # the resume never restores a step older than a save that returned
+            restored = [int(line.split()[1]) for _, line in job.lines if line.startswith("RESTORED ")]
+            if restored and restored[0] < self.newest_returned:
+                self.stats.missing_latest += 1
+                self._fail(f"trial {self.stats.trials}: restored generation {restored[0]}, older than "
+                           f"generation {self.newest_returned} whose save returned")
+            returned = reported + [int(line.split()[1]) for _, line in job.lines if line.startswith("LOCAL ")]
+            self.newest_returned = max([self.newest_returned] + returned)
         self.stats.commits_reported += len(reported)
         self.stats.refused += sum(1 for _, line in job.lines if line.startswith("REFUSED "))
         self.newest_reported = max([self.newest_reported] + reported)
@@ -450,6 +489,8 @@ class ConfigSoak:
         except Exception as exc:
             self._fail(f"final: {type(exc).__name__}: {exc}")
             return
+        if self.mode == "tiered":
+            leftovers.update(tier_leftovers(self.directory))
         self.stats.leaked_bytes = sum(leftovers.values())
         if leftovers:
             self._fail(f"final: left in {self.directory}: {sorted(n for n, _, _ in leftovers)}")

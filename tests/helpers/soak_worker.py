@@ -29,6 +29,12 @@ the io client (rank 0) only, that the driver reads::
     REFUSED <G>               the disagreeing save of generation G failed, as it must
     COMMITTED <G>             ckpt-G is committed and named by the state file (async: the
                               next save's call or the final sync waited for it)
+    LOCAL <G>                 tiered: the save of G returned, committed in the tiers only
+
+``tiered`` (under a launcher): sync saves through ``CheckpointManager(local=LocalTier(DIR.tier/{node},
+replicas=1, keep=2), persist_every=3)``, the clients as two simulated nodes (``SHARDCKPT_NODE``:
+the first half of the ranks on node 0); the resume restores the newest step complete across the
+tiers (or the persistent one), and its values are checked as any other's.
 
 The values depend on the generation in every element, so a mix of generations, a stale
 region or a torn file shows as a mismatch.
@@ -47,6 +53,27 @@ COLS = 1024
 NUM_FLOAT = 4  # 4 x 4 MiB float32 variables
 CLIENT_ROWS_ALIGN = 8
 TIMEOUT = 30.0  # coordination timeout of a multi-client save (the driver waits longer)
+
+
+PERSIST_EVERY = 3  # tiered: every third save also persistent
+
+
+def tier_folder(directory: str) -> str:
+    """tiered: the simulated nodes' tier folders, beside the persistent ``directory``."""
+    return directory.rstrip("/") + ".tier/{node}"
+
+
+def node_of(rank: int, size: int) -> int:
+    """tiered: the simulated node of client ``rank`` of ``size`` (two nodes: the first half on node 0)."""
+    return rank * 2 // size
+
+
+def _launcher_rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+
+
+def _launcher_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
 
 
 def values(generation: int) -> Dict[str, np.ndarray]:
@@ -96,6 +123,8 @@ def main(argv: list) -> int:
                                     stale_after=float(os.environ["SHARDCKPT_SOAK_STALE_AFTER"]))
 
     multi = any(v in os.environ for v in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"))
+    if mode == "tiered":  # the clients as two simulated nodes: the first half on node 0
+        os.environ["SHARDCKPT_NODE"] = str(node_of(_launcher_rank(), _launcher_size()))
     options = shardckpt.CheckpointOptions(enable_async=mode == "async", timeout=TIMEOUT if multi else None)
     model = shardckpt.Module()
     start = values(0)
@@ -137,7 +166,11 @@ def main(argv: list) -> int:
             for name, value in v.items():
                 getattr(model, name).assign(value)
 
-    manager = shardckpt.CheckpointManager(ckpt, directory, max_to_keep=2)
+    if mode == "tiered":
+        manager = shardckpt.CheckpointManager(ckpt, directory, max_to_keep=2, local=shardckpt.LocalTier(
+            tier_folder(directory), replicas=1, keep=2), persist_every=PERSIST_EVERY)
+    else:
+        manager = shardckpt.CheckpointManager(ckpt, directory, max_to_keep=2)
     restored = manager.restore_or_initialize()
     generation = 0
     if restored is not None:
@@ -171,6 +204,8 @@ def main(argv: list) -> int:
             _say(rank, f"COMMITTED {pending}")
         if mode == "async":
             pending = g
+        elif mode == "tiered" and g % PERSIST_EVERY:
+            _say(rank, f"LOCAL {g}")
         else:
             _say(rank, f"COMMITTED {g}")
     manager.sync()

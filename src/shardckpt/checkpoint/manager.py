@@ -10,8 +10,9 @@ too, where each step is one request):
 an empty ``<old>.deleting`` marker per checkpoint beyond ``max_to_keep``; the state file
 (naming the new checkpoint and the kept ones, never the doomed); the doomed checkpoints
 deleted (index first) and their markers removed; markers a dead process left finished
-(their checkpoints deleted unless named again); what dead saves left removed
-(:func:`~shardckpt.saving.commit.leftovers.clean_directory`).
+(their checkpoints deleted unless named again); what dead saves left removed. Every
+deletion is :mod:`shardckpt.saving.commit.deletion`'s (the committers' own), through the
+folder's ``FileSystem``.
 
 Several clients (a checkpoint saved collectively: DVariables on a mesh of several
 clients, a ``DTensorCheckpoint``): every client runs the same manager calls. Only the
@@ -25,30 +26,26 @@ so every client restores, or every client initializes.
 
 from __future__ import annotations
 
-import glob
 import os
-import re
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..distributed.coordinator import CoordinationError, Coordinator
 from ..errors import InvalidArgumentError, NotFoundError
 from ..format.naming import index_filename
-from ..saving.commit.leftovers import clean_directory
-from ..saving.incremental import retained_for_damage, sidecar_filename
+from ..saving.commit.deletion import DELETING, clean_directory, delete_marked, finish_deletions, mark_deleting
+from ..saving.incremental import retained_for_damage
 from ..saving.options import CheckpointOptions
 from ..saving.request import SharedCommitStep
-from ..storage.base import is_local_path, normalize
+from ..storage.base import normalize
+from ..storage.object_store import ObjectStore
 from ..storage.registry import get_fs
 from .state import STATE_FILENAME, CheckpointState, clean_path, get_checkpoint_state, update_checkpoint_state
 
-__all__ = ["CheckpointManager"]
-
-#: Suffix of the marker ``<prefix>.deleting`` that stands while a retention deletion of ``<prefix>`` runs.
-DELETING = ".deleting"
+__all__ = ["CheckpointManager", "DELETING"]
 
 
 def _value(counter: Any) -> int:
@@ -69,13 +66,19 @@ class CheckpointManager:
     complete, so retention deletes old ones safely; it keeps the newest checkpoint not known
     damaged while every newer one shares a damaged data file
     (:func:`~shardckpt.saving.incremental.retained_for_damage`).
+
+    With ``local`` (a :class:`~shardckpt.LocalTier`) every save first goes to each node's local
+    tier, with replicas on other nodes (:mod:`shardckpt.tiers`), and only every
+    ``persist_every``-th (every one when ``None``) also to ``directory``; a save that is local
+    only returns the node's bundle prefix. ``restore_or_initialize`` restores the newest step
+    complete across the tiers unless the persistent latest is newer.
     """
 
     def __init__(self, checkpoint: Any, directory: str, max_to_keep: Optional[int],
                  keep_checkpoint_every_n_hours: Optional[float] = None, checkpoint_name: str = "ckpt",
                  step_counter: Any = None, checkpoint_interval: Optional[int] = None,
                  init_fn: Optional[Callable[[], Any]] = None, last_checkpoint_step: Optional[int] = None,
-                 incremental: bool = False) -> None:
+                 incremental: bool = False, local: Any = None, persist_every: Optional[int] = None) -> None:
         if max_to_keep is not None and max_to_keep <= 0:
             raise InvalidArgumentError(f"Expected a positive integer or `None` for `max_to_keep`, got {max_to_keep}")
         if checkpoint_interval is not None and step_counter is None:
@@ -92,6 +95,7 @@ class CheckpointManager:
         self._last_checkpoint_step: Optional[int] = None if last_checkpoint_step is None \
             else _value(last_checkpoint_step)
         self._maybe_delete: "OrderedDict[str, float]" = OrderedDict()
+        self._tiered = self._tiered_setup(local, persist_every)
         now = time.time()
         # TF: one second back, so that a manager re-created at once does not race the last one.
         self._last_preserved_timestamp = now - 1.0
@@ -116,6 +120,24 @@ class CheckpointManager:
         if collective is None or int(collective.coordinator.size) == 1:
             return None
         return collective.coordinator  # type: ignore[no-any-return]
+
+    # -- tiered checkpoints (issue 28: ``local=``, ``persist_every=``; see shardckpt.tiers) ----------------
+    def _tiered_setup(self, local: Any, persist_every: Optional[int]) -> Any:
+        """The manager's :class:`~shardckpt.tiers.checkpoints.Tiered` for ``local`` (``None``: no tier)."""
+        if persist_every is not None and (local is None or int(persist_every) < 1):
+            raise InvalidArgumentError(f"persist_every={persist_every!r} needs local= (a LocalTier) and a "
+                                       "positive number of saves")
+        self._persist_every = None if persist_every is None else int(persist_every)
+        if local is None:
+            return None
+        from ..tiers.checkpoints import Tiered
+
+        return Tiered(local, self._checkpoint, self._coordinator)
+
+    @property
+    def local(self) -> Any:
+        """The manager's :class:`~shardckpt.LocalTier` (``None``: no local tier)."""
+        return None if self._tiered is None else self._tiered.tier
 
     def _shared(self, decide: Callable[[], Any], what: str) -> Any:
         """``decide()`` on this client alone, or, with several clients, on the io client (client 0), whose
@@ -201,6 +223,15 @@ class CheckpointManager:
 
         object.__setattr__(self._checkpoint, "_pending_rollback", rollback)
         try:
+            if self._tiered is not None:  # tiered checkpoints: every save to the local tier first
+                local = self._tiered.save(number, timeout=options.timeout if options else None,
+                                          saver=self._checkpoint._async_saver(options)
+                                          if options is not None and options.enable_async else None,
+                                          on_failure=rollback)
+                if self._persist_every and number % self._persist_every:
+                    if self._checkpoint_interval is not None:
+                        self._last_checkpoint_step = _value(self._step_counter)
+                    return local
             # The state file is recorded (and old checkpoints deleted) right after the
             # commit, before the write callbacks run; every client adopts the io client's
             # new state once it knows the save committed.
@@ -235,7 +266,7 @@ class CheckpointManager:
                                     "sharing this folder?); the state file was not changed", path=path)
             now = time.time()
             kept = OrderedDict(self._maybe_delete)
-            if fs.supports_rename:  # local: another manager sharing this folder may have deleted some
+            if not isinstance(fs, ObjectStore):  # local: another manager sharing this folder may have deleted some
                 for other in [p for p in kept if p != path]:
                     if not fs.exists(index_filename(clean_path(other))):
                         del kept[other]
@@ -249,21 +280,16 @@ class CheckpointManager:
                 doomed.remove(old)
                 kept[old] = stamps[old]
                 kept.move_to_end(old, last=False)
-            marked = True  # a marker per doomed checkpoint (every store), so a death below is finished later
-            for old in doomed if marked else []:
-                fs.close(fs.open_write(clean_path(old) + DELETING))
+            # a marker per doomed checkpoint (every store), so a death below is finished later
+            mark_deleting(fs, [clean_path(old) for old in doomed])
             update_checkpoint_state(self._directory, path, list(kept),
                                     all_model_checkpoint_timestamps=list(kept.values()),
                                     last_preserved_timestamp=preserved)
             state = {"latest": path, "kept": [[p, t] for p, t in kept.items()], "preserved": preserved}
             self._adopt(path, state)
-            for old in doomed:
-                _delete_checkpoint(clean_path(old))
-                if marked:
-                    fs.remove(clean_path(old) + DELETING)
+            delete_marked(fs, [clean_path(old) for old in doomed])
             tracked = [clean_path(p) for p in kept]
-            if marked:
-                _finish_deletions(fs, folder, fs.basename(self._prefix), set(tracked))
+            finish_deletions(fs, folder, fs.basename(self._prefix), set(tracked))
             # Other complete checkpoints the state file does not name are left alone, as TensorFlow's
             # manager leaves them (a save killed between its commit and this point leaves one; the
             # next save with the restored counter reuses its number and replaces it).
@@ -286,7 +312,15 @@ class CheckpointManager:
 
         With several clients the io client's latest checkpoint is every client's choice: every
         client restores it, or every client initializes."""
+        if self._tiered is not None:  # tiered: a save in flight commits (or fails) before the tiers are read
+            self._checkpoint._wait_for_pending()
         latest = self._shared(lambda: self._latest_checkpoint, "choose between restoring and initializing")
+        if self._tiered is not None:  # tiered checkpoints: the newest complete local step, if not older
+            restored = self._tiered.restore(_number_of(latest))
+            if restored.prefix is not None:
+                if self._checkpoint_interval is not None:
+                    self._last_checkpoint_step = _value(self._step_counter)
+                return restored.prefix
         if latest is not None:
             self._checkpoint.restore(latest)
             if self._checkpoint_interval is not None:
@@ -295,6 +329,12 @@ class CheckpointManager:
         if self._init_fn is not None:
             self._init_fn()
         return None
+
+
+def _number_of(path: Optional[str]) -> Optional[int]:
+    """The number of checkpoint ``<prefix>-<N>`` (``None``: no path, or no number)."""
+    tail = None if path is None else str(path).rsplit("-", 1)[-1]
+    return int(tail) if tail is not None and tail.isdigit() else None
 
 
 def _sweep(kept: "OrderedDict[str, float]", max_to_keep: Optional[int], keep_every_hours: Optional[float],
@@ -320,45 +360,6 @@ def _recovered(state: Optional[CheckpointState]) -> Optional[Dict[str, Any]]:
     return {"latest": state.model_checkpoint_path, "paths": list(state.all_model_checkpoint_paths),
             "stamps": list(state.all_model_checkpoint_timestamps),
             "preserved": float(state.last_preserved_timestamp)}
-
-def _finish_deletions(fs: Any, directory: str, base: str, tracked: Set[str]) -> None:
-    """Finish the retention deletions a dead manager began: ``<base>-<N>.deleting`` markers.
-
-    A marker is made before the state file stops naming a doomed checkpoint and removed once
-    the checkpoint is deleted; one that is left means the process died in between. Its
-    checkpoint is deleted unless the state file names it again (a later save reused the
-    number: then only the marker goes).
-    """
-    pattern = re.compile(re.escape(base) + r"-\d+" + re.escape(DELETING))
-    for name in fs.listdir(directory):
-        if pattern.fullmatch(name):
-            prefix = fs.join(directory, name[:-len(DELETING)])
-            if prefix not in tracked:
-                _delete_checkpoint(prefix)
-            fs.remove(fs.join(directory, name))
-
-
-def _delete_checkpoint(prefix: str) -> None:
-    """Remove a checkpoint's index (first: it stops being a checkpoint), its data files and its sidecar.
-
-    Incremental saves link data files into newer checkpoints (or copy them): removing
-    this checkpoint's names never removes bytes a newer checkpoint uses."""
-    if is_local_path(prefix):
-        for name in ([index_filename(prefix)] + glob.glob(glob.escape(prefix) + ".data-*-of-*")
-                     + [sidecar_filename(prefix)]):
-            try:
-                os.remove(name)
-            except FileNotFoundError:
-                pass
-        return
-    fs = get_fs(prefix)
-    fs.remove(index_filename(prefix))
-    pattern = re.compile(re.escape(fs.basename(prefix)) + r"\.data-\d+-of-\d+$")
-    directory = fs.dirname(prefix)
-    for name in fs.listdir(directory):
-        if pattern.match(name):
-            fs.remove(fs.join(directory, name))
-    fs.remove(sidecar_filename(prefix))
 
 
 def _clock_checked(last_preserved: float, now: float) -> float:

@@ -14,6 +14,7 @@ from ..format.naming import index_filename
 from ..restoring import BundleSource, Read, read_one
 from ..storage.base import FileSystem
 from ..storage.location import Location
+from ..storage.object_store import ObjectStore
 from ..storage.registry import get_fs
 from .state import clean_path, latest_checkpoint
 
@@ -30,7 +31,7 @@ def resolve_prefix(path: str) -> str:
     """
     path = clean_path(os.fspath(path))
     fs = get_fs(path)
-    if fs.read_step is not None and fs.exists(index_filename(path)):  # object store: one lookup when a prefix
+    if isinstance(fs, ObjectStore) and fs.exists(index_filename(path)):  # object store: one lookup when a prefix
         return path
     if fs.isdir(path):
         latest = latest_checkpoint(path)
@@ -56,7 +57,7 @@ def open_bundle(path: str, fs: Optional[FileSystem] = None) -> BundleReader:
     """
     path = clean_path(os.fspath(path))
     store = fs if fs is not None else get_fs(path)
-    if store.read_step is not None:
+    if isinstance(store, ObjectStore):
         try:
             return BundleReader(path, fs=store)
         except NotFoundError:  # no index at this prefix: a directory, or nothing (said below)

@@ -107,6 +107,11 @@ def _non_negative(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``inspect``; returns the exit status."""
+    from ..tiers.report import tier_command  # a tier folder (issue 28): its node bundles
+
+    tiered = tier_command("inspect", args)
+    if tiered is not None:
+        return tiered
     location = locate(args.path)
     if getattr(args, "tree", False) and source_format(location.prefix) != "tf":
         with open_source(location.prefix) as source:  # safetensors, HF folders, npz: the tree of their names

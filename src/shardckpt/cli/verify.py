@@ -77,6 +77,11 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 def run(args: argparse.Namespace) -> int:
     """Run ``verify``; returns the exit status."""
+    from ..tiers.report import tier_command  # a tier folder (issue 28): its node bundles
+
+    tiered = tier_command("verify", args)
+    if tiered is not None:
+        return tiered
     location = locate(args.path)
     try:
         reader = open_bundle(location)

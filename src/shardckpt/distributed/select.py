@@ -1,18 +1,24 @@
-"""Choosing the coordinator: explicitly, or from the launcher's environment."""
+"""Choosing the coordinator: explicitly, or from the launcher's environment.
+
+The process-wide coordinator is a slot of the process's :mod:`~shardckpt.runtime` (made on
+first use; :func:`~shardckpt.runtime.reset` and a fork start without it).
+"""
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import List, Optional
 
 from ..errors import InvalidArgumentError
+from ..runtime import Slot, runtime
 from .coordinator import Coordinator, check_timeout
 from .engine import EngineCoordinator
 from .single import SingleProcessCoordinator
 
-__all__ = ["get_coordinator", "set_coordinator", "detect_backend"]
+__all__ = ["get_coordinator", "set_coordinator", "current_coordinator", "detect_backend"]
 
-_CURRENT: Optional[Coordinator] = None
+#: The process-wide coordinator (set by :func:`set_coordinator`, else made by :func:`get_coordinator`).
+_PROCESS: "Slot[Coordinator]" = Slot("the process-wide coordinator")
 
 
 def detect_backend() -> str:
@@ -36,31 +42,39 @@ def get_coordinator(backend: Optional[str] = None, timeout: Optional[float] = No
     ``$SHARDCKPT_TIMEOUT``, else 600 s (:func:`~shardckpt.distributed.coordinator.default_timeout`).
     A single process never waits, so its coordinator has no timeout.
     """
-    global _CURRENT
     seconds = None if timeout is None else check_timeout(timeout)
-    if _CURRENT is not None and backend is None:
-        if seconds is not None:
-            _set_timeout(_CURRENT, seconds)
-        return _CURRENT
-    name = backend or detect_backend()
+    if backend is not None:
+        coordinator = _make(backend, seconds)
+        _PROCESS.put(coordinator)
+        return coordinator
+    made: List[Coordinator] = []
+
+    def make() -> Coordinator:
+        made.append(_make(detect_backend(), seconds))
+        return made[0]
+
+    coordinator = runtime().keep(_PROCESS, make)
+    if seconds is not None and not made:
+        _set_timeout(coordinator, seconds)
+    return coordinator
+
+
+def _make(name: str, seconds: Optional[float]) -> Coordinator:
     if name == "single":
-        coordinator: Coordinator = SingleProcessCoordinator()
-    elif name == "torch":
+        return SingleProcessCoordinator()
+    if name == "torch":
         from .torch_backend import TorchCoordinator
 
-        coordinator = TorchCoordinator(timeout=seconds)
-    elif name == "mpi":
+        return TorchCoordinator(timeout=seconds)
+    if name == "mpi":
         from .mpi_backend import MPICoordinator
 
-        coordinator = MPICoordinator(timeout=seconds)
-    elif name == "jax":
+        return MPICoordinator(timeout=seconds)
+    if name == "jax":
         from .jax_backend import JaxCoordinator
 
-        coordinator = JaxCoordinator(timeout=seconds)
-    else:
-        raise InvalidArgumentError(f"unknown coordination backend {name!r} (torch, mpi, jax, single)")
-    _CURRENT = coordinator
-    return coordinator
+        return JaxCoordinator(timeout=seconds)
+    raise InvalidArgumentError(f"unknown coordination backend {name!r} (torch, mpi, jax, single)")
 
 
 def _set_timeout(coordinator: Coordinator, seconds: float) -> None:
@@ -73,5 +87,9 @@ def _set_timeout(coordinator: Coordinator, seconds: float) -> None:
 
 def set_coordinator(coordinator: Optional[Coordinator]) -> None:
     """Use ``coordinator`` for every following checkpoint operation (``None``: detect again)."""
-    global _CURRENT
-    _CURRENT = coordinator
+    _PROCESS.put(coordinator)
+
+
+def current_coordinator() -> Optional[Coordinator]:
+    """The process-wide coordinator if one was set or made, else ``None`` (nothing is made)."""
+    return _PROCESS.peek()

@@ -33,7 +33,7 @@ Region = Optional[Union[Box, TensorSlice, str]]
 
 def announces(fs: FileSystem) -> bool:
     """Whether ``fs`` takes announcements (callers may skip building the list)."""
-    return getattr(fs, "prefetch", None) is not None and bool(getattr(fs, "prefetches", False))
+    return fs.prefetches
 
 
 def plan_regions(index: BundleIndex, lookup: PieceLookup,

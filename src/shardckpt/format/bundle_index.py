@@ -37,6 +37,7 @@ from ..errors import (
     UnsupportedError,
 )
 from ..storage.base import FileSystem
+from ..storage.object_store import ObjectStore
 from .dtypes import DType, from_enum
 from .naming import data_filename, index_filename
 from .ordered_code import is_slice_key
@@ -237,9 +238,10 @@ class BundleIndex:
         # of every data object, and reads the index's first bytes with the identity of the
         # version read. Both name the same index, or the open starts again; later reads are
         # pinned to the identities (a replaced object fails the read), so no HEAD is needed.
-        both = getattr(fs, "list_and_read", None) if self._pin is not None else None
+        both = fs.list_and_read if isinstance(fs, ObjectStore) and self._pin is not None else None
         got = both(self.prefix + ".", self.index_path, EAGER_INDEX_BYTES) if both is not None else None
         listed, head = got if got is not None else (None, None)
+        before: Any
         if head is not None:
             before = head[1]
             if listed is not None and listed.get(self.index_path, before) != before:
@@ -300,16 +302,8 @@ class BundleIndex:
             return True
         if self.num_shards <= _EAGER_IDENTITY:
             paths = [self.data_path(shard) for shard in range(self.num_shards)]
-            batch = getattr(self._fs, "identities", None)
-            if batch is not None:  # e.g. one listing on an object store
-                found = batch(paths)
-                self.data_identities = {shard: found.get(path) for shard, path in enumerate(paths)}
-            else:
-                for shard, path in enumerate(paths):
-                    try:
-                        identities[shard] = self._identity(path)
-                    except NotFoundError:
-                        identities[shard] = None
+            found = self._fs.identities(paths)  # e.g. one listing on an object store
+            self.data_identities = {shard: found.get(path) for shard, path in enumerate(paths)}
         return self._identity(self.index_path) == before
 
     def _read_whole(self, before: Any, pinned: bool) -> bytes:

@@ -60,6 +60,7 @@ import numpy as np
 from ..errors import InvalidArgumentError, NotFoundError
 from ..storage.base import FileSystem, normalize
 from ..storage.location import Location
+from ..storage.object_store import ObjectStore
 from . import crc
 from .announce import announce_pieces, announces, plan_regions
 from .buffers import aligned_empty
@@ -107,9 +108,9 @@ class BundleReader:
         self.prefix = prefix
         self._fs = fs
         self._context = context if context is not None else crc.default_context()
-        identity_of = getattr(fs, "identity", None)
+        identity_of = fs.identity
         #: object stores: reads held to the version an identity names (``If-Match``), see BundleIndex
-        pin = getattr(fs, "pin", None) if identity_of is not None else None
+        pin = fs.pin if isinstance(fs, ObjectStore) else None
         self._index = index = BundleIndex(prefix, fs, identity_of=identity_of, pin=pin, load_index=load_index)
         self.index_path = index.index_path
         self.header: pb.BundleHeaderProto = index.header

@@ -34,6 +34,7 @@ import numpy as np
 from ..errors import AlreadyExistsError, InvalidArgumentError
 from ..storage.base import FileSystem
 from ..storage.location import Location
+from ..storage.object_store import ObjectStore
 from . import crc
 from .dtypes import DType, as_dtype
 from .naming import data_filename, index_filename
@@ -159,7 +160,7 @@ class BundleWriter:
         self._big_endian = big_endian
         self._executor = checksum_executor
         self._entries: Dict[bytes, pb.BundleEntryProto] = {}
-        self._in_place = data_path is not None or not fs.supports_rename
+        self._in_place = data_path is not None or isinstance(fs, ObjectStore)
         self._data_path = data_path if data_path is not None else data_filename(prefix, 0, 1)
         fs.makedirs(fs.dirname(prefix))
         self._data_tmp = self._data_path if self._in_place else fs.temp_name(self._data_path)

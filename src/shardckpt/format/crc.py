@@ -7,7 +7,10 @@ concatenation (the standard CRC combine, in GF(2) polynomial arithmetic), so the
 pieces of one large entry can be checksummed on several cores at once.
 
 Helper threads belong to a :class:`ChecksumContext`; :func:`default_context` is the
-process's one, created on first use under a lock.
+process's one, a slot of the process's :mod:`~shardckpt.runtime` (created on first use
+under its lock; new after a reset and in a forked child). Its pool is a
+:class:`~shardckpt.runtime.ThreadPool`: a background save still checksums while the
+interpreter shuts down.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import crc32c as _crc32c
+
+from ..runtime import Slot, ThreadPool
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -204,7 +209,7 @@ class ChecksumContext:
             raise RuntimeError("this ChecksumContext has no helper threads (workers=0)")
         with self._lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="shardckpt-crc")
+                self._executor = ThreadPool(max_workers=self.workers, thread_name_prefix="shardckpt-crc")
             return self._executor
 
     def shutdown(self) -> None:
@@ -215,16 +220,15 @@ class ChecksumContext:
             executor.shutdown(wait=True)
 
 
-_DEFAULT_LOCK = threading.Lock()
-_DEFAULT: Optional[ChecksumContext] = None
+#: The process's default context (its helper threads: one per CPU).
+_DEFAULT: "Slot[ChecksumContext]" = Slot("the default checksum context", ChecksumContext)
 _CONTEXTS: "weakref.WeakSet[ChecksumContext]" = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
-    """A forked child has none of its parent's threads: every context starts a new pool when next used
-    (work handed to the parent's pool would wait forever)."""
-    global _DEFAULT_LOCK
-    _DEFAULT_LOCK = threading.Lock()
+    """A forked child has none of its parent's threads: every context (the default one is new in the
+    child's runtime; contexts made by callers live on) starts a new pool when next used (work handed to
+    the parent's pool would wait forever)."""
     for context in list(_CONTEXTS):
         context._lock = threading.Lock()
         context._executor = None
@@ -235,12 +239,8 @@ if hasattr(os, "register_at_fork"):
 
 
 def default_context() -> ChecksumContext:
-    """The process's default :class:`ChecksumContext` (one helper per CPU), created under a lock."""
-    global _DEFAULT
-    with _DEFAULT_LOCK:
-        if _DEFAULT is None:
-            _DEFAULT = ChecksumContext()
-        return _DEFAULT
+    """The process's default :class:`ChecksumContext` (one helper per CPU), created under the runtime's lock."""
+    return _DEFAULT.get()
 
 
 def shared_executor() -> ThreadPoolExecutor:

@@ -28,7 +28,6 @@ waits for is then planning plus those copies.
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import jax
@@ -36,6 +35,7 @@ import jax
 from ..distributed.coordinator import Coordinator
 from ..distributed.single import SingleProcessCoordinator
 from ..errors import InvalidArgumentError
+from ..runtime import runtime
 from ..saving.agreement import describe_held
 from ..saving.async_save import AsyncSaver
 from ..saving.context import default_context
@@ -49,23 +49,24 @@ from ._values import JaxValue
 
 __all__ = ["save", "default_coordinator", "wait_until_finished"]
 
-_LOCK = threading.Lock()
-_COORDINATOR: Optional[Coordinator] = None
+#: The key of JAX's coordinator in the runtime's keyed cache: ``(JAX_WORLD, jax.process_count())``.
+JAX_WORLD = "jax world"
 
 
 def default_coordinator() -> Coordinator:
     """The process's coordinator for JAX saves: single-process, or over JAX's distributed runtime
-    when ``jax.process_count() > 1`` (made once, so async saves reuse its background clone)."""
-    global _COORDINATOR
-    with _LOCK:
-        if _COORDINATOR is None or _COORDINATOR.size != jax.process_count():
-            if jax.process_count() == 1:
-                _COORDINATOR = SingleProcessCoordinator()
-            else:
-                from ..distributed.jax_backend import JaxCoordinator
+    when ``jax.process_count() > 1`` (made once per process count and kept by the process's
+    :mod:`~shardckpt.runtime`, so async saves reuse its background clone)."""
+    count = jax.process_count()
 
-                _COORDINATOR = JaxCoordinator()
-        return _COORDINATOR
+    def make() -> Coordinator:
+        if count == 1:
+            return SingleProcessCoordinator()
+        from ..distributed.jax_backend import JaxCoordinator
+
+        return JaxCoordinator()
+
+    return runtime().keep((JAX_WORLD, count), make)
 
 
 def wait_until_finished() -> None:

@@ -30,10 +30,7 @@
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
-import threading
-import weakref
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -42,6 +39,7 @@ from ..distributed.coordinator import Coordinator
 from ..errors import ShardingValidationError
 from ..format.dtypes import as_dtype
 from ..format.tensor_slice import Box, full_box, parse_shape_and_slice
+from ..runtime import runtime
 from .piece_check import check_packed
 from .piece_table import pack_table, table_as_dict, unpack_table
 from .plan import SavePlan
@@ -59,17 +57,14 @@ Held = List[Any]
 #: The layout of a value that is not distributed: written whole, by the io client.
 WHOLE = "whole (written by the io client)"
 
-_COUNTERS: "weakref.WeakKeyDictionary[Coordinator, itertools.count]" = weakref.WeakKeyDictionary()
-_LOCK = threading.Lock()
+#: The key of a coordinator's save counter in the runtime's keyed cache (anchored on the coordinator).
+SAVE_NUMBERS = "save numbers"
 
 
 def save_identity(coordinator: Coordinator, prefix: str) -> List[Any]:
-    """This client's identity of its next save over ``coordinator``: ``[prefix, number]``."""
-    with _LOCK:
-        counter = _COUNTERS.get(coordinator)
-        if counter is None:
-            counter = _COUNTERS[coordinator] = itertools.count(1)
-        return [prefix, next(counter)]
+    """This client's identity of its next save over ``coordinator``: ``[prefix, number]`` (numbers 1, 2, ...
+    per coordinator, kept by the process's :mod:`~shardckpt.runtime` as long as the coordinator lives)."""
+    return [prefix, runtime().count(SAVE_NUMBERS, anchor=coordinator)]
 
 
 def identity_problem(identities: List[List[Any]], io: int) -> Optional[str]:

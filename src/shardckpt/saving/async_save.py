@@ -15,14 +15,20 @@ nothing is committed before every value is copied and written.
 
 An error in the background is kept and raised, chained to the original, by the
 next ``submit``, by ``wait()`` (``Checkpoint.sync()``), or at interpreter exit.
-The thread is not a daemon: the interpreter waits for a save in flight before it
-exits.
+
+**At exit.** The thread is not a daemon: when the main thread ends (a script that falls
+off its end with a save in flight and never waits, under torchrun or mpiexec too), the
+interpreter joins it, so the save completes and commits before the process exits. Its
+work on helper threads keeps running although ``concurrent.futures`` refuses new work
+by then: the save path's pools are :class:`~shardckpt.runtime.ThreadPool` objects (see
+:mod:`shardckpt.runtime`). Then an ``atexit`` hook (run after non-daemon threads are
+joined) reports the error of a save nobody waited for. No private interpreter hook is
+used.
 """
 
 from __future__ import annotations
 
 import atexit
-import concurrent.futures.thread  # noqa: F401 - registers its exit hook before ours (see _join_at_shutdown)
 import logging
 import os
 import threading
@@ -30,13 +36,17 @@ import weakref
 from typing import Callable, Optional
 
 from ..errors import AsyncSaveError
+from ..runtime import Slot
 from .plan import SavePlan
 from .staging import StagingPool
 
 __all__ = ["AsyncSaver", "AsyncSaveError"]
 
 _log = logging.getLogger("shardckpt")
-_LIVE: "weakref.WeakSet[AsyncSaver]" = weakref.WeakSet()
+
+#: The savers alive, whose uncollected errors are reported at exit (kept across a runtime reset; a
+#: forked child starts without its parent's).
+_LIVE: "Slot[weakref.WeakSet[AsyncSaver]]" = Slot("the async savers alive", weakref.WeakSet, keep_on_reset=True)
 
 #: The cores a process needs before the background writer runs beside the snapshot copy.
 OVERLAP_MIN_CORES = 4
@@ -59,7 +69,7 @@ class AsyncSaver:
         self._failed_prefix = ""
         self._on_failure: Optional[Callable[[], None]] = None
         self._lock = threading.Lock()
-        _LIVE.add(self)
+        _LIVE.get().add(self)
 
     @property
     def pending(self) -> bool:
@@ -132,26 +142,10 @@ class AsyncSaver:
                                  path=prefix) from error
 
 
-def _join_at_shutdown() -> None:
-    """Let saves in flight finish before ``concurrent.futures`` refuses new work at shutdown.
-
-    ``threading._register_atexit`` hooks run in reverse order at the start of
-    ``threading._shutdown`` (before non-daemon threads are joined); ours is registered after
-    ``concurrent.futures.thread``'s, so it runs first.
-    """
-    for saver in list(_LIVE):
-        thread = saver._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
-
-
-threading._register_atexit(_join_at_shutdown)  # type: ignore[attr-defined]
-
-
 @atexit.register
 def _wait_at_exit() -> None:
-    """Non-daemon threads are joined before this runs; report errors nobody collected."""
-    for saver in list(_LIVE):
+    """Non-daemon threads (the saves in flight) are joined before this runs; report errors nobody collected."""
+    for saver in list(_LIVE.get()):
         try:
             saver.wait()
         except AsyncSaveError as exc:

@@ -16,9 +16,10 @@ is trivial. Steps (``io``: the request's io client; ``all``: every client)::
     prepare   io   committer.prepare(): leftovers removed, scratch area made,
                    registered savers' bundles written
     identity  all  all-gather of every client's save identity (prefix, number),
-                   its shard count and the io client's setup: clients running
-                   different saves fail; shard i of client r gets the id
-                   first + sum(counts[:r]) + i; committer.plan(total)
+                   its shard count and the io client's Setup (or why it has
+                   none): clients running different saves fail; shard i of
+                   client r gets the id first + sum(counts[:r]) + i;
+                   committer.plan(total)
     write     all  committer.write_shard() per own shard, in parallel, on a helper
                    thread, while on this thread:
     number    all  gather of piece descriptions (and a digest of the list of every
@@ -29,11 +30,12 @@ is trivial. Steps (``io``: the request's io client; ``all``: every client)::
                    the io client, which names the clients and variables that
                    differ (one more broadcast); a disagreement fails every client
                    alike once all writes ended (a barrier), before anything is
-                   committed.
+                   committed (a single client whose pieces are whole tensors
+                   under distinct keys has nothing to check and skips this).
                    With funnelling (the io client first receives everyone's
                    values) the counts come with this step and the writes follow it
     agree     all  barrier (a dead client is named), then one all-gather of every
-                   client's success and written parts: any failure fails the save
+                   client's success and Written parts: any failure fails the save
                    everywhere, nothing committed, committer.abort() on the io client
     commit    io   committer.commit(): the commit point; then committer.finish()
                    and the request's on_commit (the state file)   -> broadcast
@@ -41,10 +43,13 @@ is trivial. Steps (``io``: the request's io client; ``all``: every client)::
     after     all  a SharedCommitStep's adopt (a manager's state), then write
                    callbacks, on every client once the commit is known
 
-When a step fails on some client, every client raises the same
+Each collective step is a round of :mod:`.rounds` (all-gather; gather, judge on the io
+client, broadcast; the io client's announcement; every client's success) carrying the typed
+messages of :mod:`.messages` as JSON. When a step fails on some client, every client raises the same
 :class:`~shardckpt.distributed.CoordinationError` naming the client(s) and their errors
 (on a failing client it is chained to the original error); a single client raises
-its original error. Which store is written
+its original error; any failure before the commit runs ``committer.abort()`` on the io
+client (:meth:`.rounds.Rounds.undoing`). Which store is written
 (rename-commit or index-last, or their incremental forms that link or copy reused
 data files) is the committer's business; the engine never asks.
 """
@@ -54,11 +59,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
-from ..distributed.coordinator import CoordinationError, CoordinationTimeout, Coordinator, raise_failures
+from ..distributed.coordinator import CoordinationError, CoordinationTimeout, Coordinator
+from ..runtime import ThreadPool
 from .agreement import (
     check_pieces,
     describe_pieces,
@@ -75,8 +80,10 @@ from .commit.base import Written
 from .context import default_context
 from .funnel import describe_plan, receive_plan, send_plan
 from .incremental import arrange, load_previous
+from .messages import Funnelled, HeldList, Hello, Parts, Pieces, Problem, Verdict
 from .plan import SavePlan, ShardPlan, TensorsToSave, make_save_plan
 from .request import SaveRequest, SharedCommitStep, default_workers
+from .rounds import Json, Outcome, Rounds, describe
 
 __all__ = ["save", "run_save", "SaveStats"]
 
@@ -150,10 +157,6 @@ def _log_stats(stats: SaveStats) -> None:
               stats.bytes_written, stats.bytes_reused, stats.seconds)
 
 
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
 def run_save(plan: SavePlan, request: SaveRequest, coordinator: Coordinator) -> SaveStats:
     """Write ``plan`` (this client's shards) and commit the checkpoint, collectively (see the module docstring).
 
@@ -178,238 +181,186 @@ def _naming_save(exc: CoordinationError, prefix: str) -> CoordinationError:
 
 def _run_save(plan: SavePlan, request: SaveRequest, coordinator: Coordinator) -> SaveStats:
     started = time.perf_counter()
-    prefix, io, timeout = request.prefix, request.io_rank, request.timeout
-    is_io = coordinator.rank == io
+    prefix, io = request.prefix, request.io_rank
     committer = committer_for(request.location, fsync=request.fsync, incremental=request.options.incremental)
-
-    # prepare [io] -> everyone checks it runs the same save, and adopts the io client's decisions
-    identity = save_identity(coordinator, prefix)
-    setup: Dict[str, Any] = {}
-    prepare_error: Optional[Exception] = None
-    if is_io:
-        try:
-            setup = committer.prepare(request.extra_bundles)
-        except Exception as exc:  # reported to everyone below
-            prepare_error = exc
-            setup = {"error": _describe(exc)}
-            committer.abort()
-        except BaseException:
-            committer.abort()
-            raise
+    rounds = Rounds(coordinator, io, request.timeout)
     # Without funnelling every client knows its shard count now: it travels with the identity, so the
     # shard ids are known after this round and the writes overlap the io client's check of the pieces.
     early = not request.funnel and coordinator.size > 1
-    try:
-        first_round = coordinator.all_gather({"id": identity, "setup": setup,
-                                              "shards": len(plan.shards) if early else None}, timeout=timeout)
-        problem = identity_problem([r["id"] for r in first_round], io)
+    with rounds.undoing(committer.abort):  # failing anywhere before the commit leaves nothing of this save
+        # prepare [io] -> everyone checks it runs the same save, and adopts the io client's decisions
+        setup = rounds.on_root(lambda: committer.prepare(request.extra_bundles))
+        number = save_identity(coordinator, prefix)[1]
+        hello = rounds.all_gather(Hello((prefix, number), setup, len(plan.shards) if early else None))
+        problem = identity_problem([list(h.identity) for h in hello], io)
         if problem is not None:
             raise CoordinationError(f"the save of {prefix}: {problem}")
-    except BaseException:
-        if is_io:  # a client missing or running another save: nothing of ours may stay
-            committer.abort()
-        raise
-    setup = first_round[io]["setup"]
-    if "error" in setup:
-        _fail(coordinator, prepare_error,
-              CoordinationError(f"client {io} could not prepare the save of {prefix}: {setup['error']}"))
-    committer.adopt(setup)
-
-    own_error: Optional[Exception] = None
-    written: List[Written] = []
-    failure: Optional[BaseException] = None
-    try:
-        if early:
-            written, own_error = _write_checking_pieces(plan, request, coordinator, committer,
-                                                        [int(r["shards"]) for r in first_round])
-        else:
-            shards, total, offset, disagreement = _number_shards(plan, request, coordinator)
-            if disagreement is not None:
-                raise CoordinationError(f"the save of {prefix} was not committed: {disagreement}")
-            first = committer.first_shard_id
-            committer.plan(first + total)
-            if total == 0:
-                own_error = CoordinationError(f"nothing to save on any client for {prefix}")
-            else:
-                try:
-                    written = _write_shards(committer, shards, first + offset, request.max_workers)
-                except Exception as exc:
-                    own_error = exc
-        coordinator.barrier(f"shards of {prefix} written", timeout=timeout)
-        # one round: every client's success (Coordinator.agree's check) and what it wrote
-        results = coordinator.all_gather({"ok": own_error is None, "written": written,
-                                          "error": _describe(own_error) if own_error is not None else ""},
-                                         timeout=timeout)
-        raise_failures(results)
-        gathered = [r["written"] for r in results]
-    except BaseException as exc:
-        failure = exc
-        if is_io:
-            committer.abort()
-    if failure is not None:
-        _fail(coordinator, own_error, failure)
-
+        committer.adopt(rounds.settle(hello[io].setup or Outcome(error="it sent none"),
+                                      f"client {io} could not prepare the save of {prefix}", setup))
+        # write [all], the pieces checked meanwhile -> every client's success and what it wrote
+        written = _write(plan, request, rounds, committer, [h.shards or 0 for h in hello] if early else None)
+        parts = rounds.agree(written, Parts, barrier=f"shards of {prefix} written")
     # commit [io] -> everyone learns the outcome; write callbacks everywhere
-    commit_error: Optional[Exception] = None
-    outcome: Dict[str, Any] = {"ok": True}
-    if is_io:
-        try:
-            committer.commit([w for client in gathered for w in client])
-        except Exception as exc:
-            commit_error = exc
-            committer.abort()
-            outcome = {"ok": False, "error": _describe(exc)}
-        except BaseException:  # Ctrl-C: leave nothing claimed, maybe committed (the index says)
-            committer.abort()
-            raise
-        else:
-            committer.finish()
-            if request.on_commit is not None:
-                try:
-                    recorded = request.on_commit(prefix)
-                    if isinstance(request.on_commit, SharedCommitStep):
-                        outcome["shared"] = recorded
-                except Exception as exc:
-                    commit_error = exc
-                    outcome = {"ok": False, "error": f"after the commit: {_describe(exc)}"}
-    outcome = coordinator.broadcast(outcome, root=io, timeout=timeout)
-    if not outcome["ok"]:
-        _fail(coordinator, commit_error,
-              CoordinationError(f"the save of {prefix} failed on client {io}: {outcome['error']}"))
+    shared = rounds.announce(_commit(committer, request, parts) if rounds.is_root else None, Json,
+                             f"the save of {prefix} failed on client {io}")
     if isinstance(request.on_commit, SharedCommitStep):
-        request.on_commit.adopt(prefix, outcome.get("shared"))
+        request.on_commit.adopt(prefix, shared.value)
     request.options.run_write_callbacks(prefix)
-    return SaveStats(prefix, committer.num_shards, sum(int(w["bytes"]) for w in written),
-                     time.perf_counter() - started, sum(int(w.get("reused", 0)) for w in written))
+    mine = written.value.written if written.value is not None else ()
+    return SaveStats(prefix, committer.num_shards, sum(w.bytes for w in mine), time.perf_counter() - started,
+                     sum(w.reused for w in mine))
 
 
-def _fail(coordinator: Coordinator, own: Optional[BaseException], agreed: BaseException) -> None:
-    """Raise a failed save's error: a single client's own error, else the agreed one (chained to ours)."""
-    if own is not None and (coordinator.size == 1 or agreed is own):
-        raise own
-    if own is not None:
-        raise agreed from own
-    raise agreed
+def _commit(committer: Committer, request: SaveRequest, parts: List[Parts]) -> Outcome[Json]:
+    """[io client] The commit point, then the clean-up and the front door's step (the state file); the
+    value: a :class:`SharedCommitStep`'s result. A commit that fails is aborted; nothing after it is."""
+    try:
+        committer.commit([w for client in parts for w in client.written])
+    except BaseException as exc:  # Ctrl-C too: leave nothing claimed, maybe committed (the index says)
+        committer.abort()
+        if not isinstance(exc, Exception):
+            raise
+        return Outcome.failed(exc)
+    committer.finish()
+    step = request.on_commit
+    if step is None:
+        return Outcome(Json())
+
+    def record() -> Json:
+        recorded = step(request.prefix)
+        return Json(recorded if isinstance(step, SharedCommitStep) else None)
+
+    return Outcome.of(record, label="after the commit: ")
 
 
-def _number_shards(plan: SavePlan, request: SaveRequest, coordinator: Coordinator
-                   ) -> Tuple[List[ShardPlan], int, int, Optional[str]]:
-    """The shards this client writes (all of them on the io client when funnelling), the total over
-    all clients, this client's first shard number among them, and what is wrong with the union
-    of all clients' pieces (``None``: they tile every tensor)."""
-    rank, io, timeout = coordinator.rank, request.io_rank, request.timeout
-    pieces = describe_pieces(plan)
-    shards: List[ShardPlan] = list(plan.shards)
-    if request.funnel and coordinator.size > 1:
-        described = coordinator.gather(describe_plan(plan) if rank != io else [], root=io, timeout=timeout)
-        if described is not None:
-            for source in range(coordinator.size):
-                if source != io:
-                    shards += receive_plan(described[source], coordinator, source)
-        else:
-            send_plan(plan, coordinator, io)
-            shards = []
-    # Only the io client receives and checks every client's pieces; everyone learns its verdict.
-    verdict = _pieces_verdict(coordinator, request, len(shards), pack_pieces(pieces), with_counts=True)
-    counts = verdict["counts"]
-    return shards, sum(counts), sum(counts[:rank]), verdict["problem"]
-
-
-def _pieces_verdict(coordinator: Coordinator, request: SaveRequest, shards: int, packed: str, *,
-                    with_counts: bool) -> Dict[str, Any]:
-    """Gather every client's shard count, packed pieces and digest of what it holds to the io client,
-    which checks them; return its verdict, broadcast to all: ``{"problem": message or None}`` and,
-    ``with_counts``, ``"counts"`` (every client's shard count). Only when the digests differ, one
-    client of each digest sends its whole list in one more gather (:func:`_held_verdict`)."""
-    io, timeout = request.io_rank, request.timeout
-    held = request.held if coordinator.size > 1 else None
-    gathered = coordinator.gather({"shards": shards, "pieces": packed, "held": held_digest(held)}, root=io,
-                                  timeout=timeout)
-    verdict: Dict[str, Any] = {}
-    digests: List[Optional[str]] = []
-    if gathered is not None:
-        if with_counts:
-            verdict["counts"] = [int(g["shards"]) for g in gathered]
-        digests = [g.get("held") for g in gathered]
-        ask = held_representatives(digests)
-        if ask is not None:
-            verdict["held_from"] = ask
-        try:
-            verdict["problem"] = check_pieces([g["pieces"] for g in gathered])
-        except Exception as exc:  # a table that does not decode: every client fails alike
-            verdict["problem"] = f"client {io} could not check the clients' pieces: {_describe(exc)}"
-        del gathered
-    verdict = dict(coordinator.broadcast(verdict, root=io, timeout=timeout))
-    if verdict.get("held_from") is not None:
-        held_said = _held_verdict(coordinator, request, verdict["held_from"], digests)
-        if held_said is not None:
-            verdict["problem"] = "; ".join(p for p in (verdict["problem"], held_said) if p)
-    return verdict
-
-
-def _held_verdict(coordinator: Coordinator, request: SaveRequest, ask: List[int],
-                  digests: List[Optional[str]]) -> Optional[str]:
-    """The clients in ``ask`` send the io client their lists of what they hold; it names what differs
-    (:func:`~.agreement.held_problem`), broadcast to all (``digests``: every client's, on the io client)."""
-    io, timeout = request.io_rank, request.timeout
-    mine = list(request.held) if request.held is not None and coordinator.rank in ask else None
-    lists = coordinator.gather(mine, root=io, timeout=timeout)
-    said: Optional[str] = None
-    if lists is not None:
-        try:
-            said = held_problem(digests, {r: lists[r] for r in ask})
-        except Exception as exc:  # a list that does not parse: every client fails alike
-            said = f"client {io} could not compare what the clients hold: {_describe(exc)}"
-    result: Optional[str] = coordinator.broadcast(said, root=io, timeout=timeout)
-    return result
-
-
-def _write_checking_pieces(plan: SavePlan, request: SaveRequest, coordinator: Coordinator, committer: Committer,
-                           counts: List[int]) -> Tuple[List[Written], Optional[Exception]]:
-    """Write this client's shards (numbered from ``counts``, every client's shard count) while the io
-    client checks every client's pieces; return what was written and this client's own error.
+def _write(plan: SavePlan, request: SaveRequest, rounds: Rounds, committer: Committer,
+           counts: Optional[List[int]]) -> Outcome[Parts]:
+    """[all] Write this client's shards, numbered from every client's shard count: ``counts`` when they
+    came with the identity round (the writes then overlap the io client's check of the pieces), else
+    the check's (funnelling: the io client first receives everyone's values; or one client).
 
     The writes start before the verdict: a disagreement is rare, and the save then fails on every
     client alike (with the verdict's error) once every client's writes ended (a barrier), so nothing
     is committed and the io client's ``abort`` removes what was written. Collectives stay on this thread.
     """
-    rank, timeout, prefix = coordinator.rank, request.timeout, request.prefix
-    total, first = sum(counts), committer.first_shard_id
-    committer.plan(first + total)
-    if total == 0:
-        return [], CoordinationError(f"nothing to save on any client for {prefix}")
-    pool: Optional[ThreadPoolExecutor] = None
-    writes: "Optional[Future[List[Written]]]" = None
-    if plan.shards:
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardckpt-save")
-        writes = pool.submit(_write_shards, committer, plan.shards, first + sum(counts[:rank]), request.max_workers)
+    rank, prefix = rounds.coordinator.rank, request.prefix
+    verdict: Optional[Verdict] = None
+    if counts is None:
+        shards = _funnel(plan, request, rounds)
+        verdict = _pieces_verdict(rounds, request, plan, len(shards), with_counts=True)
+        if verdict.problem is not None:
+            raise _not_committed(prefix, verdict.problem)
+        counts = list(verdict.counts or ())
+    else:
+        shards = list(plan.shards)
+    nothing = _nothing(committer, counts, prefix)
+    first = committer.first_shard_id + sum(counts[:rank])
+    if nothing is not None or verdict is not None:  # nobody has anything, or checked already: no overlap
+        return nothing or Outcome.of(lambda: _write_shards(committer, shards, first, request.max_workers))
+    pool = ThreadPool(max_workers=1, thread_name_prefix="shardckpt-save")
+    writes = pool.submit(Outcome.of, lambda: _write_shards(committer, shards, first, request.max_workers))
     try:
-        verdict = _pieces_verdict(coordinator, request, len(plan.shards), pack_pieces(describe_pieces(plan)),
-                                  with_counts=False)
+        verdict = _pieces_verdict(rounds, request, plan, len(plan.shards), with_counts=False)
     finally:  # never leave a write running behind a failed collective (the io client's abort removes its files)
-        written: List[Written] = []
-        own_error: Optional[Exception] = None
-        if writes is not None and pool is not None:
-            try:
-                written = writes.result()
-            except Exception as exc:
-                own_error = exc
-            pool.shutdown()
-    if verdict["problem"] is not None:
+        written = writes.result()
+        pool.shutdown()
+    if verdict.problem is not None:
         # every client stopped writing before the io client's abort removes the scratch area
-        coordinator.barrier(f"shards of {prefix} written", timeout=timeout)
-        raise CoordinationError(f"the save of {prefix} was not committed: {verdict['problem']}")
-    return written, own_error
+        rounds.coordinator.barrier(f"shards of {prefix} written", timeout=request.timeout)
+        raise _not_committed(prefix, verdict.problem)
+    return written
+
+
+def _not_committed(prefix: str, problem: str) -> CoordinationError:
+    return CoordinationError(f"the save of {prefix} was not committed: {problem}")
+
+
+def _nothing(committer: Committer, counts: List[int], prefix: str) -> Optional[Outcome[Parts]]:
+    """Fix the shard count from every client's (``counts``); a failed outcome when nobody has anything to save."""
+    committer.plan(committer.first_shard_id + sum(counts))
+    if sum(counts) == 0:
+        return Outcome.failed(CoordinationError(f"nothing to save on any client for {prefix}"))
+    return None
+
+
+def _funnel(plan: SavePlan, request: SaveRequest, rounds: Rounds) -> List[ShardPlan]:
+    """The shards this client writes: its own, or with funnelling, every client's on the io client
+    (received now) and none elsewhere."""
+    if not request.funnel or rounds.coordinator.size == 1:
+        return list(plan.shards)
+    described = rounds.gather(Funnelled(describe_plan(plan) if not rounds.is_root else []))
+    if described is None:
+        send_plan(plan, rounds.coordinator, rounds.root)
+        return []
+    return list(plan.shards) + [shard for source, d in enumerate(described) if source != rounds.root
+                                for shard in receive_plan(d.description, rounds.coordinator, source)]
+
+
+def _pieces_verdict(rounds: Rounds, request: SaveRequest, plan: SavePlan, shards: int, *,
+                    with_counts: bool) -> Verdict:
+    """Every client's shard count, packed pieces and digest of what it holds go to the io client, which
+    checks them; its verdict, on every client (``counts`` only ``with_counts``). Only when the digests
+    differ, one client of each digest sends its whole list in one more round (:func:`_held_verdict`)."""
+    io = rounds.root
+    if rounds.coordinator.size == 1 and _whole_and_distinct(plan):  # nothing to learn: skip describing them
+        return Verdict(None, (shards,) if with_counts else None)
+    digests: List[Optional[str]] = []  # every client's, on the io client
+
+    def judge(gathered: List[Pieces]) -> Verdict:
+        digests.extend(g.held for g in gathered)
+        ask = held_representatives(digests)
+        try:
+            problem = check_pieces([g.pieces for g in gathered])
+        except Exception as exc:  # a table that does not decode: every client fails alike
+            problem = f"client {io} could not check the clients' pieces: {describe(exc)}"
+        return Verdict(problem, tuple(g.shards for g in gathered) if with_counts else None,
+                       None if ask is None else tuple(ask))
+
+    held = request.held if rounds.coordinator.size > 1 else None
+    mine = Pieces(shards, pack_pieces(describe_pieces(plan)), held_digest(held))
+    verdict = rounds.decide(mine, judge, Verdict, str(_not_committed(request.prefix, "the check failed")))
+    if verdict.held_from is not None:
+        said = _held_verdict(rounds, request, verdict.held_from, digests)
+        if said is not None:
+            verdict = dataclasses.replace(verdict, problem="; ".join(p for p in (verdict.problem, said) if p))
+    return verdict
+
+
+def _whole_and_distinct(plan: SavePlan) -> bool:
+    """Whether every piece of ``plan`` is a whole tensor under a key of its own: such pieces tile their
+    tensors by themselves (one dtype and shape per key, no gap, no overlap)."""
+    keys = set()
+    for item in plan.items:
+        if item.slice_spec or item.key in keys:
+            return False
+        keys.add(item.key)
+    return True
+
+
+def _held_verdict(rounds: Rounds, request: SaveRequest, ask: Sequence[int],
+                  digests: List[Optional[str]]) -> Optional[str]:
+    """The clients in ``ask`` send the io client their lists of what they hold; it names what differs
+    (:func:`~.agreement.held_problem`), on every client (``digests``: every client's, on the io client)."""
+    io = rounds.root
+
+    def judge(lists: List[HeldList]) -> Problem:
+        try:
+            return Problem(held_problem(digests, {r: lists[r].held for r in ask}))
+        except Exception as exc:  # a list that does not parse: every client fails alike
+            return Problem(f"client {io} could not compare what the clients hold: {describe(exc)}")
+
+    mine = HeldList(request.held if request.held is not None and rounds.coordinator.rank in ask else None)
+    return rounds.decide(mine, judge, Problem, str(_not_committed(request.prefix, "the check failed"))).text
 
 
 def _write_shards(committer: Committer, shards: Sequence[ShardPlan], first_id: int,
-                  max_workers: Optional[int]) -> List[Written]:
+                  max_workers: Optional[int]) -> Parts:
     """Write this client's shards as ids ``first_id, first_id + 1, ...``, in parallel."""
     if not shards:
-        return []
+        return Parts()
     workers = max_workers or default_workers(len(shards))
     if workers == 1 or len(shards) == 1:
-        return [committer.write_shard(s, first_id + i) for i, s in enumerate(shards)]
+        return Parts(tuple(committer.write_shard(s, first_id + i) for i, s in enumerate(shards)))
 
     def run(batch: List[int]) -> List[Written]:
         return [committer.write_shard(shards[i], first_id + i) for i in batch]
@@ -421,10 +372,9 @@ def _write_shards(committer: Committer, shards: Sequence[ShardPlan], first_id: i
     step = max(1, -(-len(reused) // workers))
     tasks = fresh + [reused[n:n + step] for n in range(0, len(reused), step)]
     out: List[Optional[Written]] = [None] * len(shards)
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardckpt-write") as pool:
+    with ThreadPool(max_workers=workers, thread_name_prefix="shardckpt-write") as pool:
         futures = [(batch, pool.submit(run, batch)) for batch in tasks]
         for batch, future in futures:
             for i, w in zip(batch, future.result()):
                 out[i] = w
-    return [w for w in out if w is not None]
-
+    return Parts(tuple(w for w in out if w is not None))

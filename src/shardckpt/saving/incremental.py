@@ -89,7 +89,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import xxhash
@@ -117,6 +117,9 @@ from .scrub import (
     scrubbed_store,
 )
 
+if TYPE_CHECKING:  # the committers import this module
+    from .commit.base import Written
+
 __all__ = ["LIVE_FRACTION", "EXTRA_LINKED_FILES", "HEAD_BYTES", "head_hash", "SAMPLE_WINDOWS", "SAMPLE_BYTES",
            "sample_windows", "sample_hash", "SIDECAR_SUFFIX", "sidecar_filename",
            "content_hash", "new_digest", "Previous", "load_previous", "arrange", "sidecar_bytes", "read_sidecar",
@@ -142,7 +145,6 @@ SAMPLE_WINDOWS = 64
 SAMPLE_BYTES = 64
 #: below this many bytes in all, change detection runs on the calling thread
 _PARALLEL_HASH_BYTES = 8 << 20
-Written = Dict[str, Any]
 
 
 def sidecar_filename(prefix: str) -> str:
@@ -564,12 +566,10 @@ def sidecar_bytes(written: Sequence[Written], index: bytes, fs: FileSystem, pref
     pieces: List[List[Any]] = []
     shards: List[Dict[str, Any]] = []
     for number, w in enumerate(written):
-        for record in w.get("pieces", []):  # stored as [key, slice spec, hash, token, shard record, head, sample]
+        for record in w.pieces or ():  # stored as [key, slice spec, hash, token, shard record, head, sample]
             pieces.append(list(record[:4]) + [number] + list(record[4:6]))
-        source = w.get("source")
-        shards.append({"bytes_written": int(w.get("bytes", 0)), "bytes_reused": int(w.get("reused", 0)),
-                       "how": w.get("how", "written"),
-                       "reused_from": fs.basename(str(source)) if source else None})
+        shards.append({"bytes_written": w.bytes, "bytes_reused": w.reused, "how": w.how,
+                       "reused_from": fs.basename(w.source) if w.source else None})
     doc = {"format": _FORMAT, "version": _VERSION, "index_xxh3_128": _index_digest(index),
            "pieces": sorted(pieces, key=lambda p: (p[0], p[1])), "shards": shards,
            "files": _files_section(written, pieces, index, fs, prefix)}
@@ -584,19 +584,19 @@ def _files_section(written: Sequence[Written], pieces: List[List[Any]], index: b
     num_shards = int(header_from_entry(items[0][0], items[0][1], index_filename(prefix)).num_shards)
     reused: Dict[int, Written] = {}
     for number, shard_id in _files_of_records(pieces, items[1:]).items():
-        if written[number].get("file"):
+        if written[number].file:
             reused[shard_id] = written[number]
     paths = [data_filename(prefix, i, num_shards) for i in range(num_shards)]
     try:
-        now = identities_of(fs, [p for i, p in enumerate(paths) if reused.get(i, {}).get("how") != "link"])
+        now = identities_of(fs, [p for i, p in enumerate(paths) if i not in reused or reused[i].how != "link"])
     except Exception as exc:  # no stamps: the next save links none of these files
         _log.warning("incremental save: cannot stamp the data files of %s (%s)", prefix, exc)
         now = {}
     files: Dict[str, Dict[str, Any]] = {}
     for i, path in enumerate(paths):
         report = reused.get(i)
-        record: Dict[str, Any] = dict(report["file"]) if report else {"age": 0, "scrubbed": False}
-        if not report or report.get("how") != "link":  # written now, or a copy: a file of its own
+        record: Dict[str, Any] = dict(report.file or {}) if report else {"age": 0, "scrubbed": False}
+        if not report or report.how != "link":  # written now, or a copy: a file of its own
             record["id"] = file_stamp(now.get(path))
         files[str(i)] = record
     return files

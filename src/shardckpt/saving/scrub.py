@@ -32,7 +32,8 @@ has ended before the next save, so a file is proven one save after it is first l
 
 On disk: nothing of its own; the stamps and ages live in the incremental sidecar
 (``<prefix>.hashes.json``, ``files``), and a damaged file's only change is its mtime.
-In memory, per process (:func:`default_scrubber`, reset in a forked child): the queue,
+In memory, per process (:func:`default_scrubber`, a slot of the process's :mod:`~shardckpt.runtime`:
+new after a reset and in a forked child): the queue,
 the identities proven since they were queued, and those found damaged.
 """
 
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..format import crc
+from ..runtime import Slot
 from ..storage.base import FileSystem, is_local_path
 
 __all__ = ["SCRUB_EVERY", "LINK_LIMIT", "Stamp", "file_stamp", "file_identity", "scrubbed_store",
@@ -71,8 +73,7 @@ Identity = Tuple[Any, ...]
 
 def file_identity(fs: FileSystem, path: str) -> Optional[Identity]:
     """The store's identity of the file at ``path`` (``None``: the store has none to give)."""
-    identity = getattr(fs, "identity", None)
-    return None if identity is None else tuple(identity(path))
+    return tuple(fs.identity(path))
 
 
 def file_stamp(identity: Optional[Identity]) -> Optional[Stamp]:
@@ -270,47 +271,22 @@ def _mark_damaged(job: _Job, st: os.stat_result, entry: ScrubEntry, value: int, 
     return identity
 
 
-_DEFAULT: Optional[Scrubber] = None
-_DEFAULT_LOCK = threading.Lock()
+#: The process's scrubber (a forked child closes the files its parent's had queued, and makes its own).
+_DEFAULT: "Slot[Scrubber]" = Slot("the scrubber", Scrubber, in_child=Scrubber._forget_in_child)
 
 
 def default_scrubber() -> Scrubber:
-    """The process's :class:`Scrubber`, created on first use."""
-    global _DEFAULT
-    with _DEFAULT_LOCK:
-        if _DEFAULT is None:
-            _DEFAULT = Scrubber()
-        return _DEFAULT
+    """The process's :class:`Scrubber`, created on first use (a slot of the process's :mod:`~shardckpt.runtime`)."""
+    return _DEFAULT.get()
 
 
 def wait_for_scrubs(timeout: Optional[float] = None) -> bool:
     """Wait until this process's queued scrubs have ended (tests, benchmarks, a job about to exit)."""
-    with _DEFAULT_LOCK:
-        scrubber = _DEFAULT
+    scrubber = _DEFAULT.peek()
     return True if scrubber is None else scrubber.wait(timeout)
-
-
-def _after_fork_in_child() -> None:
-    global _DEFAULT
-    if _DEFAULT is not None:
-        _DEFAULT._forget_in_child()
-    _DEFAULT = None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def identities_of(fs: FileSystem, paths: Sequence[str]) -> Dict[str, Optional[Identity]]:
     """The identity of each of ``paths`` (``None``: missing, or the store gives none), in one batch
     where the store offers one (an object store: one listing)."""
-    batch = getattr(fs, "identities", None)
-    if batch is not None:
-        return {p: (None if i is None else tuple(i)) for p, i in batch(list(paths)).items()}
-    out: Dict[str, Optional[Identity]] = {}
-    for p in paths:
-        try:
-            out[p] = file_identity(fs, p)
-        except Exception:
-            out[p] = None
-    return out
+    return {p: (None if i is None else tuple(i)) for p, i in fs.identities(list(paths)).items()}

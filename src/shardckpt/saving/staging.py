@@ -8,7 +8,8 @@ many bytes: the snapshot then streams, copying the next value only when the
 background writer has written (and released) enough earlier ones.
 
 Values that are not NumPy arrays are copied by a *stager* registered for their
-type (:func:`register_stager`): e.g. a PyTorch adapter copies a device tensor into
+type (:func:`register_stager`; registrations are kept by the process's
+:mod:`~shardckpt.runtime`): e.g. a PyTorch adapter copies a device tensor into
 a pinned host buffer. The staging step only needs "copy this value into that
 host array".
 
@@ -28,40 +29,47 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from ..runtime import Slot
 from .plan import PlanItem, SavePlan
 
 __all__ = ["StagingPool", "register_stager", "register_holder", "stage_value", "StagedValue"]
 
 Stager = Callable[[Any, np.ndarray], None]
 Holder = Callable[[Any], Optional[np.ndarray]]
-_STAGERS: Dict[Type[Any], Stager] = {}
-_HOLDERS: Dict[Type[Any], Holder] = {}
+
+#: Registrations by type, kept by the process's runtime; made at import, so a runtime reset and a fork keep them.
+_STAGERS: "Slot[Dict[Type[Any], Stager]]" = Slot("stagers by type", dict, keep_on_reset=True, keep_in_child=True)
+_HOLDERS: "Slot[Dict[Type[Any], Holder]]" = Slot("holders by type", dict, keep_on_reset=True, keep_in_child=True)
 
 
 def register_stager(kind: Type[Any], stager: Stager) -> None:
     """Copy values of type ``kind`` into host arrays with ``stager(value, out)``."""
-    _STAGERS[kind] = stager
+    _STAGERS.get()[kind] = stager
 
 
 def register_holder(kind: Type[Any], holder: Holder) -> None:
     """Snapshot values of type ``kind`` (a plan item's value or the callable producing it) without a copy:
     ``holder(value)`` returns a host array whose bytes stay unchanged while it is referenced, or ``None``
     when the value must be copied."""
-    _HOLDERS[kind] = holder
+    _HOLDERS.get()[kind] = holder
+
+
+def _registered(slot: "Slot[Dict[Type[Any], Any]]", value: Any) -> Any:
+    """What ``slot`` registered for the type of ``value`` or its nearest base (``None``: nothing)."""
+    table = slot.get()
+    for kind in type(value).__mro__:
+        if kind in table:
+            return table[kind]
+    return None
 
 
 def _held(value: Any) -> Optional[np.ndarray]:
-    for kind in type(value).__mro__:
-        if kind in _HOLDERS:
-            return _HOLDERS[kind](value)
-    return None
+    holder = _registered(_HOLDERS, value)
+    return None if holder is None else holder(value)  # type: ignore[no-any-return]
 
 
 def _stager_for(value: Any) -> Optional[Stager]:
-    for kind in type(value).__mro__:
-        if kind in _STAGERS:
-            return _STAGERS[kind]
-    return None
+    return _registered(_STAGERS, value)  # type: ignore[no-any-return]
 
 
 def stage_value(value: Any, out: np.ndarray) -> None:

@@ -18,15 +18,18 @@ Roles and call sequences (who calls what):
   without publishing anything it wrote where the store allows that.
   ``write_atomic`` writes a small whole file (an index, the state file) so that
   readers see the old content or the new one, never a mix.
-* **Readers** (``format.BundleReader``): ``open_read`` -> ``pread_into`` (repeated) /
-  ``pread_batch`` -> ``close``; ``size`` and ``read_bytes`` for whole small files.
+* **Readers** (``format.BundleReader``): ``open_read`` -> [``prefetch``: the ranges it
+  will read] -> ``pread_into`` (repeated) / ``pread_batch`` -> ``close``; ``size`` and
+  ``read_bytes`` for whole small files; ``identity`` / ``identities`` at open and again
+  later, to tell a checkpoint replaced under the reader.
 * **Committers** (``saving.commit``): names (``rename``, ``remove``, ``listdir``,
   ...), ``copy_file`` (incremental saves: a hard link, a reflink, a server-side copy),
   durability of names (``fsync_dir``), and coordination between processes:
   ``exclusive(directory)`` around cleaning and committing, ``claim``/``claimed`` so
   that a live save's temporary folder is never taken for a dead save's leftovers. ``supports_rename`` tells which
   committer a store gets: rename-commit where renames are atomic and cheap,
-  index-last where they are not.
+  index-last where they are not (object stores: :class:`~shardckpt.storage.object_store.ObjectStore`,
+  which declares what they add; only :func:`shardckpt.saving.commit.committer_for` asks).
 
 Handles are opaque to callers (:data:`ReadHandle`, :data:`WriteHandle`): int file
 descriptors locally, upload/download objects on object stores. Every method takes
@@ -42,8 +45,10 @@ import posixpath
 import re
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
-__all__ = ["FileSystem", "ReadHandle", "WriteHandle", "RunBatch", "split_scheme", "is_local_path", "normalize",
-           "posix_dirname"]
+from ..errors import NotFoundError
+
+__all__ = ["FileSystem", "ReadHandle", "WriteHandle", "Identity", "RunBatch", "split_scheme", "is_local_path",
+           "normalize", "posix_dirname"]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 
@@ -52,6 +57,8 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 ReadHandle = Any
 #: A handle from :meth:`FileSystem.open_write` (an int descriptor locally, an upload on object stores).
 WriteHandle = Any
+#: What identifies a file's current contents (:meth:`FileSystem.identity`): equal identities, same bytes.
+Identity = Tuple[Any, ...]
 
 
 class FileSystem(abc.ABC):
@@ -85,6 +92,36 @@ class FileSystem(abc.ABC):
     @abc.abstractmethod
     def size(self, path: str) -> int:
         """Size of the file in bytes."""
+
+    @abc.abstractmethod
+    def identity(self, path: str, handle: Optional[ReadHandle] = None) -> Identity:
+        """What identifies the file's current contents (of the file open as ``handle`` when given):
+        a file replaced or rewritten gets another identity. Readers record it at open and check
+        it again to tell a checkpoint replaced under them. A missing file raises
+        :class:`~shardckpt.errors.NotFoundError`."""
+
+    def identities(self, paths: Sequence[str]) -> "dict[str, Optional[Identity]]":
+        """:meth:`identity` of many files (``None``: missing); stores answer in bulk where they can
+        (an object store: one listing per folder). Default: one :meth:`identity` each."""
+        out: "dict[str, Optional[Identity]]" = {}
+        for p in paths:
+            try:
+                out[p] = self.identity(p)
+            except NotFoundError:
+                out[p] = None
+        return out
+
+    @property
+    def prefetches(self) -> bool:
+        """Whether :meth:`prefetch` does anything here (callers may skip building the list). Default: no."""
+        return False
+
+    def prefetch(self, handle: ReadHandle, starts: Any, ends: Any, path: str = "") -> int:
+        """Announce reads: bytes ``[starts[i], ends[i])`` of the file open as ``handle`` will be read soon
+        (any thread). A store may fetch them ahead (object stores: few large GETs) or guide the
+        kernel; reads are unchanged. Returns the number of requests or chunks planned (default:
+        nothing, 0)."""
+        return 0
 
     @abc.abstractmethod
     def read_bytes(self, path: str) -> bytes:

@@ -91,7 +91,7 @@ class LocalFileSystem(FileSystem):
     mapped_bytes = 0  # bytes that run batches copied out of maps
     ring_bytes = 0  # bytes that run batches read through io_uring
     ring_runs = True  # strided run batches through io_uring where available (see _pread_runs)
-    prefetches = True  # announced reads guide the kernel's reads where they leave gaps (see prefetch)
+    guide_reads = True  # announced reads guide the kernel's reads where they leave gaps (see prefetch)
     guided_bytes = 0  # bytes that reads copied from guides' maps (see prefetch)
     _count_lock = threading.Lock()
     #: the guide of each guided descriptor (descriptors are process-wide, so is this)
@@ -100,7 +100,12 @@ class LocalFileSystem(FileSystem):
     def __init__(self, *, map_runs: Optional[bool] = None, ring_runs: bool = True, guide_reads: bool = True) -> None:
         self.map_runs = map_runs
         self.ring_runs = ring_runs
-        self.prefetches = guide_reads
+        self.guide_reads = guide_reads
+
+    @property
+    def prefetches(self) -> bool:
+        """Whether announced reads guide the kernel's (``guide_reads``; see :meth:`prefetch`)."""
+        return self.guide_reads
 
     # -- reading ---------------------------------------------------------
     def open_read(self, path: str) -> int:
@@ -150,7 +155,7 @@ class LocalFileSystem(FileSystem):
         are read ahead through a map of the file, not the gaps. Otherwise nothing changes.
         Returns the number of chunks the guide holds (0: not guided).
         """
-        if not self.prefetches:
+        if not self.guide_reads:
             return 0
         try:
             size = os.fstat(fd).st_size
@@ -410,16 +415,6 @@ class LocalFileSystem(FileSystem):
                 dest[i:j] = buf[rel[:, None] + np.arange(rb)]
             read_from = end
             i = j
-
-    def identities(self, paths: Sequence[str]) -> "dict[str, Optional[Tuple[Any, ...]]]":
-        """:meth:`identity` of many files (``None``: missing)."""
-        out: "dict[str, Optional[Tuple[Any, ...]]]" = {}
-        for p in paths:
-            try:
-                out[p] = self.identity(p)
-            except NotFoundError:
-                out[p] = None
-        return out
 
     # -- writing ---------------------------------------------------------
     def open_write(self, path: str) -> int:

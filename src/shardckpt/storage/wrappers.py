@@ -1,9 +1,17 @@
 """Filesystems that wrap another: the base for fault injection and for recording what a save does.
 
-:class:`FileSystemWrapper` forwards every operation to ``inner``; subclasses override
+:class:`FileSystemWrapper` forwards every operation to ``inner``, each one written out
+(no ``__getattr__``: a wrapper answers exactly what the interface declares, so what it
+reads and writes is what production does); subclasses override
 :meth:`FileSystemWrapper.before` (called with the operation's name and path before it
-runs) or single methods. :class:`FaultInjectingFileSystem` raises chosen errors at
-chosen operations. Put a wrapper in place for a scheme with
+runs) or single methods. Around an :class:`~shardckpt.storage.object_store.ObjectStore`
+a wrapper is an :class:`ObjectStoreWrapper`: every object-store member (``put``,
+``create_exclusive``, ``remove_if``, listings, ...) is forwarded through ``before`` too,
+so a fault can be injected at any of them (e.g. ``faulty.fail("put", r"\\.index$")``:
+the index PUT of an index-last commit). ``FileSystemWrapper(store)`` and its subclasses
+become object-store wrappers by themselves when ``store`` is one.
+:class:`FaultInjectingFileSystem` raises chosen errors at chosen operations. Put a wrapper in
+place for a scheme with
 :func:`shardckpt.storage.registry.mounted`::
 
     faulty = FaultInjectingFileSystem(local_fs)
@@ -17,15 +25,44 @@ from __future__ import annotations
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from .base import FileSystem, ReadHandle, WriteHandle
+from .base import FileSystem, Identity, ReadHandle, WriteHandle
+from .object_store import ListedIndex, ObjectInfo, ObjectStore, PendingUpload
 
-__all__ = ["FileSystemWrapper", "FaultInjectingFileSystem", "Fault", "RecordingFileSystem", "Op"]
+__all__ = ["FileSystemWrapper", "ObjectStoreWrapper", "FaultInjectingFileSystem", "Fault", "RecordingFileSystem",
+           "Op"]
+
+_OBJECT_STORE_FORMS: Dict[type, type] = {}
+_FORMS_LOCK = threading.Lock()
+
+
+def _object_store_form(cls: type) -> type:
+    """``cls`` (a wrapper class) as a wrapper of object stores: a subclass of it and :class:`ObjectStoreWrapper`
+    (made once per class; ``cls``'s own overrides come first)."""
+    if cls is FileSystemWrapper:
+        return ObjectStoreWrapper
+    with _FORMS_LOCK:
+        form = _OBJECT_STORE_FORMS.get(cls)
+        if form is None:
+            form = type(cls.__name__, (cls, ObjectStoreWrapper), {"__module__": cls.__module__,
+                                                                  "__qualname__": cls.__qualname__})
+            _OBJECT_STORE_FORMS[cls] = form
+        return form
 
 
 class FileSystemWrapper(FileSystem):
-    """Forward everything to ``inner``; :meth:`before` sees each operation first."""
+    """Forward everything to ``inner``; :meth:`before` sees each operation first.
+
+    Made around an :class:`~shardckpt.storage.object_store.ObjectStore` (the first argument,
+    or ``inner=``), any wrapper class is instantiated in its object-store form (the class
+    and :class:`ObjectStoreWrapper`), which is an ``ObjectStore`` and forwards its members.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "FileSystemWrapper":
+        inner = args[0] if args else kwargs.get("inner")
+        form = _object_store_form(cls) if isinstance(inner, ObjectStore) and not issubclass(cls, ObjectStore) else cls
+        return super().__new__(form)
 
     def __init__(self, inner: FileSystem) -> None:
         self.inner = inner
@@ -51,6 +88,22 @@ class FileSystemWrapper(FileSystem):
     def read_bytes(self, path: str) -> bytes:
         self.before("read_bytes", path)
         return self.inner.read_bytes(path)
+
+    def identity(self, path: str, handle: Optional[ReadHandle] = None) -> Identity:
+        self.before("identity", path)
+        return self.inner.identity(path, handle)
+
+    def identities(self, paths: Sequence[str]) -> "dict[str, Optional[Identity]]":
+        for path in paths:
+            self.before("identities", path)
+        return self.inner.identities(paths)
+
+    @property
+    def prefetches(self) -> bool:
+        return self.inner.prefetches
+
+    def prefetch(self, handle: ReadHandle, starts: Any, ends: Any, path: str = "") -> int:
+        return self.inner.prefetch(handle, starts, ends, path)
 
     # writing
     def open_write(self, path: str) -> WriteHandle:
@@ -152,8 +205,87 @@ class FileSystemWrapper(FileSystem):
     def normpath(self, path: str) -> str:
         return self.inner.normpath(path)
 
-    def __getattr__(self, name: str) -> Any:  # a store's extras (e.g. pread_batch, counters)
-        return getattr(self.inner, name)
+
+class ObjectStoreWrapper(FileSystemWrapper, ObjectStore):
+    """A wrapper of an :class:`~shardckpt.storage.object_store.ObjectStore`: every member forwarded to
+    ``inner``, each through :meth:`before` (the operation's name is the member's name)."""
+
+    inner: ObjectStore
+
+    def __init__(self, inner: FileSystem) -> None:
+        if not isinstance(inner, ObjectStore):
+            raise TypeError(f"{type(self).__name__} wraps an ObjectStore, not {type(inner).__name__}")
+        super().__init__(inner)
+
+    @property
+    def conditional_writes(self) -> bool:
+        return self.inner.conditional_writes
+
+    @conditional_writes.setter
+    def conditional_writes(self, value: bool) -> None:
+        self.inner.conditional_writes = value
+
+    @property
+    def stale_after(self) -> float:
+        return self.inner.stale_after
+
+    @stale_after.setter
+    def stale_after(self, value: float) -> None:
+        self.inner.stale_after = value
+
+    # writers
+    def put(self, path: str, data: bytes, *, if_match: Optional[str] = None, if_none_match: bool = False) -> str:
+        self.before("put", path)
+        return self.inner.put(path, data, if_match=if_match, if_none_match=if_none_match)
+
+    def create_exclusive(self, path: str) -> WriteHandle:
+        self.before("create_exclusive", path)
+        return self.inner.create_exclusive(path)
+
+    def written_etag(self, handle: WriteHandle) -> Optional[str]:
+        return self.inner.written_etag(handle)
+
+    def head_etag(self, path: str) -> Optional[str]:
+        self.before("head_etag", path)
+        return self.inner.head_etag(path)
+
+    def remove_if(self, path: str, etag: str) -> bool:
+        self.before("remove_if", path)
+        return self.inner.remove_if(path, etag)
+
+    def remove_many(self, paths: Sequence[str]) -> None:
+        for path in paths:
+            self.before("remove_many", path)
+        self.inner.remove_many(paths)
+
+    def list_details(self, path: str) -> Dict[str, ObjectInfo]:
+        self.before("list_details", path)
+        return self.inner.list_details(path)
+
+    # a dead save's multipart uploads
+    def list_uploads(self, path: str) -> List[PendingUpload]:
+        self.before("list_uploads", path)
+        return self.inner.list_uploads(path)
+
+    def upload_activity(self, path: str, upload_id: str) -> float:
+        self.before("upload_activity", path)
+        return self.inner.upload_activity(path, upload_id)
+
+    def abort_upload(self, path: str, upload_id: str) -> None:
+        self.before("abort_upload", path)
+        self.inner.abort_upload(path, upload_id)
+
+    # readers
+    def list_identities(self, prefix: str) -> Optional[Dict[str, Identity]]:
+        self.before("list_identities", prefix)
+        return self.inner.list_identities(prefix)
+
+    def list_and_read(self, prefix: str, path: str, limit: int) -> Optional[ListedIndex]:
+        self.before("list_and_read", path)
+        return self.inner.list_and_read(prefix, path, limit)
+
+    def pin(self, handle: ReadHandle, identity: Any) -> bool:
+        return self.inner.pin(handle, identity)
 
 
 @dataclass

@@ -12,11 +12,11 @@ whether the call is distributed) or, while staging for ``dcp.async_save``, that
 function's arguments (``process_group``, ``no_dist``, the checkpointer type).
 
 :func:`coordinator_for` makes one :class:`~shardckpt.distributed.torch_backend.TorchCoordinator`
-per group and keeps it (its own gloo group over the same ranks, made collectively over
-those ranks only: a subgroup's coordinator is made with ``use_local_synchronization``,
-so ranks outside it take no part). A call that is not distributed gets a
-:class:`~shardckpt.distributed.single.SingleProcessCoordinator`: nothing collective
-happens. Without a DCP frame (a caller driving the StorageWriter protocol itself) the
+per group and keeps it in the process's :mod:`~shardckpt.runtime` (its own gloo group over
+the same ranks, made collectively over those ranks only: a subgroup's coordinator is made
+with ``use_local_synchronization``, so ranks outside it take no part). A call that is not
+distributed gets a :class:`~shardckpt.distributed.single.SingleProcessCoordinator`: nothing
+collective happens. Without a DCP frame (a caller driving the StorageWriter protocol itself) the
 call is taken as collective over the default group when ``torch.distributed`` is
 initialized with several ranks.
 """
@@ -24,20 +24,23 @@ initialized with several ranks.
 from __future__ import annotations
 
 import sys
-import threading
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 import torch.distributed as dist
 
-from ..distributed import get_coordinator
 from ..distributed.coordinator import Coordinator
+from ..distributed.select import current_coordinator
 from ..distributed.single import SingleProcessCoordinator
+from ..runtime import runtime
 
 __all__ = ["DcpCall", "current_call", "coordinator_for"]
 
 _MODULE = "torch.distributed.checkpoint"
 _FUNCTIONS = ("_save_state_dict", "_load_state_dict", "async_save")
+
+#: The key of a torch group's coordinator in the runtime's keyed cache: ``(TORCH_GROUP, group name)``.
+TORCH_GROUP = "torch group"
 
 
 @dataclass(frozen=True)
@@ -78,44 +81,26 @@ def current_call() -> DcpCall:
     return DcpCall(_initialized() and dist.get_world_size() > 1)
 
 
-_LOCK = threading.Lock()
-_COORDINATORS: Dict[Tuple[int, str], Tuple[Any, Coordinator]] = {}
-
-
-def _key(group: Any) -> Tuple[Tuple[int, str], Any]:
-    """A cache key of ``group`` in the current default group (a re-initialized world gets new ones)."""
-    default = dist.distributed_c10d._get_default_group()
-    if group is None or group is default or group is dist.group.WORLD:
-        return (id(default), ""), default
-    return (id(default), dist.distributed_c10d._get_process_group_name(group)), default
-
-
 def coordinator_for(call: DcpCall) -> Coordinator:
-    """The coordinator over the call's ranks (made the first time, collectively over them; then kept)."""
+    """The coordinator over the call's ranks (made the first time, collectively over them; then kept).
+
+    Kept in the process runtime's keyed cache under the group's name, anchored on the
+    default group it belongs to (a re-initialized world gets new ones)."""
     if not call.distributed or call.size() == 1:
         return SingleProcessCoordinator()
-    key, default = _key(call.group)
-    with _LOCK:
-        known = _COORDINATORS.get(key)
-        if known is not None:
-            return known[1]
+    default = dist.distributed_c10d._get_default_group()
+    group = call.group
+    world = group is None or group is default or group is dist.group.WORLD
+    name = "" if world else dist.distributed_c10d._get_process_group_name(group)
+
+    def make() -> Coordinator:
         from ..distributed.torch_backend import TorchCoordinator
 
-        coordinator: Optional[Coordinator] = None
-        if key[1] == "":
-            current = get_coordinator() if _process_coordinator_is_torch() else None
-            if current is not None and current.size == dist.get_world_size():
-                coordinator = current  # the process's own torch coordinator over the world
-            else:
-                coordinator = TorchCoordinator()
-        else:
-            coordinator = TorchCoordinator(group=call.group)
-        _COORDINATORS[key] = (default, coordinator)  # the default group is held: its id stays unique
-        return coordinator
+        if world:
+            current = current_coordinator()
+            if current is not None and current.backend == "torch" and current.size == dist.get_world_size():
+                return current  # the process's own torch coordinator over the world
+            return TorchCoordinator()
+        return TorchCoordinator(group=group)
 
-
-def _process_coordinator_is_torch() -> bool:
-    from ..distributed import select
-
-    current = getattr(select, "_CURRENT", None)
-    return current is not None and current.backend == "torch"
+    return runtime().keep((TORCH_GROUP, name), make, anchor=default)

@@ -85,6 +85,7 @@ from ..format.tensor_slice import box_shape
 from ..restoring import BundleSource, Read, RestorePlan, run
 from ..storage.base import normalize
 from ..storage.local import LocalFileSystem, local_fs
+from ..storage.object_store import ObjectStore
 from ..storage.registry import get_fs
 from ._dtypes import numpy_view, to_torch_dtype
 from ._layout import reader_prefix
@@ -360,7 +361,7 @@ def _open_as_prefix_on_object_store(path: Any, context: Any) -> Optional[BundleR
     a local path: resolved by :func:`._layout.reader_prefix`)."""
     text = normalize(os.fspath(path))
     store = get_fs(text)
-    if store.read_step is None:
+    if not isinstance(store, ObjectStore):
         return None
     try:
         return BundleReader(text, fs=store, context=context)

@@ -17,10 +17,11 @@ the system. Where registering fails, the copy runs to unpinned memory: slower, t
 bytes.
 
 Writers share the process's :func:`default_stager` (a writer is usually made per
-save, its buffers should outlive it). A save still writing the previous copy owns its
-buffers: ``stage`` then makes new ones (it never waits, never overwrites bytes a writer
-may still read). ``stage`` returns a ticket; the writer calls :meth:`release` with it
-once its save finished, successfully or not.
+save, its buffers should outlive it; the process's :mod:`~shardckpt.runtime` keeps it).
+A save still writing the previous copy owns its buffers: ``stage`` then makes new
+ones (it never waits, never overwrites bytes a writer may still read). ``stage``
+returns a ticket; the writer calls :meth:`release` with it once its save finished,
+successfully or not.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import weakref
 from typing import Any, Dict, Optional, Tuple
 
 import torch
+
+from ..runtime import Slot
 
 __all__ = ["HostStager", "copy_on", "default_stager", "pinned_copy", "release_staging_buffers"]
 
@@ -147,16 +150,14 @@ def copy_on(stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
     stream.synchronize()
 
 
-_LOCK = threading.Lock()
-_DEFAULT: "list[HostStager]" = []
+#: The process's stager (a slot of the process's runtime: new after a reset; a forked child makes its own and
+#: leaves its parent's buffers alone).
+_DEFAULT: "Slot[HostStager]" = Slot("the host stager of dcp.async_save", HostStager)
 
 
 def default_stager() -> HostStager:
-    """The process's stager, shared by every writer (made once, under a lock)."""
-    with _LOCK:
-        if not _DEFAULT:
-            _DEFAULT.append(HostStager())
-        return _DEFAULT[0]
+    """The process's stager, shared by every writer (made once, under the runtime's lock)."""
+    return _DEFAULT.get()
 
 
 def release_staging_buffers() -> None:

@@ -50,7 +50,7 @@ with :class:`~shardckpt.errors.AbortedError` and commits nothing.
   object that is missing or not ours.
 
 A lost reply of the commit request is resolved by reading the index back (see
-:meth:`shardckpt.storage.fsspec_fs.FsspecFileSystem.write_call`): the save reports
+:meth:`shardckpt.storage.object_store.ObjectStore.put`): the save reports
 committed exactly when the store holds our index.
 
 ``abort`` (failure before the commit): the objects this save created are removed
@@ -66,7 +66,6 @@ import shutil
 import tempfile
 import threading
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 from ...errors import AbortedError, CorruptIndexError, NotFoundError
@@ -76,14 +75,24 @@ from ...format.merge import index_bytes, merge_entries, read_index
 from ...format.naming import data_filename, index_filename
 from ...format.protos import tensor_bundle_pb2 as pb
 from ...format.sstable import TableWriter, read_table
+from ...runtime import ThreadPool
 from ...storage.base import FileSystem, WriteHandle
 from ...storage.local import local_fs
 from ...storage.location import Location
-from ...storage.wrappers import FileSystemWrapper
+from ...storage.object_store import ObjectStore
+from ...storage.wrappers import ObjectStoreWrapper
 from ..incremental import piece_records
 from ..plan import ShardPlan
 from .base import BundleMaker, Committer, Setup, Written
-from .leftovers import InPlaceScan, abort_stale_uploads, committed_num_shards, remove_data_files, scan_in_place
+from .leftovers import (
+    InPlaceScan,
+    abort_stale_uploads,
+    committed_num_shards,
+    object_store,
+    pick_num_shards,
+    remove_data_files,
+    scan_in_place,
+)
 from .writing import fill_bundle
 
 __all__ = ["IndexLastCommitter", "pick_num_shards"]
@@ -91,14 +100,6 @@ __all__ = ["IndexLastCommitter", "pick_num_shards"]
 _log = logging.getLogger("shardckpt")
 Entries = Dict[bytes, pb.BundleEntryProto]
 Serialized = Dict[bytes, bytes]
-
-
-def pick_num_shards(count: int, avoid: List[int]) -> int:
-    """``count`` (at least 1), raised past every shard count in ``avoid`` (empty padding data files)."""
-    n = max(1, count)
-    while n in avoid:
-        n += 1
-    return n
 
 
 def _encode_entries(entries: Mapping[bytes, pb.BundleEntryProto]) -> str:
@@ -129,29 +130,29 @@ def _decode_entries(text: str, source: str = "<gathered entries>") -> List[Tuple
     return list(read_table(table, source))
 
 
-class _ExclusiveCreates(FileSystemWrapper):
+class _ExclusiveCreates(ObjectStoreWrapper):
     """Writes go through ``create_exclusive`` (never replace an object); remembers each object's ETag.
 
     ``remove`` deletes only objects created here, and only while they carry our ETag
     (a writer that lost a name must not delete the winner's object).
     """
 
-    def __init__(self, inner: FileSystem) -> None:
+    def __init__(self, inner: ObjectStore) -> None:
         super().__init__(inner)
         self.etags: Dict[str, str] = {}
         self._paths: Dict[int, str] = {}
 
     def open_write(self, path: str) -> WriteHandle:
-        handle = self.inner.create_exclusive(path)  # type: ignore[attr-defined]
+        handle = self.inner.create_exclusive(path)
         self._paths[id(handle)] = path
         return handle
 
     def close(self, handle: Any) -> None:
         self.inner.close(handle)
         path = self._paths.pop(id(handle), None)
-        etag = getattr(handle, "etag", None)
+        etag = self.inner.written_etag(handle)
         if path is not None and etag:
-            self.etags[path] = str(etag)
+            self.etags[path] = etag
 
     def discard(self, handle: Any) -> None:
         self._paths.pop(id(handle), None)
@@ -160,19 +161,22 @@ class _ExclusiveCreates(FileSystemWrapper):
     def remove(self, path: str) -> None:
         etag = self.etags.pop(path, None)
         if etag is not None:
-            self.inner.remove_if(path, etag)  # type: ignore[attr-defined]
+            self.inner.remove_if(path, etag)
 
 
 class IndexLastCommitter(Committer):
-    """Data objects under their final names, the index written last."""
+    """Data objects under their final names, the index written last (on an
+    :class:`~shardckpt.storage.object_store.ObjectStore`: ``location.fs`` must be one)."""
 
     def __init__(self, location: Location, *, fsync: bool = True) -> None:
         super().__init__(location, fsync=fsync)
         self._previous: Dict[str, int] = {}
         self._scan = InPlaceScan()
-        fs = location.fs
-        self._conditional = bool(getattr(fs, "conditional_writes", False))
-        self._writer_fs: FileSystem = _ExclusiveCreates(fs) if self._conditional else fs
+        #: the store, typed: every object-store request of the protocol goes through it
+        self.store: ObjectStore = object_store(location)
+        self._conditional = self.store.conditional_writes
+        self._exclusive = _ExclusiveCreates(self.store) if self._conditional else None
+        self._writer_fs: FileSystem = self._exclusive if self._exclusive is not None else self.store
         self._mine: Dict[str, str] = {}  # objects this save created (io client: all it knows of) -> ETag
         self._scratch: Optional[str] = None
         self._extra: List[Tuple[str, Serialized, Dict[str, int]]] = []  # (bundle, entries, data file -> new id)
@@ -215,12 +219,12 @@ class IndexLastCommitter(Committer):
                     entries[key] = entry.SerializeToString()
                 self._extra.append((bundle, entries, ids))
             first = len(ids)
-        self.setup = {"avoid": sorted(avoid), "first_shard_id": first, "has_index": self._scan.has_index,
-                      "index_etag": self._scan.index_etag}
+        self.setup = Setup(first, avoid=tuple(sorted(avoid)), has_index=self._scan.has_index,
+                           index_etag=self._scan.index_etag)
         return self.setup
 
     def plan(self, total: int) -> int:
-        self.num_shards = pick_num_shards(total, self.setup["avoid"])
+        self.num_shards = pick_num_shards(total, list(self.setup.avoid))
         return self.num_shards
 
     def write_shard(self, shard: ShardPlan, shard_id: int) -> Written:
@@ -237,17 +241,14 @@ class IndexLastCommitter(Committer):
         for entry in entries.values():
             entry.shard_id = shard_id
         etag = self._created(path)
-        out: Written = {"entries": _encode_entries(entries), "bytes": written, "etag": etag}
-        if digests is not None:
-            out["pieces"] = piece_records(shard, *digests)
-        return out
+        return Written(written, entries=_encode_entries(entries), etag=etag,
+                       pieces=piece_records(shard, *digests) if digests is not None else None)
 
     def _before_index(self, written: List[Written], index: bytes) -> None:
         """[io client] Called with the index's bytes just before the index PUT (the commit)."""
 
     def _created(self, path: str) -> Optional[str]:
-        etags = getattr(self._writer_fs, "etags", None)
-        etag = etags.get(path) if etags is not None else None
+        etag = self._exclusive.etags.get(path) if self._exclusive is not None else None
         if etag is not None:
             self._mine[path] = etag
         return etag
@@ -294,9 +295,8 @@ class IndexLastCommitter(Committer):
         strongly consistent) gives their ETags; an object the listing lacks is asked for
         itself (HEAD) before it is called gone.
         """
-        fs: Any = self.location.fs
-        lister = getattr(fs, "list_identities", None)
-        listed = lister(f"{self.location.prefix}.data-") if lister is not None else None
+        fs = self.store
+        listed = fs.list_identities(f"{self.location.prefix}.data-")
 
         def check(path: str) -> Optional[str]:
             expected = self._mine.get(path)
@@ -313,7 +313,7 @@ class IndexLastCommitter(Committer):
         if listed is not None and all(p in listed for p in named):
             problems = [p for p in map(check, named) if p is not None]
         else:
-            with ThreadPoolExecutor(max_workers=min(16, max(1, len(named))),
+            with ThreadPool(max_workers=min(16, max(1, len(named))),
                                     thread_name_prefix="shardckpt-check") as pool:
                 problems = [p for p in pool.map(check, named) if p is not None]
         if problems:
@@ -323,11 +323,11 @@ class IndexLastCommitter(Committer):
 
     def commit(self, written: List[Written]) -> None:
         self._join_cleanup()
-        fs: Any = self.location.fs
+        fs = self.store
         prefix = self.location.prefix
         for i, w in enumerate(written):
-            if w.get("etag"):
-                self._mine[data_filename(prefix, self.first_shard_id + i, self.num_shards)] = str(w["etag"])
+            if w.etag:
+                self._mine[data_filename(prefix, self.first_shard_id + i, self.num_shards)] = w.etag
         self._upload_extra()
         merged = merge_entries(self._parts(written))
         for pad in range(self.first_shard_id + len(written), self.num_shards):
@@ -340,9 +340,9 @@ class IndexLastCommitter(Committer):
             self._committed = True
             return
         self._check_ours([data_filename(prefix, i, self.num_shards) for i in range(self.num_shards)])
-        seen = self.setup.get("index_etag")
+        seen = self.setup.index_etag
         try:
-            if self.setup.get("has_index") and seen:
+            if self.setup.has_index and seen:
                 fs.put(index, data, if_match=seen)
             else:
                 fs.put(index, data, if_none_match=True)
@@ -358,16 +358,11 @@ class IndexLastCommitter(Committer):
             yield bundle, sorted(entries.items())
         for i, w in enumerate(written):
             name = data_filename(prefix, self.first_shard_id + i, self.num_shards)
-            yield name, _decode_entries(w["entries"], name)
+            yield name, _decode_entries(w.entries or "", name)
 
     def finish(self) -> None:
         old = [path for path, count in self._previous.items() if count != self.num_shards]
-        remove_many = getattr(self.location.fs, "remove_many", None)  # S3: one request per 1,000 objects
-        if remove_many is not None:
-            remove_many(old)
-        else:
-            for path in old:
-                self.location.fs.remove(path)
+        self.store.remove_many(old)  # S3: one request per 1,000 objects
         self._drop_scratch()
 
     def abort(self) -> None:
@@ -378,7 +373,7 @@ class IndexLastCommitter(Committer):
         try:
             if self._conditional:
                 for path, etag in self._mine.items():
-                    self.location.fs.remove_if(path, etag)  # type: ignore[attr-defined]
+                    self.store.remove_if(path, etag)
             elif self.num_shards > 0 and committed_num_shards(self.location) != self.num_shards:
                 remove_data_files(self.location, self.num_shards)
         except Exception as exc:  # the next save cleans up; keep the original error

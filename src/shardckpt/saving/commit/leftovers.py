@@ -20,16 +20,18 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Collection, Dict, List, Optional, Set
 
+from ...errors import UnsupportedError
 from ...format.merge import read_index_header
 from ...format.naming import DATA_SUFFIX_PATTERN, data_filename, index_filename, parse_data_filename
-from ...storage.base import FileSystem
 from ...storage.location import Location
+from ...storage.object_store import ObjectInfo, ObjectStore
 
-__all__ = ["TEMP_SUFFIX", "new_temp_dir", "clean_leftovers", "clean_directory", "data_files", "existing_shard_counts",
+__all__ = ["TEMP_SUFFIX", "new_temp_dir", "clean_leftovers", "data_files", "existing_shard_counts",
            "committed_num_shards", "remove_data_files", "remove_stale_data_files", "NO_INDEX", "UNREADABLE_INDEX",
-           "scan_in_place", "InPlaceScan", "abort_stale_uploads"]
+           "scan_in_place", "InPlaceScan", "abort_stale_uploads", "sibling_names",
+           "object_store", "pick_num_shards"]
 
 TEMP_SUFFIX = "_temp_"
 NO_INDEX = -1
@@ -41,7 +43,8 @@ def new_temp_dir(location: Location) -> str:
     return f"{location.prefix}{TEMP_SUFFIX}{uuid.uuid4().hex}"
 
 
-def _siblings(location: Location) -> List[str]:
+def sibling_names(location: Location) -> List[str]:
+    """Names in the prefix's folder (none when the folder does not exist)."""
     directory = location.directory
     if not location.fs.isdir(directory):
         return []
@@ -55,6 +58,15 @@ _TEMP_DIR_SUFFIX = re.compile(re.escape(TEMP_SUFFIX) + r"[0-9a-f]{32}")
 def _suffix_matches(pattern: "re.Pattern[str]", name: str, basename: str) -> bool:
     """Whether ``name`` is ``basename`` followed by a suffix matching ``pattern`` (no per-prefix regex)."""
     return name.startswith(basename) and pattern.fullmatch(name, len(basename)) is not None
+
+
+def object_store(location: Location) -> ObjectStore:
+    """The store of ``location`` as an :class:`~shardckpt.storage.object_store.ObjectStore` (what the
+    in-place scans need); anything else is a :class:`~shardckpt.errors.UnsupportedError`."""
+    if not isinstance(location.fs, ObjectStore):
+        raise UnsupportedError(f"{type(location.fs).__name__} is not an object store: no in-place commit",
+                               path=location.prefix)
+    return location.fs
 
 
 def committed_num_shards(location: Location) -> int:
@@ -82,7 +94,16 @@ def data_files(location: Location, names: List[str]) -> Dict[str, int]:
 
 def existing_shard_counts(location: Location) -> Set[int]:
     """Shard counts (``-of-N``) of the data files present at the prefix."""
-    return set(data_files(location, _siblings(location)).values())
+    return set(data_files(location, sibling_names(location)).values())
+
+
+def pick_num_shards(count: int, avoid: Collection[int]) -> int:
+    """``count`` (at least 1), raised past every shard count in ``avoid`` (the counts of data files already at
+    the prefix, which a new checkpoint must not overwrite; it adds empty padding data files instead)."""
+    n = max(1, count)
+    while n in avoid:
+        n += 1
+    return n
 
 
 def remove_data_files(location: Location, num_shards: int) -> None:
@@ -101,7 +122,7 @@ def remove_stale_data_files(location: Location, committed: Optional[int] = None)
     if current == UNREADABLE_INDEX:
         return []
     removed = []
-    for path, count in data_files(location, _siblings(location)).items():
+    for path, count in data_files(location, sibling_names(location)).items():
         if count != current:
             location.fs.remove(path)
             removed.append(path)
@@ -113,7 +134,7 @@ def clean_leftovers(location: Location) -> List[str]:
     fs = location.fs
     base = location.basename
     removed = []
-    for name in _siblings(location):
+    for name in sibling_names(location):
         path = location.sibling(name)
         if _suffix_matches(_TEMP_DIR_SUFFIX, name, base) and fs.isdir(path):
             if fs.claimed(path):  # a live save's folder (another process): not a leftover
@@ -142,7 +163,7 @@ class InPlaceScan:
     removed: List[str] = field(default_factory=list)
 
 
-def _stale(info: Dict[str, object], grace: float, now: float) -> bool:
+def _stale(info: ObjectInfo, grace: float, now: float) -> bool:
     mtime = info.get("mtime")
     return not isinstance(mtime, (int, float)) or now - float(mtime) >= grace
 
@@ -157,12 +178,10 @@ def scan_in_place(location: Location, now: Optional[float] = None) -> InPlaceSca
     more than one count); the data objects of an index that cannot be read are never
     removed here.
     """
-    fs = location.fs
+    fs = object_store(location)
     now = time.time() if now is None else now
-    grace = float(getattr(fs, "stale_after", 0.0))
-    lister = getattr(fs, "list_details", None)
-    details: Dict[str, Dict[str, object]] = (lister(location.directory) if lister is not None
-                                             else {n: {} for n in fs.listdir(location.directory)})
+    grace = fs.stale_after
+    details = fs.list_details(location.directory)
     scan = InPlaceScan()
     names = sorted(details)
     for name in names:
@@ -209,72 +228,20 @@ def abort_stale_uploads(location: Location, now: Optional[float] = None,
     (a store may report a wrong start time, as moto does, and an upload with no part yet
     has no activity to tell it is live).
     """
-    fs = location.fs
-    lister = getattr(fs, "list_uploads", None)
+    fs = object_store(location)
     try:
-        found = [] if lister is None else lister(location.directory)
+        found = fs.list_uploads(location.directory)
     finally:
         if listed is not None:
             listed()
     now = time.time() if now is None else now
-    grace = float(getattr(fs, "stale_after", 0.0))
+    grace = fs.stale_after
     aborted = []
     for path, upload_id, started in found:
         if not _OWN_OBJECT.fullmatch(fs.basename(path)) or now - started < grace:
             continue
-        activity = getattr(fs, "upload_activity", None)
-        if activity is not None and now - activity(path, upload_id) < grace:
+        if now - fs.upload_activity(path, upload_id) < grace:
             continue  # started long ago but a part landed recently: a live writer
-        fs.abort_upload(path, upload_id)  # type: ignore[attr-defined]
+        fs.abort_upload(path, upload_id)
         aborted.append(f"{path} (upload {upload_id})")
     return aborted
-
-
-def clean_directory(fs: FileSystem, directory: str, base: str, tracked: List[str], *,
-                    remove_untracked: bool = True, state_file: Optional[str] = None) -> List[str]:
-    """Remove what dead saves of the checkpoints ``<directory>/<base>-<N>`` left (a manager's folder).
-
-    ``<state_file>.tempstate<digits>`` files (a state-file write that died before its rename;
-    every state-file writer of this library writes it under ``fs.exclusive(directory)``, so
-    none is live while the caller holds that lock). For every ``<base>-<N>`` prefix: temporary
-    folders no live save claims, ``.tempstate`` files and
-    data files no committed index uses (:func:`clean_leftovers`); and a *complete*
-    checkpoint that the state file never named (``tracked``: the prefixes it names) when
-    it is older than the newest tracked one — a save that died between its commit and the
-    state file update (unless ``remove_untracked`` is False: a manager that preserves a
-    checkpoint every N hours drops those from the state file, and they cannot be told
-    apart). Newer untracked checkpoints are left alone (a live save may be about to name
-    them). Call it under ``fs.exclusive(directory)``; returns the removed paths.
-    """
-    pattern = re.compile(re.escape(base) + r"-(\d+)(?:_temp_|\.index|\.data-)")
-    state_temp = re.compile(re.escape(state_file) + r"\.tempstate\d+") if state_file else None
-    numbers = set()
-    removed: List[str] = []
-    for name in fs.listdir(directory) if fs.isdir(directory) else []:
-        m = pattern.match(name)
-        if m:
-            numbers.add(int(m.group(1)))
-        elif state_temp is not None and state_temp.fullmatch(name):
-            fs.remove(fs.join(directory, name))
-            removed.append(fs.join(directory, name))
-    tracked_numbers = []
-    for prefix in tracked:
-        m = re.fullmatch(re.escape(base) + r"-(\d+)", fs.basename(prefix))
-        if m:
-            tracked_numbers.append(int(m.group(1)))
-    newest = max(tracked_numbers, default=-1)
-    for n in sorted(numbers):
-        location = Location(fs, fs.join(directory, f"{base}-{n}"))
-        if fs.supports_rename:
-            removed += clean_leftovers(location)
-        else:  # object stores: a live writer's objects are never removed (the age rule of scan_in_place)
-            removed += scan_in_place(location).removed
-        if remove_untracked and n < newest and n not in tracked_numbers \
-                and fs.exists(index_filename(location.prefix)):
-            count = committed_num_shards(location)
-            fs.remove(index_filename(location.prefix))  # first: it stops being a checkpoint
-            removed.append(index_filename(location.prefix))
-            if count > 0:
-                remove_data_files(location, count)
-            fs.remove(location.prefix + ".hashes.json")  # an incremental save's sidecar
-    return removed

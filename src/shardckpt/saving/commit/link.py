@@ -67,10 +67,11 @@ def _entries(reuse: Reuse, shard_id: int) -> Dict[bytes, pb.BundleEntryProto]:
     return out
 
 
-def _reused(shard: ShardPlan, how: str) -> Written:
+def _reused(shard: ShardPlan, how: str, **where: Any) -> Written:
+    """What reusing a previous data file for ``shard`` produced (``where``: the committer's fields)."""
     assert shard.reuse is not None and shard.hashes is not None
-    return {"bytes": 0, "reused": shard.reuse.size, "how": how, "source": shard.reuse.source,
-            "pieces": piece_records(shard, shard.hashes), "file": dict(shard.reuse.record)}
+    return Written(0, reused=shard.reuse.size, how=how, source=shard.reuse.source,
+                   pieces=piece_records(shard, shard.hashes), file=dict(shard.reuse.record), **where)
 
 
 class LinkRenameCommitter(RenameCommitter):
@@ -86,14 +87,12 @@ class LinkRenameCommitter(RenameCommitter):
             return super().write_shard(shard, shard_id)
         part = self._part(shard_id)
         how = self.location.fs.copy_file(shard.reuse.source, data_filename(part, 0, 1), fsync=self.fsync)
-        written = _reused(shard, how)
         # no part index: the merge takes the entries (shard id 0, offsets into the linked file) from here
-        written.update({"part": part, "index_entries": encode_pairs(shard.reuse.entries)})
-        return written
+        return _reused(shard, how, part=part, index_entries=encode_pairs(shard.reuse.entries))
 
     def _in_memory(self, written: List[Written]) -> Dict[str, List[Tuple[bytes, bytes]]]:
-        return {str(w["part"]): _decode_entries(w["index_entries"], str(w["part"]))
-                for w in written if "index_entries" in w}
+        return {str(w.part): _decode_entries(w.index_entries, str(w.part))
+                for w in written if w.index_entries is not None}
 
     def _before_index(self, written: List[Written], index: bytes) -> None:
         # Not fsynced on its own: the directory fsync after the index rename covers its name, and a
@@ -109,15 +108,13 @@ class CopyIndexLastCommitter(IndexLastCommitter):
     def write_shard(self, shard: ShardPlan, shard_id: int) -> Written:
         if shard.reuse is None:
             return super().write_shard(shard, shard_id)
-        fs: Any = self.location.fs
+        fs = self.store
         path = data_filename(self.location.prefix, shard_id, self.num_shards)
         how = fs.copy_file(shard.reuse.source, path)
         etag = fs.head_etag(path) if self._conditional else None
         if etag is not None:
             self._mine[path] = etag
-        written = _reused(shard, how)
-        written.update({"entries": _encode_entries(_entries(shard.reuse, shard_id)), "etag": etag})
-        return written
+        return _reused(shard, how, entries=_encode_entries(_entries(shard.reuse, shard_id)), etag=etag)
 
     def _before_index(self, written: List[Written], index: bytes) -> None:
         self.location.fs.write_atomic(sidecar_filename(self.location.prefix),

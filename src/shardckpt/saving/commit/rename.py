@@ -56,6 +56,7 @@ from .leftovers import (
     committed_num_shards,
     existing_shard_counts,
     new_temp_dir,
+    pick_num_shards,
     remove_stale_data_files,
 )
 from .writing import fill_bundle
@@ -81,7 +82,8 @@ class RenameCommitter(Committer):
     @property
     def temp_dir(self) -> str:
         """The save's temporary folder (known on every client after ``adopt``)."""
-        return str(self.setup["temp"])
+        assert self.setup.temp is not None, "prepare() or adopt() first"
+        return self.setup.temp
 
     def prepare(self, extra_bundles: Optional[BundleMaker] = None) -> Setup:
         fs = self.location.fs
@@ -91,10 +93,10 @@ class RenameCommitter(Committer):
             temp_dir = new_temp_dir(self.location)
             fs.makedirs(temp_dir)
             self._claim = fs.claim(temp_dir)  # live: other processes' cleaning leaves it alone
-        self.setup = {"temp": temp_dir}
+        self.setup = Setup(temp=temp_dir)
         if extra_bundles is not None:
             self._extra = list(extra_bundles(temp_dir))
-        self.setup["first_shard_id"] = 0  # parts are merged after the extras, which keep their own names
+        # first_shard_id stays 0: parts are merged after the extras, which keep their own names
         return self.setup
 
     def plan(self, total: int) -> int:
@@ -110,10 +112,8 @@ class RenameCommitter(Committer):
         with BundleWriter(part, fsync=self.fsync, durable_index=False, fs=self.location.fs,
                           checksum_executor=shared_executor(), page_phase=self.page_phase) as writer:
             digests = fill_bundle(writer, shard)
-            written: Written = {"part": part, "bytes": writer.bytes_written}
-        if digests is not None:
-            written["pieces"] = piece_records(shard, *digests)
-        return written
+            size = writer.bytes_written
+        return Written(size, part=part, pieces=piece_records(shard, *digests) if digests is not None else None)
 
     def _before_index(self, written: List[Written], index: bytes) -> None:
         """[io client] Called with the merged index's bytes just before they are written (the commit)."""
@@ -123,7 +123,7 @@ class RenameCommitter(Committer):
         return {}
 
     def commit(self, written: List[Written]) -> None:
-        parts = [str(w["part"]) for w in written]
+        parts = [str(w.part) for w in written]
         fs = self.location.fs
         with fs.exclusive(self.location.directory):  # one commit at a time in this folder
             self._avoid = existing_shard_counts(self.location)  # counts in use now: never overwritten
@@ -150,7 +150,7 @@ class RenameCommitter(Committer):
                 for count in existing_shard_counts(self.location) - self._avoid - {committed}:
                     for i in range(count):
                         fs.remove(data_filename(self.location.prefix, i, count))
-        if "temp" in self.setup:
+        if self.setup.temp is not None:
             fs.remove_tree(self.temp_dir)
         self._release()
 
@@ -211,9 +211,7 @@ def merge_bundles(prefixes: Sequence[str], destination: str, *, delete_old_dirs:
                 yield prefix, header, items
 
     merged = plan_merge(inputs())
-    num_shards = max(merged.count, 1)
-    while num_shards in avoid_num_shards:
-        num_shards += 1
+    num_shards = pick_num_shards(merged.count, avoid_num_shards)
     renames = {source: data_filename(destination, i, num_shards) for i, source in enumerate(merged.sources)}
     index = merged.index(num_shards)
     for source in renames:  # everything is checked before the first rename

@@ -1,0 +1,233 @@
+"""Tiered checkpoints: saves to node-local tiers with replicas, restores from them, recovery of a lost node.
+
+One ``torchrun --standalone --nproc-per-node 4`` launch (gloo), the clients as two simulated
+nodes (``SHARDCKPT_NODE = rank // 2``). The state: 64 float32 tensors of ``(rows, 1024)``
+(``--size`` bytes in all) laid out ``["x", unsharded]`` on ``create_distributed_mesh([("x", 4)])``
+(each client holds a quarter), in a ``Checkpoint`` managed by
+``CheckpointManager(<dir>/persistent, local=LocalTier(<tier>/{node}, replicas=1, keep=1))``; the
+tier folder is ``--tier`` (default ``/dev/shm``, a RAM disk), the persistent one ``--dir``.
+Phases, each repeat alternating their order, times from a barrier to the slowest client:
+
+* ``memcpy``: each client copies its components into preallocated arrays (the host copy);
+* ``tier save``: ``manager.save()`` to the tiers only (each node's bundle written, sent to
+  the other node, committed), synchronous;
+* ``async tier save (blocking)``: the same with ``CheckpointOptions(enable_async=True)``: the
+  time the call blocks (the host copy); ``sync()`` after it, untimed;
+* ``persistent save``: ``manager.save()`` of a save that also persists (what a persistent
+  save costs; every ``persist_every``-th save pays it);
+* ``save without a tier``: today's ``CheckpointManager`` (no ``local=``) saving the same state
+  into a folder of its own;
+* ``tier restore``: ``restore_or_initialize()`` from the tiers (nothing lost);
+* ``cold persistent restore``: ``Checkpoint.restore`` of the persistent checkpoint after the
+  page cache was dropped (root; ``--no-cold`` or a smoke run: warm);
+* ``recovery``: node 1's tier removed, then ``restore_or_initialize()``: node 1's bundle comes
+  from node 0's replica over gloo; the bytes read from the persistent folder are counted (0).
+
+Every restore's values are checked after timing. Medians; the ratios are what to read.
+
+    .venv/bin/python benchmarks/bench_tiers.py                 # 1 GiB, 3 repeats
+    .venv/bin/python benchmarks/bench_tiers.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import common as C  # noqa: E402
+
+TENSORS, COLS, CLIENTS = 64, 1024, 4
+
+
+def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool) -> None:
+    import numpy as np
+
+    import shardckpt
+    from shardckpt import dtensor as dt
+    from shardckpt.distributed import get_coordinator
+    from shardckpt.storage.local import LocalFileSystem
+
+    coord = get_coordinator()
+    n, rank = coord.size, coord.rank
+    mesh = dt.create_distributed_mesh([("x", n)])
+    rows = max(n, size // (TENSORS * COLS * 4) // n * n)
+    persistent = os.path.join(folder, "persistent")
+    read_persistent = [0]
+    pread = LocalFileSystem.pread_into
+
+    def counting(self, fd, buf, offset, path=""):
+        if str(path).startswith(persistent):
+            read_persistent[0] += memoryview(buf).nbytes
+        return pread(self, fd, buf, offset, path)
+
+    LocalFileSystem.pread_into = counting  # type: ignore[method-assign]
+
+    def variables(generation: int) -> Dict[str, Any]:
+        return {f"w{i:03d}": dt.DVariable.from_global(
+            np.full((rows, COLS), i + generation, np.float32) + np.arange(rows, dtype=np.float32)[:, None],
+            dt.Layout(["x", "unsharded"], mesh)) for i in range(TENSORS)}
+
+    def components(vs: Dict[str, Any]) -> List[Any]:
+        return [c for v in vs.values() for c in v.value().components.values()]
+
+    def manager_of(vs: Dict[str, Any]) -> Any:
+        tier = shardckpt.LocalTier(os.path.join(tier_root, "{node}"), replicas=1, keep=1)
+        return shardckpt.CheckpointManager(shardckpt.Checkpoint(**vs), persistent, max_to_keep=1, local=tier,
+                                           persist_every=2)
+
+    state = variables(1)
+    manager = manager_of(state)
+    plain = shardckpt.CheckpointManager(shardckpt.Checkpoint(**state), os.path.join(folder, "plain"), max_to_keep=1)
+    times: Dict[str, List[float]] = {}
+    wrong: List[str] = []
+    counts: Dict[str, int] = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        coord.barrier("start " + name)
+        t0 = time.perf_counter()
+        out = fn()
+        coord.barrier("end " + name)
+        times.setdefault(name, []).append(time.perf_counter() - t0)
+        return out
+
+    def check(name: str, vs: Dict[str, Any], generation: int) -> None:
+        for i, v in enumerate(vs.values()):
+            for device, comp in v.value().components.items():
+                box = v.value().box(device)
+                want = np.full(comp.shape, i + generation, np.float32) + np.arange(*box[0], dtype=np.float32)[:, None]
+                if not np.array_equal(comp, want):
+                    wrong.append(f"{name}: rank {rank} w{i:03d}")
+                    return
+
+    sources = components(state)
+    copies = [np.empty_like(c) for c in sources]
+    C.warm(copies)
+    saved = 0
+    for r in range(repeats):
+        timed("memcpy", lambda: [np.copyto(d, s) for d, s in zip(copies, sources)])
+        # save numbers alternate: odd ones go to the tiers only, even ones also persist (persist_every=2)
+        kinds = ["tier save", "async tier save (blocking)", "persistent save", "save without a tier"]
+        for name in kinds[r % 4:] + kinds[:r % 4]:
+            if name == "save without a tier":  # today's manager, into a folder of its own
+                timed(name, plain.save)
+                continue
+            if ((saved + 1) % 2 == 0) != (name == "persistent save"):
+                manager.save()  # brings the numbering to this phase's kind, untimed
+                saved += 1
+            if name.startswith("async"):
+                timed(name, lambda: manager.save(options=shardckpt.CheckpointOptions(enable_async=True)))
+                manager.sync()
+            else:
+                timed(name, manager.save)
+            saved += 1
+        if saved % 2 == 1:
+            manager.save()  # the tiers' newest step is then also the persistent one
+            saved += 1
+        latest = manager.latest_checkpoint
+        phases = ["tier restore", "cold persistent restore", "recovery"]
+        for name in phases[r % 3:] + phases[:r % 3]:
+            target = variables(-1)
+            for c in components(target):
+                c.fill(-7)
+            if name == "cold persistent restore":
+                coord.barrier("drop")
+                if rank == 0 and cold:
+                    C.drop_page_cache()
+                timed(name, lambda target=target, latest=latest: shardckpt.Checkpoint(**target).restore(latest))
+            else:
+                if name == "recovery":
+                    coord.barrier("wipe")
+                    if rank == 2:
+                        shutil.rmtree(os.path.join(tier_root, "1"))
+                    coord.barrier("wiped")
+                before = read_persistent[0]
+                fresh = manager_of(target)
+                timed(name, fresh.restore_or_initialize)
+                counts[name + " bytes from persistent"] = read_persistent[0] - before
+                counts[name + " bytes between nodes"] = fresh.local.last_restore.bytes_received
+                if fresh.local.last_restore.step is None:
+                    wrong.append(f"{name}: not restored from the tiers ({fresh.local.last_restore.reason})")
+            check(name, target, 1)
+    gathered = coord.all_gather({"wrong": wrong, "counts": counts})
+    if rank == 0:
+        total_counts: Dict[str, int] = {}
+        for g in gathered:
+            for k, v in g["counts"].items():
+                total_counts[k] = total_counts.get(k, 0) + int(v)
+        print("RESULT " + json.dumps({"clients": n, "bytes": TENSORS * rows * COLS * 4, "cold": cold,
+                                      "median_s": {k: statistics.median(v) for k, v in times.items()},
+                                      "runs_s": times, "counts": total_counts,
+                                      "wrong": [w for g in gathered for w in g["wrong"]]}), flush=True)
+    coord.barrier("done")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="1GiB")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", default=tempfile.gettempdir(), help="scratch folder (the persistent directory)")
+    p.add_argument("--tier", default="/dev/shm", help="where the simulated nodes' tier folders go")
+    p.add_argument("--no-cold", action="store_true", help="do not drop the page cache before persistent restores")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--folder", help=argparse.SUPPRESS)
+    p.add_argument("--tier-root", help=argparse.SUPPRESS)
+    args = C.parse_args(p, size="4MiB", repeats="1", no_cold=True)
+    if args.worker:
+        os.environ["SHARDCKPT_NODE"] = str(int(os.environ.get("RANK", "0")) // 2)
+        worker(C.parse_size(args.size), args.repeats, args.folder, args.tier_root, not args.no_cold)
+        return
+    folder = tempfile.mkdtemp(dir=args.dir, prefix="tiers-")
+    tier_root = tempfile.mkdtemp(dir=args.tier, prefix="tiers-")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")]))
+    try:
+        proc = subprocess.run([torchrun, "--standalone", f"--nproc-per-node={CLIENTS}", os.path.abspath(__file__),
+                               "--worker", "--folder", folder, "--tier-root", tier_root, "--size", args.size,
+                               "--repeats", str(args.repeats)] + (["--no-cold"] if args.no_cold else []),
+                              capture_output=True, text=True, env=env, timeout=3600)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(tier_root, ignore_errors=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"benchmark failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    r = json.loads(lines[-1][7:])
+    med = r["median_s"]
+    load = os.getloadavg()
+    print(f"{r['clients']} clients as 2 nodes, {C.fmt_size(r['bytes'])}, cold={r['cold']}, medians of "
+          f"{args.repeats}, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(f"{'phase':<26} {'s':>8}")
+    for name, t in med.items():
+        print(f"{name:<26} {t:>8.3f}")
+    print(f"{'ratio':<56} {'value':>8}")
+    ratios = {"async tier save blocking / memcpy": med["async tier save (blocking)"] / med["memcpy"],
+              "tier save (sync) / memcpy": med["tier save"] / med["memcpy"],
+              "persistent save / tier save": med["persistent save"] / med["tier save"],
+              "persistent save (tiered manager) / save without a tier": med["persistent save"]
+              / med["save without a tier"],
+              "cold persistent restore / tier restore": med["cold persistent restore"] / med["tier restore"],
+              "cold persistent restore / recovery (1 node wiped)": med["cold persistent restore"] / med["recovery"]}
+    for name, value in ratios.items():
+        print(f"{name:<56} {value:>8.2f}")
+    for name, value in r["counts"].items():
+        print(f"{name:<56} {value:>8}")
+    C.write_results("tiers", dict(r, repeats=args.repeats, ratios=ratios, load=load))
+    failed = [k for k, v in r["counts"].items() if k.endswith("bytes from persistent") and v]
+    C.finish(wrong=r["wrong"], failed=[f"{k}: {r['counts'][k]} bytes" for k in failed])
+
+
+if __name__ == "__main__":
+    main()

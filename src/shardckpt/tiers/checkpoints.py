@@ -1,0 +1,125 @@
+"""``Tiered``: what a :class:`~shardckpt.CheckpointManager` with ``local=`` does through its tier.
+
+The manager keeps one ``Tiered`` and calls :meth:`Tiered.save` on every ``save`` (with the
+number the save uses) and :meth:`Tiered.restore` first in ``restore_or_initialize``. It
+lists the checkpoint's values as node pieces (:func:`~.save.node_pieces`: a DTensor's
+distinct pieces once per node, replicated copies included; whole values and the object
+graph by each node's leader) and runs the collective steps of :mod:`.save` and
+:mod:`.restore` over the checkpoint's coordinator (a one-process coordinator when this
+client saves alone). The node map is gathered once, on first use.
+
+An asynchronous save (``CheckpointOptions(enable_async=True)``) blocks for the host copy of
+this client's pieces only (into buffers reused from save to save); the tiered save (write,
+merge, replicas, markers) runs on the checkpoint's ``AsyncSaver`` thread over a clone of the
+coordinator, one save at a time, with the checkpoint's ``sync()`` semantics: the next save,
+``sync()`` or exit waits for it and raises its error (its number given back).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+
+from ..distributed.coordinator import Coordinator
+from ..distributed.single import SingleProcessCoordinator
+from ..saving.async_save import AsyncSaver
+from ..saving.context import default_context
+from ..saving.plan import SavePlan
+from .nodes import NodeMap
+from .restore import TierRestore, restore_from_tier
+from .save import TierPiece, node_pieces, save_to_tier
+from .tier import LocalTier
+
+__all__ = ["Tiered"]
+
+
+class Tiered:
+    """A checkpoint's saves into, and restores from, ``tier`` (``coordinator()``: the clients' coordinator,
+    ``None`` when this client saves alone)."""
+
+    def __init__(self, tier: LocalTier, checkpoint: Any, coordinator: Callable[[], Optional[Coordinator]]) -> None:
+        self.tier = tier
+        self._checkpoint = checkpoint
+        self._find = coordinator
+        self._nodes: Optional[NodeMap] = None
+        self._coordinator: Optional[Coordinator] = None
+        self._buffers: Dict[Any, np.ndarray] = {}
+
+    def _setup(self) -> Coordinator:
+        if self._coordinator is None:
+            self._coordinator = self._find() or SingleProcessCoordinator()
+        if self._nodes is None:
+            self._nodes = NodeMap.gather(self._coordinator)
+        return self._coordinator
+
+    @property
+    def nodes(self) -> NodeMap:
+        """The job's nodes (gathered on first use)."""
+        self._setup()
+        assert self._nodes is not None
+        return self._nodes
+
+    def pieces(self) -> List[TierPiece]:
+        """This client's pieces of the checkpoint's current values, for its node's bundle."""
+        from ..checkpoint.graph import OBJECT_GRAPH_KEY, build_graph
+
+        coordinator = self._setup()
+        nodes = self.nodes
+        leader = nodes.leader(nodes.node_of_rank[coordinator.rank]) == coordinator.rank
+        root, extra = self._checkpoint._graph_root()
+        graph = build_graph(root, extra)
+        out: List[TierPiece] = []
+        for t in graph.tensors:
+            out += node_pieces(t.key, t.value, nodes, coordinator.rank, leader)
+        if leader:
+            out.append((OBJECT_GRAPH_KEY, None, None, np.array(graph.proto.SerializeToString(), dtype=object)))
+        return out
+
+    def save(self, step: int, timeout: Optional[float] = None, saver: Optional[AsyncSaver] = None,
+             on_failure: Optional[Callable[[], None]] = None) -> str:
+        """Save the checkpoint's values as local step ``step`` (collective); return this node's bundle prefix.
+
+        With ``saver`` (an asynchronous save) the values are copied to host buffers (reused from
+        save to save) and the call returns; the tiered save runs on ``saver``'s thread over a
+        clone of the coordinator, its error raised by the next save or ``sync()`` (``on_failure``
+        then runs)."""
+        coordinator = self._setup()
+        nodes = self.nodes
+        me = nodes.node_of_rank[coordinator.rank]
+        if saver is None:
+            return save_to_tier(self.tier, step, self.pieces(), coordinator, nodes, timeout=timeout).prefix
+        saver.wait()  # the buffers are the previous save's until it ended
+        staged = self._stage(self.pieces())
+        background = default_context().background(coordinator)
+
+        def write(_plan: SavePlan) -> None:
+            save_to_tier(self.tier, step, staged, background, nodes, timeout=timeout)
+
+        saver.submit(self.tier.prefix(me, me, step), SavePlan.empty(), write, on_failure)
+        return self.tier.prefix(me, me, step)
+
+    def _stage(self, pieces: List[TierPiece]) -> List[TierPiece]:
+        """Host copies of ``pieces``' values, into buffers kept from the last save where they fit."""
+        from ..sharding.shardable import ShardableTensor
+
+        buffers: Dict[Any, np.ndarray] = {}
+        out: List[TierPiece] = []
+        for key, shape, box, value in pieces:
+            array = np.asarray(value) if box is not None else ShardableTensor.from_value(key, value).value()
+            name = (key, None if box is None else tuple(box))
+            buffer = self._buffers.get(name)
+            if buffer is None or buffer.shape != array.shape or buffer.dtype != array.dtype:
+                buffer = np.empty_like(array)
+            np.copyto(buffer, array)
+            buffers[name] = buffer
+            out.append((key, shape, box, buffer))
+        self._buffers = buffers
+        return out
+
+    def restore(self, persistent_step: Optional[int], timeout: Optional[float] = None) -> TierRestore:
+        """Restore the newest complete local step unless ``persistent_step`` is newer (collective); a result
+        whose ``step`` is ``None`` leaves the persistent restore to the caller."""
+        coordinator = self._setup()
+        return restore_from_tier(self.tier, coordinator, self.nodes, persistent_step,
+                                 lambda prefix: self._checkpoint.restore(prefix), timeout=timeout)

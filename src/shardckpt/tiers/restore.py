@@ -1,0 +1,131 @@
+"""Restoring from the tiers: agree on the newest complete step, repopulate lost bundles, read locally.
+
+Every client runs :func:`restore_from_tier` (the manager's ``restore_or_initialize``), in the
+same order. Steps::
+
+    1 report   all  each leader lists the bundles its node's tier holds whole (marker present,
+                    every file it names there with its size, written by a job of the same
+                    nodes); all-gather
+    2 choose   all  the newest step S for which every node's bundle is held by some node
+                    (its own or a replica holder); if the newest persistent checkpoint
+                    (``persistent_step``) is newer, or no step is complete, nothing here:
+                    the caller restores the persistent checkpoint (never a mix of steps)
+    3 repopulate    for each node that lacks its own bundle of S: the first holder's
+                    leader (in node order) streams it to that node's leader
+                    (:mod:`.transfer`), one transfer at a time; all-gather of the outcome;
+                    the receivers write the markers. Replicas a lost node held for others
+                    are not re-sent here (they are not needed to restore): the next save
+                    writes every bundle and replica of its step afresh
+    4 drop     L    bundles of steps newer than S are removed from every tier (marker
+                    first), so that later saves of those numbers never meet them
+    5 read     all  each client restores from its own node's bundle of S through the one
+                    restore engine (a BundleSource over a local file: no byte from another
+                    node or from persistent storage); all-gather of the outcome: if any
+                    client failed (another layout, pieces its node does not hold), every
+                    client says so and the caller restores the persistent checkpoint
+
+With nothing lost, step 3 moves no byte. :class:`TierRestore` (kept as the tier's
+``last_restore``) says what was restored and how many bytes each client moved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ..distributed.coordinator import Coordinator
+from .nodes import NodeMap
+from .save import describe_error
+from .tier import LocalTier, bundle_files, read_marker, remove_bundle, write_marker
+from .transfer import move_bundles
+
+__all__ = ["TierRestore", "restore_from_tier", "choose_step"]
+
+
+@dataclass(frozen=True)
+class TierRestore:
+    """What a restore through the tiers did on this client.
+
+    ``step``: the local step restored, or ``None`` when the persistent tier is to be used
+    (``reason`` says why); ``prefix``: the bundle read; ``bytes_sent`` / ``bytes_received``: this
+    client's bytes of bundles moved between nodes (repopulation)."""
+
+    step: Optional[int]
+    prefix: Optional[str]
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    reason: str = ""
+
+
+def _holdings(tier: LocalTier, node: str, nodes: NodeMap) -> Dict[str, List[str]]:
+    """Step (as text) -> owners whose bundles ``node`` holds whole, from a job of the same nodes."""
+    out: Dict[str, List[str]] = {}
+    for step, owners in tier.committed(node).items():
+        same = [o for o in owners if (read_marker(tier.prefix(node, o, step)) or {}).get("nodes") == list(nodes.nodes)]
+        if same:
+            out[str(step)] = sorted(same)
+    return out
+
+
+def choose_step(reports: Dict[str, Dict[str, List[str]]], nodes: NodeMap
+                ) -> Tuple[Optional[int], Dict[str, List[str]]]:
+    """The newest step every node's bundle of which is held somewhere, and for it, owner -> holders (in node
+    order); ``(None, {})`` when no step is complete. ``reports[node]``: step -> owners held there."""
+    steps = sorted({int(s) for held in reports.values() for s in held}, reverse=True)
+    for step in steps:
+        holders = {owner: [n for n in nodes.nodes if owner in reports.get(n, {}).get(str(step), [])]
+                   for owner in nodes.nodes}
+        if all(holders.values()):
+            return step, holders
+    return None, {}
+
+
+def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, persistent_step: Optional[int],
+                      read: Callable[[str], Any], timeout: Optional[float] = None) -> TierRestore:
+    """This client's part of a restore through the tiers (see the module docstring). Collective.
+
+    ``read(prefix)`` restores this client's values from a bundle. Returns what was done; a
+    ``step`` of ``None`` means: restore the persistent checkpoint instead (every client gets the
+    same answer)."""
+    rank = coordinator.rank
+    me = nodes.node_of_rank[rank]
+    leader = nodes.leader(me) == rank
+    reports = coordinator.all_gather({"node": me, "held": _holdings(tier, me, nodes) if leader else None},
+                                     timeout=timeout)
+    by_node = {r["node"]: r["held"] for r in reports if r["held"] is not None}
+    step, holders = choose_step(by_node, nodes)
+    if step is None:
+        return _done(tier, TierRestore(None, None, reason="no local step is complete across the nodes"))
+    if persistent_step is not None and persistent_step > step:
+        return _done(tier, TierRestore(None, None, reason=f"the persistent step {persistent_step} is newer than "
+                                                           f"the newest complete local step {step}"))
+    # 3 repopulate: each node's own bundle (the replicas it held for others: by the next save)
+    moved = move_bundles(coordinator, tier, nodes, step, [(holders[owner][0], owner, owner) for owner in nodes.nodes
+                                                          if owner not in holders[owner]], timeout=timeout)
+    sent, received, error, got = moved.sent, moved.received, moved.error, moved.owners
+    results = coordinator.all_gather({"ok": error is None, "error": error or ""}, timeout=timeout)
+    failed = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if not res["ok"]]
+    if not failed:
+        try:
+            for owner in got:
+                prefix = tier.prefix(me, owner, step)
+                write_marker(prefix, {"step": step, "owner": owner, "nodes": list(nodes.nodes),
+                                      "files": bundle_files(prefix)})
+            if leader:  # 4 drop newer steps
+                for owner, steps in tier.steps_on_disk(me).items():
+                    for newer in [s for s in steps if s > step]:
+                        remove_bundle(tier.prefix(me, owner, newer))
+            read(tier.prefix(me, me, step))  # 5 read
+        except Exception as exc:  # noqa: BLE001
+            error = describe_error(exc)
+        results = coordinator.all_gather({"ok": error is None, "error": error or ""}, timeout=timeout)
+        failed = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if not res["ok"]]
+    if failed:
+        return _done(tier, TierRestore(None, None, sent, received,
+                                       reason=f"restoring local step {step} failed: " + "; ".join(failed)))
+    return _done(tier, TierRestore(step, tier.prefix(me, me, step), sent, received))
+
+
+def _done(tier: LocalTier, outcome: TierRestore) -> TierRestore:
+    tier.last_restore = outcome
+    return outcome

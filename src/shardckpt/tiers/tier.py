@@ -1,0 +1,199 @@
+"""``LocalTier``: a node-local folder of checkpoints, and what is on disk in it.
+
+One tier folder per node (a RAM disk such as ``/dev/shm/<run>`` or a local NVMe; a
+``{node}`` in the path is replaced by the node id, so one machine can simulate several
+nodes). In it, for node ids ``K`` (this node's own, and the nodes it holds replicas of)
+and steps ``N``::
+
+    node-K/ckpt-N_parts/part-R.index, .data-*   while step N is written: client R's pieces
+    node-K/ckpt-N.index, ckpt-N.data-I-of-M     node K's bundle of step N: a TF-format bundle
+                                                of every piece node K's clients hold (each
+                                                distinct piece once per node, replicated
+                                                copies included) and the whole values and
+                                                object graph, so those clients restore from
+                                                it alone
+    node-K/ckpt-N.committed                     the marker (JSON: step, node, the job's nodes,
+                                                every file of the bundle with its size): the
+                                                bundle counts only while it is there
+
+A bundle without its marker is a leftover (a save that died, a replica that did not
+arrive whole); the next save of that step, the tier's retention and a restore's
+repopulation remove it, marker first. Markers are written (``write_atomic``: a temporary
+name, fsync, rename, fsync of the folder) only after every client agreed that every bundle
+and every replica of the step is in place (:mod:`.save`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..errors import InvalidArgumentError
+from ..storage.local import LocalFileSystem
+
+__all__ = ["LocalTier", "MARKER", "NAME"]
+
+NAME = "ckpt"
+MARKER = ".committed"
+_BUNDLE_FILE = re.compile(r"^" + NAME + r"-(\d+)(\.index|\.data-\d+-of-\d+|" + re.escape(MARKER) + r"|_parts)$")
+
+
+@dataclass
+class LocalTier:
+    """A node-local checkpoint tier: every ``CheckpointManager.save`` writes here (and to ``replicas``
+    other nodes); only every ``persist_every``-th goes to the persistent directory.
+
+    Args:
+      directory: this node's tier folder (local to the node: ``/dev/shm/<run>``, a local NVMe
+        path); ``{node}`` in it is replaced by the node id.
+      replicas: how many other nodes hold a copy of each node's bundle (fewer when the job has
+        fewer other nodes): the placement of :func:`~shardckpt.tiers.nodes.replica_targets`.
+      keep: how many of the newest local steps each node keeps (at least 1; every node deletes
+        older steps only after every node committed the new one).
+      chunk_bytes: bytes in flight per replica transfer message (memory held per transfer).
+    """
+
+    directory: str
+    replicas: int = 1
+    keep: int = 2
+    chunk_bytes: int = 16 << 20
+
+    def __post_init__(self) -> None:
+        self.directory = os.fspath(self.directory)
+        if "://" in self.directory:
+            raise InvalidArgumentError(f"a LocalTier is a node-local folder, got {self.directory!r}")
+        if self.replicas < 0 or self.keep < 1 or self.chunk_bytes < 1:
+            raise InvalidArgumentError(f"LocalTier needs replicas >= 0, keep >= 1 and chunk_bytes >= 1, got "
+                                       f"replicas={self.replicas}, keep={self.keep}, chunk_bytes={self.chunk_bytes}")
+        #: what the last restore through this tier did (see :class:`~shardckpt.tiers.restore.TierRestore`)
+        self.last_restore: Optional[Any] = None
+
+    def root(self, node: str) -> str:
+        """The tier folder of ``node`` (``directory`` with ``{node}`` replaced)."""
+        return os.path.abspath(self.directory.replace("{node}", node))
+
+    def folder(self, node: str, owner: str) -> str:
+        """Where ``node`` keeps the bundles of node ``owner`` (its own when ``owner == node``)."""
+        return os.path.join(self.root(node), f"node-{owner}")
+
+    def prefix(self, node: str, owner: str, step: int) -> str:
+        """The prefix of ``owner``'s bundle of ``step`` in ``node``'s tier."""
+        return os.path.join(self.folder(node, owner), f"{NAME}-{int(step)}")
+
+    # -- what is committed ---------------------------------------------------------------------
+    def committed(self, node: str) -> Dict[int, List[str]]:
+        """Step -> the owners whose bundles of that step ``node``'s tier holds whole (marker present and
+        every file it names there with its size)."""
+        out: Dict[int, List[str]] = {}
+        root = self.root(node)
+        if not os.path.isdir(root):
+            return out
+        for sub in sorted(os.listdir(root)):
+            if not sub.startswith("node-"):
+                continue
+            owner = sub[len("node-"):]
+            for name in os.listdir(os.path.join(root, sub)):
+                m = _BUNDLE_FILE.match(name)
+                if m is None or m.group(2) != MARKER:
+                    continue
+                step = int(m.group(1))
+                info = read_marker(self.prefix(node, owner, step))
+                if info is not None and _whole(self.prefix(node, owner, step), info):
+                    out.setdefault(step, []).append(owner)
+        return out
+
+    def steps_on_disk(self, node: str) -> Dict[str, List[int]]:
+        """Owner -> every step with any file (committed or not) in ``node``'s tier."""
+        out: Dict[str, List[int]] = {}
+        root = self.root(node)
+        if not os.path.isdir(root):
+            return out
+        for sub in os.listdir(root):
+            if sub.startswith("node-") and os.path.isdir(os.path.join(root, sub)):
+                steps = {int(m.group(1)) for m in map(_BUNDLE_FILE.match, os.listdir(os.path.join(root, sub))) if m}
+                out[sub[len("node-"):]] = sorted(steps)
+        return out
+
+
+def marker_path(prefix: str) -> str:
+    return prefix + MARKER
+
+
+def read_marker(prefix: str) -> Optional[Dict[str, Any]]:
+    """The marker of the bundle at ``prefix`` (``None``: none, or unreadable)."""
+    try:
+        with open(marker_path(prefix), "rb") as f:
+            info = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and isinstance(info.get("files"), list) else None
+
+
+def _whole(prefix: str, info: Dict[str, Any]) -> bool:
+    folder = os.path.dirname(prefix)
+    for name, size in info["files"]:
+        try:
+            if os.path.getsize(os.path.join(folder, str(name))) != int(size):
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def bundle_files(prefix: str) -> List[Tuple[str, int]]:
+    """The files of the bundle at ``prefix``: its data files (sorted), then its index; with sizes."""
+    folder, base = os.path.split(prefix)
+    data = sorted(n for n in os.listdir(folder) if re.fullmatch(re.escape(base) + r"\.data-\d+-of-\d+", n))
+    names = data + [base + ".index"]
+    return [(n, os.path.getsize(os.path.join(folder, n))) for n in names]
+
+
+def write_marker(prefix: str, info: Dict[str, Any]) -> None:
+    """Commit the bundle at ``prefix``: its marker, durably (temporary name, fsync, rename, folder fsync)."""
+    path = marker_path(prefix)
+    temp = f"{path}.tmp-{os.getpid()}"
+    with open(temp, "wb") as f:
+        f.write(json.dumps(info, sort_keys=True).encode("utf-8"))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, path)
+    fsync_dir(os.path.dirname(path))
+
+
+def fsync_dir(folder: str) -> None:
+    """Make ``folder``'s entries durable (errors: :class:`~shardckpt.errors.StorageError`, an ``OSError``)."""
+    LocalFileSystem().fsync_dir(folder)
+
+
+def remove_bundle(prefix: str, parts: bool = True) -> None:
+    """Remove the bundle at ``prefix``: its marker first (it stops counting), then its index, its data files
+    and (``parts``) its parts folder."""
+    import shutil
+
+    folder, base = os.path.split(prefix)
+    if not os.path.isdir(folder):
+        return
+    for name in [base + MARKER, base + ".index"] + sorted(os.listdir(folder)):
+        if name == base + MARKER or name == base + ".index" or re.fullmatch(
+                re.escape(base) + r"(\.data-\d+-of-\d+|\.committed\.tmp-\d+)", name):
+            try:
+                os.remove(os.path.join(folder, name))
+            except FileNotFoundError:
+                pass
+    if parts:
+        shutil.rmtree(prefix + "_parts", ignore_errors=True)
+
+
+def retain(tier: LocalTier, node: str, keep_steps: List[int]) -> None:
+    """Remove from ``node``'s tier every bundle (any owner, committed or not) of a step older than the
+    newest of ``keep_steps`` and not in it."""
+    if not keep_steps:
+        return
+    newest = max(keep_steps)
+    for owner, steps in tier.steps_on_disk(node).items():
+        for step in steps:
+            if step < newest and step not in keep_steps:
+                remove_bundle(tier.prefix(node, owner, step))

@@ -1,0 +1,201 @@
+"""One client of tests/test_tiers_multiclient.py, started by torchrun or mpiexec (4 clients).
+
+    tiers_worker.py OUTDIR DATADIR
+
+Four clients as two simulated nodes: ``SHARDCKPT_NODE`` is set to ``rank // 2`` (clients 0, 1 on
+node 0; 2, 3 on node 1) before anything is built. Every client builds the model of
+manager_worker.py (DVariables of every layout of ``dtensor_worker.VARS`` on
+``create_distributed_mesh([("x", 2), ("y", 4)])`` and a plain ``Variable``), a
+``LocalTier(DATADIR/tier/{node}, replicas=1, keep=2)`` and a
+``CheckpointManager(DATADIR/persistent, max_to_keep=3, local=tier, persist_every=5)``. Phases:
+
+* ``save1`` .. ``save6``: generation ``g`` saved by save ``g``;
+* ``restore_nothing_wiped``: a new model and manager run ``restore_or_initialize`` (step 6);
+* ``restore_node1_wiped``: node 1's leader (client 2) removes node 1's whole tier first (after a
+  barrier); then the same restore (step 6, node 1's bundle from node 0's replica);
+* ``replica_fault``: a new manager restores step 6; then a directory stands where node 1 must
+  write node 0's replica of step 7 (``tier/1/node-0/ckpt-7.index``): the save of generation 7
+  must fail on every client; then the files are looked at (no marker of step 7 anywhere) and the fault removed;
+* ``restore_after_fault``: a restore gives step 6 again;
+* ``restore_both_wiped``: both tiers removed: the restore gives the persistent ``ckpt-5``;
+* ``async_save6``, ``async_save7``: a new manager restores step 5, then saves generations 6 and 7
+  with ``CheckpointOptions(enable_async=True)``, the values clobbered right after each return,
+  then ``sync()``; ``restore_after_async`` gives step 7 exactly, from the tiers.
+
+Each restore phase records what ``restore_or_initialize`` returned, the tier's
+``last_restore``, the bytes this client passed to ``send_bytes`` during the phase (every
+byte that crossed between clients outside the collectives), the reads of files under the
+persistent directory (opens and bytes) and the mismatches against the expected generation.
+Results go to ``OUTDIR/rank<R>.json``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import traceback
+from typing import Any, Dict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import dtensor_worker as W  # noqa: E402  (tests/helpers)
+import manager_worker as M  # noqa: E402  (tests/helpers)
+
+SAVES = 6
+PERSIST_EVERY = 5
+COUNTS: Dict[str, int] = {"sent": 0, "persistent_opens": 0, "persistent_bytes": 0}
+
+
+def count(coordinator, persistent: str) -> None:
+    """Count bytes this client sends point-to-point, and its reads of files under ``persistent``."""
+    from shardckpt.storage.local import LocalFileSystem
+
+    send = type(coordinator).send_bytes
+
+    def sending(self, data, dst, tag=0):
+        COUNTS["sent"] += memoryview(data).nbytes
+        return send(self, data, dst, tag)
+
+    type(coordinator).send_bytes = sending
+    open_read, pread = LocalFileSystem.open_read, LocalFileSystem.pread_into
+
+    def opening(self, path, *args, **kwargs):
+        if os.path.abspath(str(path)).startswith(persistent):
+            COUNTS["persistent_opens"] += 1
+        return open_read(self, path, *args, **kwargs)
+
+    def reading(self, fd, buf, offset, path=""):
+        if os.path.abspath(str(path)).startswith(persistent):
+            COUNTS["persistent_bytes"] += memoryview(buf).nbytes
+        return pread(self, fd, buf, offset, path)
+
+    LocalFileSystem.open_read = opening
+    LocalFileSystem.pread_into = reading
+
+
+def manager_for(model, data: str):
+    import shardckpt
+
+    tier = shardckpt.LocalTier(os.path.join(data, "tier", "{node}"), replicas=1, keep=2)
+    return shardckpt.CheckpointManager(shardckpt.Checkpoint(root=model), os.path.join(data, "persistent"),
+                                       max_to_keep=3, local=tier, persist_every=PERSIST_EVERY)
+
+
+def restore_phase(mesh, data: str, expected: int) -> Dict[str, Any]:
+    model, variables = M.build_model(mesh, 0)
+    manager = manager_for(model, data)
+    before = dict(COUNTS)
+    returned = manager.restore_or_initialize()
+    last = manager.local.last_restore
+    out = {"returned": returned, "step": last.step, "reason": last.reason, "bytes_received": last.bytes_received,
+           "bytes_sent": last.bytes_sent, "save_counter": int(manager.checkpoint.save_counter.numpy())}
+    out.update({k: COUNTS[k] - before[k] for k in COUNTS})
+    out.update(M.check_values(model, variables, expected))
+    return out
+
+
+def tier_files(data: str) -> Dict[str, list]:
+    root = os.path.join(data, "tier")
+    out: Dict[str, list] = {}
+    for folder, _, names in os.walk(root):
+        out[os.path.relpath(folder, root)] = sorted(names)
+    return out
+
+
+def run(data: str) -> None:
+    from shardckpt import dtensor as dt
+
+    coord = W.result["coordinator"]
+    rank = coord.rank
+    mesh = dt.create_distributed_mesh([("x", 2), ("y", 4)])
+    model, variables = M.build_model(mesh, 1)
+    manager = manager_for(model, data)
+    for generation in range(1, SAVES + 1):
+        W.set_generation(variables, model.plain, generation)
+        W.phase(f"save{generation}", lambda: str(manager.save()))
+    W.phase("files_after_saves", lambda: tier_files(data) if rank == 0 else None)
+    W.phase("restore_nothing_wiped", lambda: restore_phase(mesh, data, SAVES))
+
+    coord.barrier("wipe node 1")
+    if rank == 2:
+        shutil.rmtree(os.path.join(data, "tier", "1"))
+    coord.barrier("wiped node 1")
+    W.phase("restore_node1_wiped", lambda: restore_phase(mesh, data, SAVES))
+    W.phase("files_after_repopulation", lambda: tier_files(data) if rank == 0 else None)
+
+    model7, variables7 = M.build_model(mesh, 0)
+    manager7 = manager_for(model7, data)
+    W.phase("fault_restore", lambda: manager7.restore_or_initialize())
+    fault = os.path.join(data, "tier", "1", "node-0", f"ckpt-{SAVES + 1}.index")
+    if rank == 2:
+        os.makedirs(fault)
+    coord.barrier("fault placed")
+    W.set_generation(variables7, model7.plain, SAVES + 1)
+    W.phase("replica_fault", lambda: str(manager7.save()))
+    W.phase("after_fault", lambda: {"save_counter": int(manager7.checkpoint.save_counter.numpy()),
+                                    "files": tier_files(data) if rank == 0 else None})
+    coord.barrier("fault seen")
+    if rank == 2:
+        os.rmdir(fault)
+    coord.barrier("fault removed")
+    W.phase("restore_after_fault", lambda: restore_phase(mesh, data, SAVES))
+
+    coord.barrier("wipe both")
+    if rank in (0, 2):
+        shutil.rmtree(os.path.join(data, "tier", str(rank // 2)))
+    coord.barrier("wiped both")
+    W.phase("restore_both_wiped", lambda: restore_phase(mesh, data, PERSIST_EVERY))
+
+    modela, variablesa = M.build_model(mesh, 0)
+    managera = manager_for(modela, data)
+    W.phase("async_restore", lambda: managera.restore_or_initialize())
+    options = shardckpt_options(enable_async=True)
+    for generation in (PERSIST_EVERY + 1, PERSIST_EVERY + 2):
+        W.set_generation(variablesa, modela.plain, generation)
+
+        def save_async():
+            path = str(managera.save(options=options))
+            W.set_generation(variablesa, modela.plain, W.CLOBBER_GEN)  # after the return: not in the step
+            return path
+
+        W.phase(f"async_save{generation}", save_async)
+    W.phase("async_sync", managera.sync)
+    W.phase("restore_after_async", lambda: restore_phase(mesh, data, PERSIST_EVERY + 2))
+
+
+def shardckpt_options(**kwargs: Any) -> Any:
+    import shardckpt
+
+    return shardckpt.CheckpointOptions(**kwargs)
+
+
+def main() -> None:
+    W.OUT, data = sys.argv[1], os.path.abspath(sys.argv[2])
+    os.makedirs(W.OUT, exist_ok=True)
+    rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    os.environ["SHARDCKPT_NODE"] = str(rank // 2)
+    from shardckpt.distributed import set_coordinator
+
+    coord = W.make_coordinator(W.LONG)
+    set_coordinator(coord)
+    W.result.update(rank=coord.rank, size=coord.size, backend=coord.backend, pid=os.getpid())
+    W.flush()
+    count(coord, os.path.join(data, "persistent"))
+    W.result["coordinator"] = coord
+    try:
+        run(data)
+    finally:
+        del W.result["coordinator"]
+    W.result["done"] = True
+    W.flush()
+    coord.close()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:
+        W.result.pop("coordinator", None)
+        W.result["fatal"] = traceback.format_exc()
+        W.flush()
+        raise

@@ -1,0 +1,234 @@
+"""Tiered checkpoints in one process: placement, node identity, the files of a tier, restore choices.
+
+(Four clients as two nodes under torchrun and mpiexec: tests/test_tiers_multiclient.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import shardckpt
+from shardckpt.errors import InvalidArgumentError
+from shardckpt.tiers import NodeMap, node_id, replica_targets
+from shardckpt.tiers.restore import choose_step
+
+
+def test_replicas_go_to_the_next_nodes_never_the_node_itself():
+    assert replica_targets(0, 4, 1) == [1]
+    assert replica_targets(3, 4, 2) == [0, 1]
+    assert replica_targets(1, 2, 5) == [0]  # fewer other nodes than replicas
+    assert replica_targets(0, 1, 1) == []
+    for nodes in range(1, 6):
+        for i in range(nodes):
+            assert i not in replica_targets(i, nodes, 3)
+
+
+def test_node_id_prefers_shardckpt_node_then_group_rank(monkeypatch):
+    monkeypatch.setenv("GROUP_RANK", "3")
+    monkeypatch.setenv("SHARDCKPT_NODE", "7")
+    assert node_id() == "7"
+    monkeypatch.delenv("SHARDCKPT_NODE")
+    assert node_id() == "3"
+
+
+def test_node_map_orders_numeric_ids_numerically():
+    m = NodeMap(("10", "10", "2", "2"), ("2", "10"))
+    assert m.leader("10") == 0 and m.leader("2") == 2
+    assert m.replicas_of("2", 1) == ["10"]
+
+
+def test_the_newest_step_complete_across_nodes_is_chosen():
+    nodes = NodeMap(("0", "1"), ("0", "1"))
+    # step 6: node 1's bundle only at node 0 (replica); step 7: node 0's bundle nowhere
+    reports = {"0": {"6": ["0", "1"], "7": ["1"]}, "1": {"5": ["0", "1"], "7": ["1"]}}
+    assert choose_step(reports, nodes) == (6, {"0": ["0"], "1": ["0"]})
+    assert choose_step({"0": {}, "1": {}}, nodes) == (None, {})
+
+
+def _saves(tmp_path, count=6):
+    value = shardckpt.Variable(np.zeros(5, np.float32))
+    tier = shardckpt.LocalTier(str(tmp_path / "tier" / "{node}"))
+    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(v=value), str(tmp_path / "persistent"), max_to_keep=3,
+                                          local=tier, persist_every=5)
+    paths = []
+    for n in range(1, count + 1):
+        value.assign(np.full(5, n, np.float32))
+        paths.append(manager.save())
+    return paths
+
+
+def _restore(tmp_path):
+    value = shardckpt.Variable(np.zeros(5, np.float32))
+    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(v=value), str(tmp_path / "persistent"), max_to_keep=3,
+                                          local=shardckpt.LocalTier(str(tmp_path / "tier" / "{node}")),
+                                          persist_every=5)
+    return manager.restore_or_initialize(), value.numpy(), manager.local.last_restore
+
+
+def test_local_saves_persist_every_fifth_and_restore_the_newest(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    paths = _saves(tmp_path)
+    own = tmp_path / "tier" / "n0" / "node-n0"
+    assert paths[4] == str(tmp_path / "persistent" / "ckpt-5")
+    assert paths[5] == str(own / "ckpt-6")
+    assert sorted(p.name for p in own.iterdir() if p.name.endswith(".committed")) == \
+        ["ckpt-5.committed", "ckpt-6.committed"]  # keep=2
+    assert shardckpt.latest_checkpoint(str(tmp_path / "persistent")).endswith("ckpt-5")
+    # a tier bundle is a TF-format checkpoint
+    assert np.array_equal(shardckpt.load_checkpoint(str(own / "ckpt-6")).get_tensor("v/.ATTRIBUTES/VARIABLE_VALUE"),
+                          np.full(5, 6, np.float32))
+    returned, value, last = _restore(tmp_path)
+    assert returned == str(own / "ckpt-6") and last.step == 6 and np.array_equal(value, np.full(5, 6))
+
+
+def test_an_unmarked_bundle_never_counts_and_is_dropped(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    _saves(tmp_path)
+    own = tmp_path / "tier" / "n0" / "node-n0"
+    for p in list(own.iterdir()):  # what a save of step 7 killed before its marker leaves
+        if p.name.startswith("ckpt-6.") and not p.name.endswith(".committed"):
+            shutil.copy(p, own / p.name.replace("ckpt-6", "ckpt-7"))
+    returned, value, _ = _restore(tmp_path)
+    assert returned == str(own / "ckpt-6") and np.array_equal(value, np.full(5, 6))
+    assert not [p for p in own.iterdir() if p.name.startswith("ckpt-7")]
+
+
+def test_a_damaged_bundle_does_not_count(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    _saves(tmp_path)
+    own = tmp_path / "tier" / "n0" / "node-n0"
+    with open(own / "ckpt-6.data-00000-of-00001", "ab") as f:
+        f.write(b"x")  # its size no longer what the marker says
+    returned, value, last = _restore(tmp_path)
+    assert returned == str(own / "ckpt-5") and last.step == 5 and np.array_equal(value, np.full(5, 5))
+
+
+def test_a_wiped_tier_restores_the_persistent_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    _saves(tmp_path)
+    shutil.rmtree(tmp_path / "tier")
+    returned, value, last = _restore(tmp_path)
+    assert returned == str(tmp_path / "persistent" / "ckpt-5") and last.step is None
+    assert np.array_equal(value, np.full(5, 5))
+
+
+def test_a_newer_persistent_checkpoint_wins(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    _saves(tmp_path, count=5)
+    own = tmp_path / "tier" / "n0" / "node-n0"
+    for name in os.listdir(own):
+        if name.startswith("ckpt-5"):
+            os.remove(own / name)  # the tier's newest is step 4; the persistent one is 5
+    returned, value, last = _restore(tmp_path)
+    assert returned == str(tmp_path / "persistent" / "ckpt-5") and "newer" in last.reason
+    assert np.array_equal(value, np.full(5, 5))
+
+
+def test_persist_every_needs_a_local_tier(tmp_path):
+    ckpt = shardckpt.Checkpoint(v=shardckpt.Variable(np.zeros(2)))
+    with pytest.raises(InvalidArgumentError, match="persist_every"):
+        shardckpt.CheckpointManager(ckpt, str(tmp_path), max_to_keep=1, persist_every=5)
+    with pytest.raises(InvalidArgumentError, match="replicas"):
+        shardckpt.LocalTier(str(tmp_path), replicas=-1)
+
+
+def _cli(*argv):
+    from shardckpt.cli.main import main
+
+    return main(list(argv))
+
+
+def test_verify_and_inspect_read_a_tier_folder(tmp_path, monkeypatch, capsys):
+    from shardckpt.distributed.single import SingleProcessCoordinator
+    from shardckpt.tiers.save import save_to_tier
+
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    tier = shardckpt.LocalTier(str(tmp_path / "tier"))
+    coordinator = SingleProcessCoordinator()
+    nodes = NodeMap.gather(coordinator)
+    # a node bundle holds a partial set of slices: rows 0-1 of a (4, 3) tensor
+    part = np.arange(6, dtype=np.float32).reshape(2, 3)
+    save_to_tier(tier, 1, [("w", (4, 3), ((0, 2), (0, 3)), part)], coordinator, nodes)
+    prefix = tier.prefix("n0", "n0", 1)
+    assert _cli("verify", str(tmp_path / "tier")) == 0
+    out = capsys.readouterr().out
+    assert "step 1 node n0: committed" in out and "OK: 1 bundles verified" in out
+    assert _cli("verify", prefix) == 0  # one bundle, its slices not tiling the tensor: fine in a tier
+    capsys.readouterr()
+    # a leftover (no marker) is listed, not read
+    shutil.copy(prefix + ".index", prefix.replace("ckpt-1", "ckpt-2") + ".index")
+    assert _cli("inspect", str(tmp_path / "tier" / "node-n0")) == 0
+    assert "step 2 node n0: not committed (a leftover)" in capsys.readouterr().out
+    data = prefix + ".data-00000-of-00001"
+    raw = bytearray(open(data, "rb").read())
+    raw[0] ^= 0xFF  # same size, a flipped byte: its CRC32C fails
+    open(data, "wb").write(bytes(raw))
+    assert _cli("verify", str(tmp_path / "tier")) == 1
+    out = capsys.readouterr().out
+    assert "BAD key 'w'" in out and "FAILED: 1 of 1 committed bundles bad" in out
+
+
+def test_an_asynchronous_tiered_save_keeps_the_values_of_its_call(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    value = shardckpt.Variable(np.zeros(1000, np.float32))
+    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(v=value), str(tmp_path / "persistent"), max_to_keep=3,
+                                          local=shardckpt.LocalTier(str(tmp_path / "tier" / "{node}")),
+                                          persist_every=3)
+    options = shardckpt.CheckpointOptions(enable_async=True)
+    for n in range(1, 6):
+        value.assign(np.full(1000, n, np.float32))
+        manager.save(options=options)
+        value.assign(np.full(1000, -1, np.float32))  # after the return: in no checkpoint
+    manager.sync()
+    target = shardckpt.Variable(np.zeros(1000, np.float32))
+    again = shardckpt.CheckpointManager(shardckpt.Checkpoint(v=target), str(tmp_path / "persistent"), max_to_keep=3,
+                                        local=shardckpt.LocalTier(str(tmp_path / "tier" / "{node}")), persist_every=3)
+    again.restore_or_initialize()
+    assert again.local.last_restore.step == 5 and np.array_equal(target.numpy(), np.full(1000, 5, np.float32))
+    persistent = shardckpt.load_checkpoint(str(tmp_path / "persistent" / "ckpt-3"))
+    assert np.array_equal(persistent.get_tensor("v/.ATTRIBUTES/VARIABLE_VALUE"), np.full(1000, 3, np.float32))
+
+
+def test_under_mpiexec_clients_of_one_machine_are_one_node(tmp_path):
+    """Without SHARDCKPT_NODE, MPI's shared-memory split names the node (its lowest COMM_WORLD rank)."""
+    import json
+
+    from helpers.launchers import clean_env, launch_command, run_launched
+
+    script = tmp_path / "node.py"
+    script.write_text(
+        "import json, os\n"
+        "from shardckpt.distributed.mpi_backend import MPICoordinator\n"
+        "from shardckpt.tiers import NodeMap\n"
+        "c = MPICoordinator(timeout=60)\n"
+        "m = NodeMap.gather(c)\n"
+        f"open(os.path.join({str(tmp_path)!r}, f'rank{{c.rank}}.json'), 'w').write(json.dumps(m.as_json()))\n"
+        "c.close()\n")
+    env = clean_env()
+    env.pop("SHARDCKPT_NODE", None)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(os.path.dirname(shardckpt.__file__))),
+                                         env.get("PYTHONPATH", "")])
+    proc = run_launched(launch_command("mpi", 2, script), env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got == {"nodes": ["0"], "node_of_rank": ["0", "0"]}
+
+
+def test_restore_waits_for_a_tiered_save_in_flight(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    value = shardckpt.Variable(np.zeros(16 << 20, np.float32))  # 64 MiB: its save is still in flight below
+    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(v=value), str(tmp_path / "persistent"), max_to_keep=3,
+                                          local=shardckpt.LocalTier(str(tmp_path / "tier" / "{node}")),
+                                          persist_every=10)
+    options = shardckpt.CheckpointOptions(enable_async=True)
+    for n in (1, 2):
+        value.assign(np.full(16 << 20, n, np.float32))
+        manager.save(options=options)
+    value.assign(np.zeros(16 << 20, np.float32))
+    assert manager.restore_or_initialize() == str(tmp_path / "tier" / "n0" / "node-n0" / "ckpt-2")
+    assert manager.local.last_restore.step == 2 and value.numpy()[0] == 2 and value.numpy()[-1] == 2

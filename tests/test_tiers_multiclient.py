@@ -1,0 +1,145 @@
+"""Tiered checkpoints on four real clients as two simulated nodes (torchrun/gloo and mpiexec).
+
+tests/helpers/tiers_worker.py sets ``SHARDCKPT_NODE=rank // 2`` and saves DVariables of every
+layout on a 2x4 mesh (and a plain ``Variable``) through ``CheckpointManager(local=LocalTier(...,
+replicas=1, keep=2), persist_every=5)``, six times. What is held (the issue's Tests section):
+
+* every save goes to both nodes' tiers, each node's bundle with one replica on the other node;
+  only save 5 goes to the persistent directory;
+* nothing wiped: every client restores step 6 exactly, with no byte sent between clients
+  point-to-point and no file of the persistent directory opened;
+* node 1's tier wiped: every client restores step 6 exactly (it exists only in the tiers); node 1's
+  bundle comes from node 0's replica (node 0's leader sends what node 1's leader receives), and
+  no file of the persistent directory is opened; node 1's tier is repopulated;
+* a replica transfer failing (node 1 cannot write node 0's replica of step 7) fails the save on
+  every client, commits nothing (no marker, no file of step 7 left) and gives the number back;
+  step 6 is restored afterwards;
+* both tiers wiped: every client restores the persistent step 5 exactly, never a mix;
+* asynchronous tiered saves (values clobbered right after each return) commit what was saved:
+  step 7 is restored exactly from the tiers.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+HELPERS = HERE / "helpers"
+WORKER = HELPERS / "tiers_worker.py"
+if str(HELPERS) not in sys.path:
+    sys.path.insert(0, str(HELPERS))
+
+from launchers import clean_env, launch_command, rank_results, run_launched  # noqa: E402  (tests/helpers)
+
+NPROC = 4
+LAUNCH_TIMEOUT = 300
+
+
+@pytest.fixture(scope="module", params=["torch", "mpi"])
+def job(request, tmp_path_factory) -> Dict[str, Any]:
+    backend = request.param
+    tmp = tmp_path_factory.mktemp(f"tiers-{backend}")
+    out, data = tmp / "out", tmp / "data"
+    try:
+        proc = run_launched(launch_command(backend, NPROC, WORKER) + [str(out), str(data)], env=clean_env(),
+                            cwd=str(HERE.parent), timeout=LAUNCH_TIMEOUT)
+        rc: Any = proc.returncode
+        tail = (proc.stdout + proc.stderr)[-5000:]
+    except subprocess.TimeoutExpired as exc:
+        rc, tail = "timeout", str(exc.stdout or "")[-5000:]
+    results = rank_results(out, NPROC, backend, rc, tail)
+    assert rc == 0, f"launcher exit {rc}; log:\n{tail}"
+    return {"results": results, "data": data}
+
+
+def _phase(job: Dict[str, Any], rank: int, name: str) -> Dict[str, Any]:
+    entry = job["results"][rank]["phases"][name]
+    assert entry["ok"], f"rank {rank} {name}: {entry.get('type')}: {entry.get('message')}\n{entry.get('traceback')}"
+    return entry["value"]  # type: ignore[no-any-return]
+
+
+def _exact(value: Dict[str, Any]) -> None:
+    assert value["plain_ok"] and not any(value["mismatches"].values()), value
+
+
+def test_every_save_goes_to_the_tiers_and_every_fifth_to_the_persistent_directory(job):
+    data = job["data"]
+    for rank in range(NPROC):
+        node = rank // 2
+        for n in range(1, 7):
+            path = _phase(job, rank, f"save{n}")
+            if n == 5:
+                assert path == str(data / "persistent" / "ckpt-5")
+            else:
+                assert path == str(data / "tier" / str(node) / f"node-{node}" / f"ckpt-{n}")
+    assert sorted(p.name for p in (data / "persistent").iterdir() if p.name.startswith("ckpt-")) == \
+        ["ckpt-5.data-00000-of-00008", "ckpt-5.data-00001-of-00008", "ckpt-5.data-00002-of-00008",
+         "ckpt-5.data-00003-of-00008", "ckpt-5.data-00004-of-00008", "ckpt-5.data-00005-of-00008",
+         "ckpt-5.data-00006-of-00008", "ckpt-5.data-00007-of-00008", "ckpt-5.index"]
+    files = _phase(job, 0, "files_after_saves")
+    for node in ("0", "1"):
+        for owner in ("0", "1"):  # own bundle and the other node's replica, the newest keep=2 steps
+            names = files[f"{node}/node-{owner}"]
+            assert [n for n in names if n.endswith(".committed")] == ["ckpt-5.committed", "ckpt-6.committed"]
+            assert not [n for n in names if n.startswith(("ckpt-1", "ckpt-2", "ckpt-3", "ckpt-4"))], names
+
+
+def test_nothing_wiped_restores_step_6_without_cross_node_bytes(job):
+    for rank in range(NPROC):
+        got = _phase(job, rank, "restore_nothing_wiped")
+        _exact(got)
+        assert got["step"] == 6 and got["save_counter"] == 6
+        assert got["sent"] == 0 and got["bytes_received"] == 0, got
+        assert got["persistent_opens"] == 0 and got["persistent_bytes"] == 0, got
+
+
+def test_node_1_wiped_restores_step_6_from_the_replica_without_persistent_reads(job):
+    got = {rank: _phase(job, rank, "restore_node1_wiped") for rank in range(NPROC)}
+    for value in got.values():
+        _exact(value)
+        assert value["step"] == 6 and value["save_counter"] == 6
+        assert value["persistent_opens"] == 0 and value["persistent_bytes"] == 0, value
+    assert got[0]["bytes_sent"] > 0 and got[2]["bytes_received"] > 0  # node 0's leader -> node 1's leader
+    assert got[1]["sent"] == got[3]["sent"] == got[2]["sent"] == 0
+    files = _phase(job, 0, "files_after_repopulation")
+    assert "ckpt-6.committed" in files["1/node-1"]  # node 1 holds its own bundle again
+
+
+def test_a_failed_replica_transfer_fails_the_save_everywhere_and_commits_nothing(job):
+    for rank in range(NPROC):
+        entry = job["results"][rank]["phases"]["replica_fault"]
+        assert not entry["ok"] and entry["coordination"], entry
+        assert "rank 2" in entry["message"] and "ckpt-7.index" in entry["message"], entry["message"]
+        assert _phase(job, rank, "after_fault")["save_counter"] == 6
+    files = _phase(job, 0, "after_fault")["files"]
+    for folder, names in files.items():
+        assert not [n for n in names if n.startswith("ckpt-7")], (folder, names)
+    for rank in range(NPROC):
+        value = _phase(job, rank, "restore_after_fault")
+        _exact(value)
+        assert value["step"] == 6
+
+
+def test_both_wiped_restores_the_persistent_step_5(job):
+    for rank in range(NPROC):
+        got = _phase(job, rank, "restore_both_wiped")
+        _exact(got)
+        assert got["step"] is None and got["returned"] == str(job["data"] / "persistent" / "ckpt-5")
+        assert got["save_counter"] == 5
+
+
+def test_asynchronous_tiered_saves_commit_what_was_saved(job):
+    for rank in range(NPROC):
+        node = rank // 2
+        for n in (6, 7):
+            assert _phase(job, rank, f"async_save{n}") == str(job["data"] / "tier" / str(node) / f"node-{node}"
+                                                               / f"ckpt-{n}")
+        _phase(job, rank, "async_sync")
+        got = _phase(job, rank, "restore_after_async")
+        _exact(got)
+        assert got["step"] == 7 and got["save_counter"] == 7 and got["persistent_opens"] == 0
