@@ -22,7 +22,8 @@ array unless the copy would be slow: the kernel copies file pages into user memo
 of its speed when the destination is a few bytes past the source modulo 4096 (a store
 aliasing the next load). Fresh NumPy arrays large enough to be mapped on their own start
 16 bytes into a page, so an entry that starts on a page boundary in its file lands just
-there. Such pieces (and gathered small entries) are read into a per-thread bounce buffer
+there (the reader's own destinations are 64-byte aligned, :mod:`.buffers`: 64 bytes in,
+outside the slow range). Such pieces (and gathered small entries) are read into a per-thread bounce buffer
 placed half a page away from the source, checksummed there, and copied into the
 array (an in-cache copy, again half a page away).
 
