@@ -5,7 +5,9 @@ DCP's ``TFBundleReader``, ``restore_tensors``) plans against a :class:`~.source.
 metadata, checking every target before anything is read, and hands the plan here. Steps:
 
 1. **announce** (once): every read of the plan, so object stores fetch the byte ranges in few
-   large requests ahead of the reads, and local files whose reads leave gaps get a guide.
+   large requests ahead of the reads, and local files whose reads leave gaps get a guide (a
+   plan of one read is not announced: its read fetches its own ranges, and a guide would map
+   the file for nothing).
 2. **read**, on one pool of ``plan.workers`` threads (none when ``workers == 1``):
 
    * a *deferring* plan (the default) opens one read session: whole-tensor reads are planned
@@ -47,15 +49,18 @@ def run(plan: RestorePlan) -> List[np.ndarray]:
     source: PieceSource = plan.source
     if source.collective:
         return _record(plan)
-    source.announce(plan.reads)
+    reads = plan.reads
+    if len(reads) > 1:  # one read fetches its own ranges: announcing it would only guide (map) the file
+        source.announce(reads)
     if plan.defer:
         return _run_deferred(plan)
     return _run_streaming(plan)
 
 
 def read_one(source: PieceSource, read: Read, *, verify: bool = True) -> np.ndarray:
-    """A plan of one read, on the calling thread (streaming consumers: a conversion, a tool)."""
-    return run(RestorePlan.of(source, [read], verify=verify, workers=1))[0]
+    """A plan of one read, on the calling thread, complete and checked when it returns (streaming
+    consumers: a conversion, a tool; no read session, so no read-ahead helpers or their buffers)."""
+    return run(RestorePlan.of(source, [read], verify=verify, workers=1, defer=False))[0]
 
 
 @contextlib.contextmanager
