@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from ..format.dtypes import as_dtype
 from ..format.tensor_slice import FULL, Box, TensorSlice, box_shape, box_volume, format_shape_and_slice, full_box
-from ..restoring import Read, ReadGroup, RestorePlan, as_source, run
+from ..restoring import Read, ReadGroup
 from ..saving.staging import register_holder
 from ..sharding.shardable import ShardableTensor
 
@@ -116,10 +116,6 @@ class JaxValue:
 
     def _replace(self, array: jax.Array) -> None:
         self.array = array
-
-    def restore_from(self, reader: Any, key: str) -> None:
-        """Replace ``array`` with checkpoint ``key`` of ``reader`` read onto the same sharding."""
-        run(RestorePlan.of(as_source(reader), self.restore_reads(key)))
 
 
 def _held_sharding(sharding: Any, shape: Tuple[int, ...]) -> Tuple[str, str]:

@@ -28,6 +28,7 @@ from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tupl
 
 import numpy as np
 
+from ..errors import InvalidArgumentError
 from ..format.bundle_reader import BundleReader, StoredPiece
 from ..format.dtypes import DType
 from ..format.tensor_slice import Box
@@ -198,4 +199,5 @@ def as_source(reader: Any) -> PieceSource:
         return reader
     if isinstance(reader, BundleReader):
         return BundleSource(reader, owned=False)
-    raise TypeError(f"not a checkpoint reader: {type(reader).__name__}")
+    raise InvalidArgumentError(f"not a checkpoint reader: {type(reader).__name__} (a BundleReader or a "
+                               "PieceSource)")
