@@ -232,3 +232,12 @@ def test_restore_waits_for_a_tiered_save_in_flight(tmp_path, monkeypatch):
     value.assign(np.zeros(16 << 20, np.float32))
     assert manager.restore_or_initialize() == str(tmp_path / "tier" / "n0" / "node-n0" / "ckpt-2")
     assert manager.local.last_restore.step == 2 and value.numpy()[0] == 2 and value.numpy()[-1] == 2
+
+
+def test_tensorflow_reads_a_tier_bundle(tmp_path, monkeypatch, tf_oracle):
+    """A node's bundle in the tier is a TensorFlow checkpoint: real TF reads every value of it."""
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    paths = _saves(tmp_path)
+    got, errors, _ = tf_oracle.load_checkpoint(paths[5])  # step 6: in the tier only
+    assert errors == {}
+    assert np.array_equal(np.asarray(got["v/.ATTRIBUTES/VARIABLE_VALUE"]), np.full(5, 6, np.float32))
