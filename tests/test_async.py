@@ -78,6 +78,7 @@ from shardckpt.distributed.single import SingleProcessCoordinator
 from shardckpt.format.bundle_reader import BundleReader
 from shardckpt.saving.async_save import AsyncSaveError, AsyncSaver
 from shardckpt.saving.distributed import save_tensors_distributed
+from shardckpt.saving.plan import SavePlan
 from shardckpt.saving.staging import StagingPool, register_holder
 from shardckpt.sharding.shardable import ShardableTensor
 from shardckpt.storage.local import LocalFileSystem
@@ -1174,3 +1175,47 @@ out["save_counter/.ATTRIBUTES/VARIABLE_VALUE"] = ckpt.save_counter.numpy()
 write_tensors(P["out"], out)
 result = {"latest": latest, "save_counter": int(ckpt.save_counter.numpy())}
 """
+
+
+def test_a_follow_up_runs_after_the_save_in_flight_commits_and_never_after_one_that_failed(tmp_path: Path) -> None:
+    order: List[str] = []
+    started, release = threading.Event(), threading.Event()
+
+    def write(_plan: Any) -> None:
+        started.set()
+        release.wait(10)
+        order.append("save")
+
+    saver = AsyncSaver()
+    saver.submit(str(tmp_path / "a"), SavePlan.empty(), write)
+    started.wait(10)
+    saver.then(lambda: order.append("follow-up"))  # queued behind the save in flight; the caller goes on
+    assert order == [] and saver.pending
+    release.set()
+    saver.wait()
+    assert order == ["save", "follow-up"]
+    # no save in flight: it runs now, on a thread of its own, and wait() waits for it
+    gate = threading.Event()
+    saver.then(lambda: (gate.wait(10), order.append("alone")))
+    assert saver.pending
+    gate.set()
+    saver.wait()
+    assert order[-1] == "alone"
+
+    def failing(_plan: Any) -> None:
+        started.set()
+        release.wait(10)
+        raise OSError("disk gone")
+
+    started.clear()
+    release.clear()
+    saver.submit(str(tmp_path / "b"), SavePlan.empty(), failing)
+    started.wait(10)
+    saver.then(lambda: order.append("after a failure"))
+    release.set()
+    with pytest.raises(AsyncSaveError, match="disk gone"):
+        saver.wait()
+    assert "after a failure" not in order
+    # a follow-up's own error is logged, never raised by the next wait
+    saver.then(lambda: (_ for _ in ()).throw(RuntimeError("follow-up broke")))
+    saver.wait()

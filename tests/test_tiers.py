@@ -58,6 +58,7 @@ def _saves(tmp_path, count=6):
     for n in range(1, count + 1):
         value.assign(np.full(5, n, np.float32))
         paths.append(manager.save())
+    manager.sync()  # a step that also persists is copied into the tier in the background
     return paths
 
 
@@ -241,3 +242,49 @@ def test_tensorflow_reads_a_tier_bundle(tmp_path, monkeypatch, tf_oracle):
     got, errors, _ = tf_oracle.load_checkpoint(paths[5])  # step 6: in the tier only
     assert errors == {}
     assert np.array_equal(np.asarray(got["v/.ATTRIBUTES/VARIABLE_VALUE"]), np.full(5, 6, np.float32))
+
+
+def test_a_persistent_step_is_copied_into_the_tier_behind_it_and_a_failed_copy_never_fails_it(tmp_path, monkeypatch,
+                                                                                                caplog):
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    value = shardckpt.Variable(np.zeros(5, np.float32))
+    tier = shardckpt.LocalTier(str(tmp_path / "tier" / "{node}"))
+    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(v=value), str(tmp_path / "persistent"), max_to_keep=3,
+                                          local=tier, persist_every=2)
+    own = tmp_path / "tier" / "n0" / "node-n0"
+    value.assign(np.full(5, 1, np.float32))
+    manager.save()
+    value.assign(np.full(5, 2, np.float32))
+    assert manager.save() == str(tmp_path / "persistent" / "ckpt-2")  # committed when it returns
+    value.assign(np.full(5, -1, np.float32))  # the tier copy has the values of the call, not these
+    manager.sync()
+    assert (own / "ckpt-2.committed").exists() and tier.last_save_error is None
+    assert np.array_equal(shardckpt.load_checkpoint(str(own / "ckpt-2")).get_tensor("v/.ATTRIBUTES/VARIABLE_VALUE"),
+                          np.full(5, 2, np.float32))
+    # the tier cannot take step 4: the persistent step 4 still commits, nothing is raised, the failure is told
+    (own / "ckpt-4.index").mkdir()
+    value.assign(np.full(5, 3, np.float32))
+    manager.save()
+    value.assign(np.full(5, 4, np.float32))
+    with caplog.at_level("WARNING", logger="shardckpt"):
+        assert manager.save() == str(tmp_path / "persistent" / "ckpt-4")
+        manager.sync()
+    assert "ckpt-4.index" in (tier.last_save_error or "") and "step 4" in tier.last_save_error
+    assert any("local tiers failed" in r.getMessage() for r in caplog.records)
+    assert manager.checkpoint.save_counter.numpy() == 4 and not (own / "ckpt-4.committed").exists()
+    (own / "ckpt-4.index").rmdir()
+    returned, restored, last = _restore_every(tmp_path, 2)
+    assert returned == str(tmp_path / "persistent" / "ckpt-4") and "newer" in last.reason
+    assert np.array_equal(restored, np.full(5, 4))
+    value.assign(np.full(5, 5, np.float32))
+    assert manager.save() == str(own / "ckpt-5")  # the next save goes on as usual
+    returned, restored, last = _restore_every(tmp_path, 2)
+    assert returned == str(own / "ckpt-5") and last.step == 5 and np.array_equal(restored, np.full(5, 5))
+
+
+def _restore_every(tmp_path, persist_every):
+    value = shardckpt.Variable(np.zeros(5, np.float32))
+    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(v=value), str(tmp_path / "persistent"), max_to_keep=3,
+                                          local=shardckpt.LocalTier(str(tmp_path / "tier" / "{node}")),
+                                          persist_every=persist_every)
+    return manager.restore_or_initialize(), value.numpy(), manager.local.last_restore

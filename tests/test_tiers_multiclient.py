@@ -9,7 +9,8 @@ replicas=1, keep=2), persist_every=5)``, six times. What is held (the issue's Te
 * nothing wiped: every client restores step 6 exactly, with no byte sent between clients
   point-to-point and no file of the persistent directory opened;
 * node 1's tier wiped: every client restores step 6 exactly (it exists only in the tiers); node 1's
-  bundle comes from node 0's replica (node 0's leader sends what node 1's leader receives), and
+  bundle comes from node 0's replica (node 0's two clients send, on a lane each, what node 1's two
+  clients receive), and
   no file of the persistent directory is opened; node 1's tier is repopulated;
 * a replica transfer failing (node 1 cannot write node 0's replica of step 7) fails the save on
   every client, commits nothing (no marker, no file of step 7 left) and gives the number back;
@@ -104,8 +105,11 @@ def test_node_1_wiped_restores_step_6_from_the_replica_without_persistent_reads(
         _exact(value)
         assert value["step"] == 6 and value["save_counter"] == 6
         assert value["persistent_opens"] == 0 and value["persistent_bytes"] == 0, value
-    assert got[0]["bytes_sent"] > 0 and got[2]["bytes_received"] > 0  # node 0's leader -> node 1's leader
-    assert got[1]["sent"] == got[3]["sent"] == got[2]["sent"] == 0
+    # node 0's two clients -> node 1's two clients, one lane each; nothing the other way
+    assert got[0]["bytes_sent"] > 0 and got[1]["bytes_sent"] > 0, got
+    assert got[2]["bytes_received"] > 0 and got[3]["bytes_received"] > 0, got
+    assert got[0]["bytes_sent"] + got[1]["bytes_sent"] == got[2]["bytes_received"] + got[3]["bytes_received"]
+    assert got[2]["sent"] == got[3]["sent"] == 0 and got[0]["bytes_received"] == got[1]["bytes_received"] == 0
     files = _phase(job, 0, "files_after_repopulation")
     assert "ckpt-6.committed" in files["1/node-1"]  # node 1 holds its own bundle again
 

@@ -265,6 +265,15 @@ class Checkpoint(AutoTrackable):
                 saver.set_budget(options.async_staging_bytes)
         return saver
 
+    def _background(self) -> AsyncSaver:
+        """The checkpoint's saver (made without a staging budget when it has none yet): its thread also
+        runs the work that follows a save (:meth:`AsyncSaver.then`)."""
+        saver = self.__dict__.get("_shardckpt_saver")
+        if saver is None:
+            saver = AsyncSaver()
+            object.__setattr__(self, "_shardckpt_saver", saver)
+        return saver
+
     def _wait_for_pending(self) -> None:
         saver = self.__dict__.get("_shardckpt_saver")
         if saver is not None:

@@ -223,20 +223,26 @@ class CheckpointManager:
 
         object.__setattr__(self._checkpoint, "_pending_rollback", rollback)
         try:
-            if self._tiered is not None:  # tiered checkpoints: every save to the local tier first
-                local = self._tiered.save(number, timeout=options.timeout if options else None,
-                                          saver=self._checkpoint._async_saver(options)
-                                          if options is not None and options.enable_async else None,
-                                          on_failure=rollback)
-                if self._persist_every and number % self._persist_every:
+            behind = None
+            if self._tiered is not None:  # tiered checkpoints: every save to the local tier
+                timeout = options.timeout if options else None
+                if self._persist_every and number % self._persist_every:  # this step goes to the tiers only
+                    local = self._tiered.save(number, timeout=timeout,
+                                              saver=self._checkpoint._async_saver(options)
+                                              if options is not None and options.enable_async else None,
+                                              on_failure=rollback)
                     if self._checkpoint_interval is not None:
                         self._last_checkpoint_step = _value(self._step_counter)
                     return local
+                # a step that also persists: its values copied now, into the tiers behind the persistent save
+                behind = self._tiered.stage(number, timeout=timeout)
             # The state file is recorded (and old checkpoints deleted) right after the
             # commit, before the write callbacks run; every client adopts the io client's
             # new state once it knows the save committed.
             self._checkpoint._write(prefix, options,
                                     SharedCommitStep(lambda _written: self._record(prefix), self._adopt))
+            if behind is not None:
+                self._checkpoint._background().then(behind, name=f"tier copy of step {number}")
         except BaseException:
             counter.assign(previous)
             raise

@@ -16,6 +16,12 @@ nothing is committed before every value is copied and written.
 An error in the background is kept and raised, chained to the original, by the
 next ``submit``, by ``wait()`` (``Checkpoint.sync()``), or at interpreter exit.
 
+**Follow-ups.** :meth:`AsyncSaver.then` queues work that runs on the same thread after the
+save in flight commits (skipped if it fails), or at once on a thread of its own when no
+save is in flight (a synchronous save just committed): a tiered manager copies a step that
+also persisted into the node-local tiers this way. The next ``submit`` and ``wait()``
+wait for it too; it reports its own errors and never fails the next save.
+
 **At exit.** The thread is not a daemon: when the main thread ends (a script that falls
 off its end with a save in flight and never waits, under torchrun or mpiexec too), the
 interpreter joins it, so the save completes and commits before the process exits. Its
@@ -33,7 +39,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 from ..errors import AsyncSaveError
 from ..runtime import Slot
@@ -68,6 +74,8 @@ class AsyncSaver:
         self._error: Optional[BaseException] = None
         self._failed_prefix = ""
         self._on_failure: Optional[Callable[[], None]] = None
+        self._follow_ups: List[Callable[[], None]] = []
+        self._accepting: Optional[threading.Thread] = None  # the save's thread, until it takes no more follow-ups
         self._lock = threading.Lock()
         _LIVE.get().add(self)
 
@@ -94,7 +102,7 @@ class AsyncSaver:
         thread = threading.Thread(target=self._run, args=(prefix, staged, write, on_failure),
                                   name=f"shardckpt-async-save {prefix}", daemon=False)
         with self._lock:
-            self._thread = thread
+            self._thread = self._accepting = thread
         thread.start()
         if not overlap:
             return
@@ -112,6 +120,25 @@ class AsyncSaver:
                     raise  # the writer failed first: its error is the one to raise
             raise
 
+    def then(self, follow_up: Callable[[], None], name: str = "follow-up") -> None:
+        """Run ``follow_up`` in the background once the save in flight has committed (now, on a thread of
+        its own, when none is in flight); it is skipped if that save fails. The caller does not wait.
+
+        ``follow_up`` handles its own errors (it is work beside a save that already committed, such
+        as copying it to a node-local tier: it must not fail the next save); :meth:`wait` and the
+        next :meth:`submit` wait for it like for a save.
+        """
+        with self._lock:
+            if self._accepting is not None and self._accepting is self._thread and self._error is None:
+                self._follow_ups.append(follow_up)  # the save's thread runs it before it ends
+                return
+        self.wait()  # the save before it ended: its error, if any, is raised here, and nothing follows it
+        thread = threading.Thread(target=self._follow, args=(follow_up,), name=f"shardckpt-async-save {name}",
+                                  daemon=False)
+        with self._lock:
+            self._thread = thread
+        thread.start()
+
     def _run(self, prefix: str, plan: SavePlan, write: Callable[[SavePlan], None],
              on_failure: Optional[Callable[[], None]]) -> None:
         try:
@@ -121,7 +148,22 @@ class AsyncSaver:
                 self._error = exc
                 self._failed_prefix = prefix
                 self._on_failure = on_failure
+                self._follow_ups.clear()  # they follow a save that committed
             _log.error("background save of %s failed: %s", prefix, exc)
+        while True:
+            with self._lock:
+                if not self._follow_ups:
+                    self._accepting = None  # a follow-up queued from now on gets a thread of its own
+                    return
+                follow_up = self._follow_ups.pop(0)
+            self._follow(follow_up)
+
+    @staticmethod
+    def _follow(follow_up: Callable[[], None]) -> None:
+        try:
+            follow_up()
+        except BaseException as exc:  # noqa: BLE001 - a follow-up handles its errors; this is a last resort
+            _log.error("background work after a save failed: %s: %s", type(exc).__name__, exc)
 
     def wait(self) -> None:
         """Wait for the save in flight; raise :class:`AsyncSaveError` if it failed."""

@@ -8,15 +8,25 @@ graph by each node's leader) and runs the collective steps of :mod:`.save` and
 :mod:`.restore` over the checkpoint's coordinator (a one-process coordinator when this
 client saves alone). The node map is gathered once, on first use.
 
-An asynchronous save (``CheckpointOptions(enable_async=True)``) blocks for the host copy of
-this client's pieces only (into buffers reused from save to save); the tiered save (write,
-merge, replicas, markers) runs on the checkpoint's ``AsyncSaver`` thread over a clone of the
+A step that also persists (every ``persist_every``-th) is copied to host buffers
+(:meth:`Tiered.stage`), saved to the persistent directory as the caller asked (synchronously
+or not), and saved into the tiers from that copy in the background, after the persistent
+save committed, on the checkpoint's saver thread (``AsyncSaver.then``): the persistent step
+costs what a save without a tier costs plus one host copy, and a failure of its tier copy
+never fails the step (it is committed persistently; logged, and kept as the tier's
+``last_save_error``).
+
+An asynchronous save of a step that goes to the tiers only
+(``CheckpointOptions(enable_async=True)``) blocks for the host copy of this client's pieces
+only (into buffers reused from save to save); the tiered save (write, merge, replicas,
+markers) runs on the checkpoint's ``AsyncSaver`` thread over a clone of the
 coordinator, one save at a time, with the checkpoint's ``sync()`` semantics: the next save,
 ``sync()`` or exit waits for it and raises its error (its number given back).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -28,10 +38,12 @@ from ..saving.context import default_context
 from ..saving.plan import SavePlan
 from .nodes import NodeMap
 from .restore import TierRestore, restore_from_tier
-from .save import TierPiece, node_pieces, save_to_tier
+from .save import TierPiece, describe_error, node_pieces, save_to_tier
 from .tier import LocalTier
 
 __all__ = ["Tiered"]
+
+_log = logging.getLogger("shardckpt")
 
 
 class Tiered:
@@ -98,6 +110,33 @@ class Tiered:
 
         saver.submit(self.tier.prefix(me, me, step), SavePlan.empty(), write, on_failure)
         return self.tier.prefix(me, me, step)
+
+    def stage(self, step: int, timeout: Optional[float] = None) -> Callable[[], None]:
+        """For a step that also persists: copy this client's pieces to host buffers now (collective: the node
+        map on first use), and return the work that saves them as local step ``step``.
+
+        The manager runs that work in the background once the persistent save committed
+        (``AsyncSaver.then``), so a persistent step costs what a save without a tier costs, plus
+        this copy. It never raises: the persistent checkpoint of ``step`` is committed whatever
+        happens to its copy in the tiers (a restore then finds the persistent step newer than
+        the tiers' newest); a failure is logged and kept as the tier's ``last_save_error``.
+        """
+        coordinator = self._setup()
+        nodes = self.nodes
+        staged = self._stage(self.pieces())
+        background = default_context().background(coordinator)
+        tier = self.tier
+
+        def copy() -> None:
+            try:
+                save_to_tier(tier, step, staged, background, nodes, timeout=timeout)
+                tier.last_save_error = None
+            except Exception as exc:  # noqa: BLE001 - the step is committed in the persistent directory
+                tier.last_save_error = f"step {step}: {describe_error(exc)}"
+                _log.warning("the copy of step %s into the local tiers failed (the persistent checkpoint "
+                             "holds it): %s", step, tier.last_save_error)
+
+        return copy
 
     def _stage(self, pieces: List[TierPiece]) -> List[TierPiece]:
         """Host copies of ``pieces``' values, into buffers kept from the last save where they fit."""

@@ -10,10 +10,12 @@ same order. Steps::
                     (its own or a replica holder); if the newest persistent checkpoint
                     (``persistent_step``) is newer, or no step is complete, nothing here:
                     the caller restores the persistent checkpoint (never a mix of steps)
-    3 repopulate    for each node that lacks its own bundle of S: the first holder's
-                    leader (in node order) streams it to that node's leader
-                    (:mod:`.transfer`), one transfer at a time; all-gather of the outcome;
-                    the receivers write the markers. Replicas a lost node held for others
+    3 repopulate    for each node that lacks its own bundle of S: its leader removes what
+                    a save that died left of it (all-gather of the outcome); the first
+                    holder (in node order) streams it to that node, every client of both
+                    at once (:mod:`.transfer`: one lane per pair of clients); all-gather
+                    of the outcome; that node's leader writes the marker. With nothing
+                    lost, this step moves no byte and has no round. Replicas a lost node held for others
                     are not re-sent here (they are not needed to restore): the next save
                     writes every bundle and replica of its step afresh
     4 drop     L    bundles of steps newer than S are removed from every tier (marker
@@ -100,12 +102,25 @@ def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap,
         return _done(tier, TierRestore(None, None, reason=f"the persistent step {persistent_step} is newer than "
                                                            f"the newest complete local step {step}"))
     # 3 repopulate: each node's own bundle (the replicas it held for others: by the next save)
-    moved = move_bundles(coordinator, tier, nodes, step, [(holders[owner][0], owner, owner) for owner in nodes.nodes
-                                                          if owner not in holders[owner]], timeout=timeout)
-    sent, received, error, got = moved.sent, moved.received, moved.error, moved.owners
-    results = coordinator.all_gather({"ok": error is None, "error": error or ""}, timeout=timeout)
-    failed = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if not res["ok"]]
+    moves = [(holders[owner][0], owner, owner) for owner in nodes.nodes if owner not in holders[owner]]
+    got = [owner for _, target, owner in moves if target == me] if leader else []
+    sent = received = 0
+    failed: List[str] = []
+    if moves:
+        error: Optional[str] = None
+        try:
+            for owner in got:  # what a save that died left of it (marker first)
+                remove_bundle(tier.prefix(me, owner, step))
+        except Exception as exc:  # noqa: BLE001
+            error = describe_error(exc)
+        failed = _failures(coordinator.all_gather({"ok": error is None, "error": error or ""}, timeout=timeout))
+        if not failed:
+            moved = move_bundles(coordinator, tier, nodes, step, moves, timeout=timeout)
+            sent, received = moved.sent, moved.received
+            failed = _failures(coordinator.all_gather({"ok": moved.error is None, "error": moved.error or ""},
+                                                      timeout=timeout))
     if not failed:
+        error = None
         try:
             for owner in got:
                 prefix = tier.prefix(me, owner, step)
@@ -118,12 +133,15 @@ def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap,
             read(tier.prefix(me, me, step))  # 5 read
         except Exception as exc:  # noqa: BLE001
             error = describe_error(exc)
-        results = coordinator.all_gather({"ok": error is None, "error": error or ""}, timeout=timeout)
-        failed = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if not res["ok"]]
+        failed = _failures(coordinator.all_gather({"ok": error is None, "error": error or ""}, timeout=timeout))
     if failed:
         return _done(tier, TierRestore(None, None, sent, received,
                                        reason=f"restoring local step {step} failed: " + "; ".join(failed)))
     return _done(tier, TierRestore(step, tier.prefix(me, me, step), sent, received))
+
+
+def _failures(results: List[Dict[str, Any]]) -> List[str]:
+    return [f"rank {r}: {res['error']}" for r, res in enumerate(results) if not res["ok"]]
 
 
 def _done(tier: LocalTier, outcome: TierRestore) -> TierRestore:

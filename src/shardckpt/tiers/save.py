@@ -10,14 +10,16 @@ disk after each (``K``: a node, ``L``: its leader, its lowest rank)::
                     holding it), replicated copies included; the whole values and the
                     object graph by L. all-gather of every client's outcome: a failure
                     anywhere removes the parts and fails the save on every client
-    2 merge    L    any older node-K/ckpt-N (marker first) removed; the parts merged by
+    2 merge    L    any older node-K/ckpt-N (marker first) removed, and what an earlier
+                    save of step N left of the replicas this node receives; the parts merged by
                     renaming into node-K/ckpt-N.data-*, index last (fsynced).
                     all-gather of the outcome
-    3 replicas L    for each (node, replica node) of the placement, in one fixed order:
-                    the node's leader streams its bundle to the replica node's leader,
-                    which writes it into node-<node>/ckpt-N in its own tier
-                    (:mod:`.transfer`; bounded memory, a receiver that cannot write
-                    drains the stream and reports)
+    3 replicas all  for each (node, replica node) of the placement, in one fixed order:
+                    the node's clients stream its bundle's files to the replica node's
+                    clients, one lane per pair of clients, all lanes at once; they write
+                    them into node-<node>/ckpt-N in their tier (:mod:`.transfer`; bounded
+                    memory, a receiver that cannot write drains the stream and reports;
+                    step 2 removed what an earlier save of step N left there)
     4 agree    all  all-gather: every bundle and every replica in place? If not, the
                     leaders remove step N's unmarked files and every client raises
                     CoordinationError naming the failures (nothing was committed)
@@ -147,9 +149,13 @@ def save_to_tier(tier: LocalTier, step: int, pieces: List[TierPiece], coordinato
     sent = received = 0
     try:
         error = None
+        moves = [(owner, target, owner) for owner in nodes.nodes for target in nodes.replicas_of(owner, tier.replicas)]
+        receives = [owner for _, target, owner in moves if target == me]
         if leader:  # 2 merge
             try:
                 remove_bundle(own, parts=False)
+                for owner in receives:  # what an earlier save of this step left of the replicas to come
+                    remove_bundle(tier.prefix(me, owner, step))
                 inputs = [os.path.join(parts, f"part-{r}") for r in nodes.ranks_of(me) if wrote[r]["part"]]
                 if not inputs:
                     raise InvalidArgumentError(f"node {me!r} has nothing to save", path=own)
@@ -159,9 +165,9 @@ def save_to_tier(tier: LocalTier, step: int, pieces: List[TierPiece], coordinato
             except Exception as exc:  # noqa: BLE001
                 error = f"{own}: {describe_error(exc)}"
         _round(coordinator, error, timeout)
-        moves = [(owner, target, owner) for owner in nodes.nodes for target in nodes.replicas_of(owner, tier.replicas)]
+        if leader:
+            held += receives  # whatever arrives of them is removed if the save fails
         moved = move_bundles(coordinator, tier, nodes, step, moves, timeout=timeout)  # 3 replicas
-        held += moved.owners
         sent, received, error = moved.sent, moved.received, error or moved.error
         _round(coordinator, error, timeout)  # 4 agree
     except BaseException:

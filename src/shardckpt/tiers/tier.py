@@ -70,6 +70,8 @@ class LocalTier:
                                        f"replicas={self.replicas}, keep={self.keep}, chunk_bytes={self.chunk_bytes}")
         #: what the last restore through this tier did (see :class:`~shardckpt.tiers.restore.TierRestore`)
         self.last_restore: Optional[Any] = None
+        #: why the background copy of the last persisted step into the tiers failed (``None``: it did not)
+        self.last_save_error: Optional[str] = None
 
     def root(self, node: str) -> str:
         """The tier folder of ``node`` (``directory`` with ``{node}`` replaced)."""

@@ -1,20 +1,30 @@
-"""Moving a node's bundle to another node over the coordinator (point-to-point, bounded memory).
+"""Moving a node's bundle to another node over the coordinator: every client of both nodes at once.
 
-The sending leader streams the bundle's files; the receiving leader writes them into its
-own tier under the sender's node folder. On the wire, one message after another on
-:data:`TAG`::
+A bundle of node ``K`` in the tier of node ``S`` (its own, or a replica it holds) goes to
+node ``T`` over *lanes*: lane ``k`` pairs the ``k``-th client of ``S`` (sender) with the
+``k``-th client of ``T`` (receiver), ``min(clients of S, clients of T)`` lanes; the bundle's
+files (data files sorted, index last: :func:`~.tier.bundle_files`) are dealt to the lanes
+in turn (file ``j`` on lane ``j mod lanes``), so a node of two clients moves its two data
+files (one per client's part) on two streams at once. On the wire of each lane, one
+message after another on :data:`TAG`::
 
     8 bytes       little-endian length L of the manifest
-    L bytes       manifest (JSON): {"files": [[name, size], ...]}: data files first, index last
+    L bytes       manifest (JSON): {"files": [[name, size], ...]}: this lane's files
     per file      its bytes, in messages of at most ``chunk`` bytes
 
-The receiver removes what its tier held of that bundle (marker first), then writes each
-file under its final name, fsyncs it, and the folder at the end; the index is written
-last. No marker is written here: the bundle counts once the save's agreement says every
-replica arrived (:mod:`.save`). A receiver that cannot write (a full or read-only tier)
-keeps receiving and drops the bytes, so the sender is never left blocked, and reports its
-error; the caller fails the save on every client. Only one buffer of ``chunk`` bytes is
-in flight per side.
+A sender that cannot read a file sends zeros for what is left of it (its receiver is
+never left waiting) and reports its error; a receiver that cannot write keeps receiving
+and drops the bytes, and reports. Each receiver writes its files under their final
+names in ``T``'s tier, fsyncs them and the folder. No marker is written here: the bundle
+counts once the caller's agreement says every file of every move arrived
+(:mod:`.save`, :mod:`.restore`). Only one buffer of ``chunk`` bytes is in flight per
+lane and side.
+
+Several moves run in the order of ``moves`` (every client passes the same list), each
+client doing its own lanes' sends and receives in that order: lanes with no client in
+common run at once, and the order is the same everywhere, so no client waits on one
+that waits on it. Whoever calls :func:`move_bundles` has cleared the targets' old files of
+those bundles (marker first) before any client starts moving (a round in between).
 """
 
 from __future__ import annotations
@@ -22,64 +32,89 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 from ..distributed.coordinator import Coordinator
-from .tier import bundle_files, fsync_dir, remove_bundle
+from .tier import bundle_files, fsync_dir
 
 if TYPE_CHECKING:
     from .nodes import NodeMap
     from .tier import LocalTier
 
-__all__ = ["send_bundle", "receive_bundle", "move_bundles", "Moved", "TAG"]
+__all__ = ["send_files", "receive_files", "move_bundles", "lanes", "Moved", "TAG"]
 
 TAG = 28
 
 
-def send_bundle(coordinator: Coordinator, dst: int, prefix: str, chunk: int) -> int:
-    """Send the bundle at ``prefix`` to rank ``dst``; return the bytes of its files sent."""
-    files = bundle_files(prefix)
-    manifest = json.dumps({"files": files}).encode("utf-8")
+def lanes(nodes: "NodeMap", source: str, target: str) -> List[Tuple[int, int]]:
+    """The ``(sender rank, receiver rank)`` lanes of a move from node ``source`` to node ``target``."""
+    senders, receivers = nodes.ranks_of(source), nodes.ranks_of(target)
+    return list(zip(senders, receivers))
+
+
+def send_files(coordinator: Coordinator, dst: int, folder: str, files: Sequence[Tuple[str, int]],
+               chunk: int) -> Tuple[int, Optional[str]]:
+    """Send ``files`` (``(name, size)`` in ``folder``) to rank ``dst``; return ``(bytes sent, error)``.
+
+    A file that cannot be read (or ends early) is completed with zeros so that the receiver
+    gets every byte it expects; the first such error is returned, never raised."""
+    manifest = json.dumps({"files": [[n, int(z)] for n, z in files]}).encode("utf-8")
     coordinator.send_bytes(memoryview(struct.pack("<Q", len(manifest))), dst, tag=TAG)
     coordinator.send_bytes(memoryview(manifest), dst, tag=TAG)
-    folder = os.path.dirname(prefix)
     buffer = bytearray(min(chunk, max((size for _, size in files), default=0)) or 1)
     view = memoryview(buffer)
     sent = 0
+    error: Optional[str] = None
     for name, size in files:
-        with open(os.path.join(folder, name), "rb", buffering=0) as f:
-            left = size
-            while left:
-                n = f.readinto(view[:min(left, len(buffer))])
-                if not n:
-                    raise OSError(f"{os.path.join(folder, name)}: ended {left} bytes before its size {size}")
-                coordinator.send_bytes(view[:n], dst, tag=TAG)
-                left -= n
-                sent += n
-    return sent
+        path = os.path.join(folder, name)
+        handle = None
+        try:
+            handle = open(path, "rb", buffering=0)
+        except OSError as e:
+            error = error or f"{path}: {e}"
+        left = size
+        while left:
+            want = min(left, len(buffer))
+            n = 0
+            if handle is not None:
+                try:
+                    n = handle.readinto(view[:want]) or 0
+                    if not n:
+                        raise OSError(f"ended {left} bytes before its size {size}")
+                except OSError as e:
+                    error = error or f"{path}: {e}"
+                    _close_quietly(handle)
+                    handle = None
+            if handle is None:  # the receiver still gets every byte it expects
+                n = want
+                view[:n] = bytes(n)
+            coordinator.send_bytes(view[:n], dst, tag=TAG)
+            left -= n
+            sent += n
+        if handle is not None:
+            _close_quietly(handle)
+    return sent, error
 
 
-def receive_bundle(coordinator: Coordinator, src: int, prefix: str, chunk: int,
-                   timeout: Optional[float] = None) -> Tuple[int, Optional[str]]:
-    """Receive a bundle from rank ``src`` into ``prefix`` (its folder is made); return ``(bytes received,
+def receive_files(coordinator: Coordinator, src: int, folder: str, chunk: int,
+                  timeout: Optional[float] = None) -> Tuple[int, Optional[str]]:
+    """Receive the files rank ``src`` sends into ``folder`` (made when missing); return ``(bytes received,
     error)``: a write error is returned after every byte was received, never raised."""
     head = coordinator.recv_bytes(src, 8, tag=TAG, timeout=timeout)
     (length,) = struct.unpack("<Q", bytes(head))
     manifest = json.loads(bytes(coordinator.recv_bytes(src, length, tag=TAG, timeout=timeout)).decode("utf-8"))
-    files: List[Tuple[str, int]] = [(str(n), int(s)) for n, s in manifest["files"]]
+    files: List[Tuple[str, int]] = [(os.path.basename(str(n)), int(s)) for n, s in manifest["files"]]
     error: Optional[str] = None
-    folder, base = os.path.split(prefix)
     try:
         os.makedirs(folder, exist_ok=True)
-        remove_bundle(prefix)
     except OSError as e:
         error = f"{folder}: {e}"
     buffer = bytearray(min(chunk, max((size for _, size in files), default=0)) or 1)
     view = memoryview(buffer)
     received = 0
     for name, size in files:
-        target = os.path.join(folder, base + name[name.index("."):]) if "." in name else prefix
+        target = os.path.join(folder, name)
         out = None
         if error is None:
             try:
@@ -105,7 +140,7 @@ def receive_bundle(coordinator: Coordinator, src: int, prefix: str, chunk: int,
                 out.close()
             except OSError as e:
                 error = f"{target}: {e}"
-    if error is None:
+    if error is None and files:
         try:
             fsync_dir(folder)
         except OSError as e:
@@ -122,37 +157,46 @@ def _close_quietly(handle: Any) -> None:
 
 @dataclass
 class Moved:
-    """What :func:`move_bundles` did on this client: bytes sent and received, the owners of the bundles it
-    received (into its node's tier), and the first error (``None``: none)."""
+    """What :func:`move_bundles` did on this client: bytes sent and received, and the first error
+    (``None``: none)."""
 
     sent: int = 0
     received: int = 0
-    owners: List[str] = field(default_factory=list)
     error: Optional[str] = None
 
 
 def move_bundles(coordinator: Coordinator, tier: "LocalTier", nodes: "NodeMap", step: int,
                  moves: Sequence[Tuple[str, str, str]], timeout: Optional[float] = None) -> Moved:
-    """Copy bundles of ``step`` between nodes, one at a time in the order of ``moves`` (every client passes
-    the same list): ``(source node, target node, owner)`` sends ``owner``'s bundle from the source
-    node's tier (its leader) to the target node's (its leader). Errors are returned, never raised, so
-    that every client goes on to the caller's agreement round."""
+    """Copy bundles of ``step`` between nodes (see the module docstring): ``(source node, target node,
+    owner)`` sends ``owner``'s bundle from the source node's tier to the target node's, on every lane
+    at once; every client passes the same ``moves``. Errors are returned, never raised, so that
+    every client goes on to the caller's agreement round."""
     from .save import describe_error
 
     rank = coordinator.rank
     moved = Moved()
     for source, target, owner in moves:
-        src, dst = nodes.leader(source), nodes.leader(target)
-        if rank == src:
-            try:
-                moved.sent += send_bundle(coordinator, dst, tier.prefix(source, owner, step), tier.chunk_bytes)
-            except Exception as exc:  # noqa: BLE001 - told to every client by the caller's round
-                moved.error = moved.error or f"sending {owner}'s bundle of step {step} to node {target}: " \
-                                             f"{describe_error(exc)}"
-        elif rank == dst:
-            moved.owners.append(owner)
-            got, problem = receive_bundle(coordinator, src, tier.prefix(target, owner, step), tier.chunk_bytes,
-                                          timeout=timeout)
-            moved.received += got
-            moved.error = moved.error or problem
+        paths = lanes(nodes, source, target)
+        for k, (src, dst) in enumerate(paths):
+            if rank == src:
+                what = f"sending {owner}'s bundle of step {step} to node {target}"
+                prefix = tier.prefix(source, owner, step)
+                problem: Optional[str] = None
+                try:
+                    files = bundle_files(prefix)[k::len(paths)]
+                except Exception as exc:  # noqa: BLE001 - its receiver gets an empty manifest
+                    files, problem = [], f"{prefix}: {describe_error(exc)}"
+                try:
+                    sent, unread = send_files(coordinator, dst, os.path.dirname(prefix), files, tier.chunk_bytes)
+                except Exception as exc:  # noqa: BLE001 - told to every client by the caller's round
+                    sent, unread = 0, describe_error(exc)
+                problem = problem or unread
+                moved.sent += sent
+                if problem is not None:
+                    moved.error = moved.error or f"{what}: {problem}"
+            elif rank == dst:
+                got, problem = receive_files(coordinator, src, tier.folder(target, owner), tier.chunk_bytes,
+                                             timeout=timeout)
+                moved.received += got
+                moved.error = moved.error or problem
     return moved
