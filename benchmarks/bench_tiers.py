@@ -14,7 +14,9 @@ Phases, each repeat alternating their order, times from a barrier to the slowest
 * ``async tier save (blocking)``: the same with ``CheckpointOptions(enable_async=True)``: the
   time the call blocks (the host copy); ``sync()`` after it, untimed;
 * ``persistent save``: ``manager.save()`` of a save that also persists (what a persistent
-  save costs; every ``persist_every``-th save pays it);
+  save costs; every ``persist_every``-th save pays it): it returns once the persistent
+  checkpoint is committed; its copy into the tiers runs behind it, timed apart until it is
+  committed (``manager.sync()``: "persistent save: tier copy behind it");
 * ``save without a tier``: today's ``CheckpointManager`` (no ``local=``) saving the same state
   into a folder of its own;
 * ``tier restore``: ``restore_or_initialize()`` from the tiers (nothing lost);
@@ -23,7 +25,9 @@ Phases, each repeat alternating their order, times from a barrier to the slowest
 * ``recovery``: node 1's tier removed, then ``restore_or_initialize()``: node 1's bundle comes
   from node 0's replica over gloo; the bytes read from the persistent folder are counted (0).
 
-Every restore's values are checked after timing. Medians; the ratios are what to read.
+Before each phase the page cache's dirty pages are written back (``os.sync()``, untimed), so
+that no phase pays for an earlier one's write-back. Every restore's values are checked
+after timing. Medians; the ratios are what to read.
 
     .venv/bin/python benchmarks/bench_tiers.py                 # 1 GiB, 3 repeats
     .venv/bin/python benchmarks/bench_tiers.py --smoke
@@ -95,6 +99,8 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool) -> 
     counts: Dict[str, int] = {}
 
     def timed(name: str, fn: Any) -> Any:
+        if rank == 0:
+            os.sync()  # no earlier save's write-back left to slow this phase's fsyncs
         coord.barrier("start " + name)
         t0 = time.perf_counter()
         out = fn()
@@ -125,15 +131,19 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool) -> 
                 continue
             if ((saved + 1) % 2 == 0) != (name == "persistent save"):
                 manager.save()  # brings the numbering to this phase's kind, untimed
+                manager.sync()  # with what runs behind it (a persisted step's tier copy)
                 saved += 1
             if name.startswith("async"):
                 timed(name, lambda: manager.save(options=shardckpt.CheckpointOptions(enable_async=True)))
                 manager.sync()
             else:
                 timed(name, manager.save)
+                if name == "persistent save":  # its copy into the tiers runs behind it: until committed
+                    timed("persistent save: tier copy behind it", manager.sync)
             saved += 1
         if saved % 2 == 1:
             manager.save()  # the tiers' newest step is then also the persistent one
+            manager.sync()
             saved += 1
         latest = manager.latest_checkpoint
         phases = ["tier restore", "cold persistent restore", "recovery"]

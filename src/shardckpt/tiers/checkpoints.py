@@ -159,6 +159,11 @@ class Tiered:
     def restore(self, persistent_step: Optional[int], timeout: Optional[float] = None) -> TierRestore:
         """Restore the newest complete local step unless ``persistent_step`` is newer (collective); a result
         whose ``step`` is ``None`` leaves the persistent restore to the caller."""
-        coordinator = self._setup()
-        return restore_from_tier(self.tier, coordinator, self.nodes, persistent_step,
-                                 lambda prefix: self._checkpoint.restore(prefix), timeout=timeout)
+        if self._coordinator is None:
+            self._coordinator = self._find() or SingleProcessCoordinator()
+
+        def found(nodes: NodeMap) -> None:
+            self._nodes = nodes
+
+        return restore_from_tier(self.tier, self._coordinator, self._nodes, persistent_step,
+                                 lambda prefix: self._checkpoint.restore(prefix), timeout=timeout, found=found)

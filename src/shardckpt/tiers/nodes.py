@@ -62,6 +62,14 @@ def node_id(coordinator: Optional[Coordinator] = None) -> str:
     return socket.gethostname()
 
 
+def checked_node_id(coordinator: Optional[Coordinator] = None, my_node: Optional[str] = None) -> str:
+    """This client's node id (``my_node`` when given), checked to name a folder."""
+    mine = node_id(coordinator) if my_node is None else my_node
+    if "/" in mine or mine in ("", ".", ".."):
+        raise InvalidArgumentError(f"node id {mine!r} cannot name a folder ({NODE_ENV})")
+    return mine
+
+
 def _order(ids: List[str]) -> List[str]:
     if all(i.lstrip("-").isdigit() for i in ids):
         return sorted(ids, key=int)
@@ -85,11 +93,12 @@ class NodeMap:
     @classmethod
     def gather(cls, coordinator: Coordinator, my_node: Optional[str] = None) -> "NodeMap":
         """Every client's node id (collective: one all-gather)."""
-        mine = node_id(coordinator) if my_node is None else my_node
-        if "/" in mine or mine in ("", ".", ".."):
-            raise InvalidArgumentError(f"node id {mine!r} cannot name a folder ({NODE_ENV})")
-        ranks = [str(n) for n in coordinator.all_gather(mine)]
-        return cls(tuple(ranks), tuple(_order(list(set(ranks)))))
+        return cls.of([str(n) for n in coordinator.all_gather(checked_node_id(coordinator, my_node))])
+
+    @classmethod
+    def of(cls, ids: List[str]) -> "NodeMap":
+        """The map of every client's node id, in rank order (as gathered)."""
+        return cls(tuple(ids), tuple(_order(list(set(ids)))))
 
     def index(self, node: str) -> int:
         return self.nodes.index(node)

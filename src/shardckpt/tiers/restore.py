@@ -5,7 +5,8 @@ same order. Steps::
 
     1 report   all  each leader lists the bundles its node's tier holds whole (marker present,
                     every file it names there with its size, written by a job of the same
-                    nodes); all-gather
+                    nodes); all-gather (which also gathers every client's node id when the
+                    node map is not known yet: every client lists, the leaders' lists count)
     2 choose   all  the newest step S for which every node's bundle is held by some node
                     (its own or a replica holder); if the newest persistent checkpoint
                     (``persistent_step``) is newer, or no step is complete, nothing here:
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..distributed.coordinator import Coordinator
-from .nodes import NodeMap
+from .nodes import NodeMap, checked_node_id
 from .save import describe_error
 from .tier import LocalTier, bundle_files, read_marker, remove_bundle, write_marker
 from .transfer import move_bundles
@@ -59,14 +60,35 @@ class TierRestore:
     reason: str = ""
 
 
-def _holdings(tier: LocalTier, node: str, nodes: NodeMap) -> Dict[str, List[str]]:
-    """Step (as text) -> owners whose bundles ``node`` holds whole, from a job of the same nodes."""
-    out: Dict[str, List[str]] = {}
+def _holdings(tier: LocalTier, node: str) -> Dict[str, List[Tuple[str, Any]]]:
+    """Step (as text) -> ``(owner, the job's nodes its marker names)`` of the bundles ``node`` holds whole."""
+    out: Dict[str, List[Tuple[str, Any]]] = {}
     for step, owners in tier.committed(node).items():
-        same = [o for o in owners if (read_marker(tier.prefix(node, o, step)) or {}).get("nodes") == list(nodes.nodes)]
-        if same:
-            out[str(step)] = sorted(same)
+        out[str(step)] = sorted((o, (read_marker(tier.prefix(node, o, step)) or {}).get("nodes")) for o in owners)
     return out
+
+
+def _of_this_job(held: Dict[str, List[Any]], nodes: NodeMap) -> Dict[str, List[str]]:
+    """Step -> owners of the bundles held that a job of the same nodes wrote."""
+    out: Dict[str, List[str]] = {}
+    for step, owners in held.items():
+        same = [str(o) for o, written_by in owners if written_by == list(nodes.nodes)]
+        if same:
+            out[step] = same
+    return out
+
+
+def report(tier: LocalTier, coordinator: Coordinator, nodes: Optional[NodeMap], timeout: Optional[float] = None
+           ) -> Tuple[NodeMap, Dict[str, Dict[str, List[str]]]]:
+    """Step 1 (collective, one all-gather): the job's node map (gathered here when ``nodes`` is ``None``) and,
+    per node, step -> owners held whole there (its leader's listing)."""
+    me = checked_node_id(coordinator) if nodes is None else nodes.node_of_rank[coordinator.rank]
+    held = _holdings(tier, me) if nodes is None or nodes.leader(me) == coordinator.rank else None
+    reports = coordinator.all_gather({"node": me, "held": held}, timeout=timeout)
+    if nodes is None:
+        nodes = NodeMap.of([str(r["node"]) for r in reports])
+    by_node = {node: _of_this_job(reports[nodes.leader(node)]["held"], nodes) for node in nodes.nodes}
+    return nodes, by_node
 
 
 def choose_step(reports: Dict[str, Dict[str, List[str]]], nodes: NodeMap
@@ -82,19 +104,20 @@ def choose_step(reports: Dict[str, Dict[str, List[str]]], nodes: NodeMap
     return None, {}
 
 
-def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, persistent_step: Optional[int],
-                      read: Callable[[str], Any], timeout: Optional[float] = None) -> TierRestore:
+def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: Optional[NodeMap],
+                      persistent_step: Optional[int], read: Callable[[str], Any], timeout: Optional[float] = None,
+                      found: Optional[Callable[[NodeMap], None]] = None) -> TierRestore:
     """This client's part of a restore through the tiers (see the module docstring). Collective.
 
-    ``read(prefix)`` restores this client's values from a bundle. Returns what was done; a
-    ``step`` of ``None`` means: restore the persistent checkpoint instead (every client gets the
-    same answer)."""
+    ``read(prefix)`` restores this client's values from a bundle. ``nodes``: the job's node map,
+    or ``None`` to gather it in step 1 (``found`` gets it). Returns what was done; a ``step`` of
+    ``None`` means: restore the persistent checkpoint instead (every client gets the same answer)."""
     rank = coordinator.rank
+    nodes, by_node = report(tier, coordinator, nodes, timeout=timeout)
+    if found is not None:
+        found(nodes)
     me = nodes.node_of_rank[rank]
     leader = nodes.leader(me) == rank
-    reports = coordinator.all_gather({"node": me, "held": _holdings(tier, me, nodes) if leader else None},
-                                     timeout=timeout)
-    by_node = {r["node"]: r["held"] for r in reports if r["held"] is not None}
     step, holders = choose_step(by_node, nodes)
     if step is None:
         return _done(tier, TierRestore(None, None, reason="no local step is complete across the nodes"))

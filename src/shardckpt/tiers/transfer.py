@@ -30,6 +30,7 @@ those bundles (marker first) before any client starts moving (a round in between
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -57,43 +58,45 @@ def send_files(coordinator: Coordinator, dst: int, folder: str, files: Sequence[
                chunk: int) -> Tuple[int, Optional[str]]:
     """Send ``files`` (``(name, size)`` in ``folder``) to rank ``dst``; return ``(bytes sent, error)``.
 
-    A file that cannot be read (or ends early) is completed with zeros so that the receiver
-    gets every byte it expects; the first such error is returned, never raised."""
+    Each file is mapped and its pages sent as they are (no copy into a buffer of ours), in
+    messages of at most ``chunk`` bytes. A file that cannot be read, or whose size is not
+    the expected one, is sent as zeros so that the receiver gets every byte it expects; the
+    first such error is returned, never raised."""
     manifest = json.dumps({"files": [[n, int(z)] for n, z in files]}).encode("utf-8")
     coordinator.send_bytes(memoryview(struct.pack("<Q", len(manifest))), dst, tag=TAG)
     coordinator.send_bytes(memoryview(manifest), dst, tag=TAG)
-    buffer = bytearray(min(chunk, max((size for _, size in files), default=0)) or 1)
-    view = memoryview(buffer)
     sent = 0
     error: Optional[str] = None
+    zeros: Optional[memoryview] = None
     for name, size in files:
         path = os.path.join(folder, name)
-        handle = None
+        mapped: Optional[mmap.mmap] = None
         try:
-            handle = open(path, "rb", buffering=0)
+            with open(path, "rb", buffering=0) as handle:
+                actual = os.fstat(handle.fileno()).st_size
+                if actual != size:
+                    raise OSError(f"holds {actual} bytes, {size} expected")
+                if size:
+                    mapped = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_READ)
         except OSError as e:
             error = error or f"{path}: {e}"
-        left = size
-        while left:
-            want = min(left, len(buffer))
-            n = 0
-            if handle is not None:
-                try:
-                    n = handle.readinto(view[:want]) or 0
-                    if not n:
-                        raise OSError(f"ended {left} bytes before its size {size}")
-                except OSError as e:
-                    error = error or f"{path}: {e}"
-                    _close_quietly(handle)
-                    handle = None
-            if handle is None:  # the receiver still gets every byte it expects
-                n = want
-                view[:n] = bytes(n)
-            coordinator.send_bytes(view[:n], dst, tag=TAG)
-            left -= n
-            sent += n
-        if handle is not None:
-            _close_quietly(handle)
+            mapped = None
+        view = memoryview(mapped) if mapped is not None else None
+        try:
+            for at in range(0, size, chunk):
+                n = min(chunk, size - at)
+                if view is not None:
+                    coordinator.send_bytes(view[at:at + n], dst, tag=TAG)
+                else:  # the receiver still gets every byte it expects
+                    if zeros is None or len(zeros) < n:
+                        zeros = memoryview(bytes(min(chunk, max(z for _, z in files))))
+                    coordinator.send_bytes(zeros[:n], dst, tag=TAG)
+                sent += n
+        finally:
+            if view is not None:
+                view.release()
+            if mapped is not None:
+                mapped.close()
     return sent, error
 
 
