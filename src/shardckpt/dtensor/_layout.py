@@ -116,11 +116,20 @@ class Layout:
         return tuple(out)
 
     def distinct_boxes(self, global_shape: Sequence[int]) -> Dict[Box, List[int]]:
-        """Each distinct piece -> the devices holding it, lowest id first (in box order of first holder)."""
-        holders: Dict[Box, List[int]] = {}
-        for device in sorted(int(i) for i in self.mesh.global_device_ids().reshape(-1)):
-            holders.setdefault(self.box(device, global_shape), []).append(device)
-        return holders
+        """Each distinct piece -> the devices holding it, lowest id first (in box order of first holder).
+
+        Computed once per global shape and specs (every save of a training loop asks again);
+        each call returns a new dict of new lists."""
+        shape = tuple(int(n) for n in global_shape)
+        key = (shape, tuple(self.sharding_specs))
+        cache: Dict[Any, Tuple[Tuple[Box, Tuple[int, ...]], ...]] = self.__dict__.setdefault("_distinct", {})
+        known = cache.get(key)
+        if known is None:
+            holders: Dict[Box, List[int]] = {}
+            for device in sorted(int(i) for i in self.mesh.global_device_ids().reshape(-1)):
+                holders.setdefault(self.box(device, shape), []).append(device)
+            known = cache[key] = tuple((box, tuple(devices)) for box, devices in holders.items())
+        return {box: list(devices) for box, devices in known}
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Layout) and self.sharding_specs == other.sharding_specs and self.mesh == other.mesh

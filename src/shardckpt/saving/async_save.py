@@ -16,6 +16,11 @@ nothing is committed before every value is copied and written.
 An error in the background is kept and raised, chained to the original, by the
 next ``submit``, by ``wait()`` (``Checkpoint.sync()``), or at interpreter exit.
 
+**Priority.** The background thread lowers its own CPU priority (nice
+:data:`BACKGROUND_NICE`, inherited by the threads it starts): while the caller trains on,
+its threads, and the other clients' on the same machine, are scheduled first, so an
+asynchronous save costs the training loop its host copy, not cores.
+
 **Follow-ups.** :meth:`AsyncSaver.then` queues work that runs on the same thread after the
 save in flight commits (skipped if it fails), or at once on a thread of its own when no
 save is in flight (a synchronous save just committed): a tiered manager copies a step that
@@ -133,7 +138,7 @@ class AsyncSaver:
                 self._follow_ups.append(follow_up)  # the save's thread runs it before it ends
                 return
         self.wait()  # the save before it ended: its error, if any, is raised here, and nothing follows it
-        thread = threading.Thread(target=self._follow, args=(follow_up,), name=f"shardckpt-async-save {name}",
+        thread = threading.Thread(target=self._follow, args=(follow_up, True), name=f"shardckpt-async-save {name}",
                                   daemon=False)
         with self._lock:
             self._thread = thread
@@ -141,6 +146,7 @@ class AsyncSaver:
 
     def _run(self, prefix: str, plan: SavePlan, write: Callable[[SavePlan], None],
              on_failure: Optional[Callable[[], None]]) -> None:
+        _yield_to_training()
         try:
             write(plan)
         except BaseException as exc:  # kept for the next call; never swallowed
@@ -159,7 +165,9 @@ class AsyncSaver:
             self._follow(follow_up)
 
     @staticmethod
-    def _follow(follow_up: Callable[[], None]) -> None:
+    def _follow(follow_up: Callable[[], None], alone: bool = False) -> None:
+        if alone:
+            _yield_to_training()
         try:
             follow_up()
         except BaseException as exc:  # noqa: BLE001 - a follow-up handles its errors; this is a last resort
@@ -182,6 +190,20 @@ class AsyncSaver:
                 on_failure()
             raise AsyncSaveError(f"the background save of {prefix} failed: {type(error).__name__}: {error}",
                                  path=prefix) from error
+
+
+#: The nice value of a background save's thread (and of the threads it starts): the training
+#: threads of this process and of the other clients on the machine get the cores first.
+BACKGROUND_NICE = 10
+
+
+def _yield_to_training() -> None:
+    """Lower the calling thread's CPU priority to :data:`BACKGROUND_NICE` (Linux: per thread; best effort)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), BACKGROUND_NICE))
+    except (AttributeError, OSError):  # not on Linux, or not allowed: it runs at the caller's priority
+        pass
 
 
 @atexit.register

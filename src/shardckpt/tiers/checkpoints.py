@@ -8,13 +8,13 @@ graph by each node's leader) and runs the collective steps of :mod:`.save` and
 :mod:`.restore` over the checkpoint's coordinator (a one-process coordinator when this
 client saves alone). The node map is gathered once, on first use.
 
-A step that also persists (every ``persist_every``-th) is copied to host buffers
-(:meth:`Tiered.stage`), saved to the persistent directory as the caller asked (synchronously
-or not), and saved into the tiers from that copy in the background, after the persistent
-save committed, on the checkpoint's saver thread (``AsyncSaver.then``): the persistent step
-costs what a save without a tier costs plus one host copy, and a failure of its tier copy
-never fails the step (it is committed persistently; logged, and kept as the tier's
-``last_save_error``).
+A step that also persists (every ``persist_every``-th) is copied to host buffers on a
+thread of its own while it is saved to the persistent directory as the caller asked
+(synchronously or not; :meth:`Tiered.stage`, :class:`TierCopy`), and saved into the tiers
+from that copy in the background, after the persistent save committed, on the checkpoint's
+saver thread (``AsyncSaver.then``): the persistent step costs what a save without a tier
+costs (the copy runs beside it), and a failure of its tier copy never fails the step (it
+is committed persistently; logged, and kept as the tier's ``last_save_error``).
 
 An asynchronous save of a step that goes to the tiers only
 (``CheckpointOptions(enable_async=True)``) blocks for the host copy of this client's pieces
@@ -27,6 +27,7 @@ coordinator, one save at a time, with the checkpoint's ``sync()`` semantics: the
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -41,7 +42,7 @@ from .restore import TierRestore, restore_from_tier
 from .save import TierPiece, describe_error, node_pieces, save_to_tier
 from .tier import LocalTier
 
-__all__ = ["Tiered"]
+__all__ = ["Tiered", "TierCopy"]
 
 _log = logging.getLogger("shardckpt")
 
@@ -111,32 +112,16 @@ class Tiered:
         saver.submit(self.tier.prefix(me, me, step), SavePlan.empty(), write, on_failure)
         return self.tier.prefix(me, me, step)
 
-    def stage(self, step: int, timeout: Optional[float] = None) -> Callable[[], None]:
-        """For a step that also persists: copy this client's pieces to host buffers now (collective: the node
-        map on first use), and return the work that saves them as local step ``step``.
-
-        The manager runs that work in the background once the persistent save committed
-        (``AsyncSaver.then``), so a persistent step costs what a save without a tier costs, plus
-        this copy. It never raises: the persistent checkpoint of ``step`` is committed whatever
-        happens to its copy in the tiers (a restore then finds the persistent step newer than
-        the tiers' newest); a failure is logged and kept as the tier's ``last_save_error``.
-        """
+    def stage(self, step: int, timeout: Optional[float] = None) -> "TierCopy":
+        """For a step that also persists: start copying this client's pieces to host buffers (on a thread,
+        beside the persistent save the caller runs meanwhile) and return the :class:`TierCopy` whose
+        :meth:`~TierCopy.job` saves them as local step ``step``. Collective on first use (the node
+        map, the background coordinator), on the calling thread."""
         coordinator = self._setup()
         nodes = self.nodes
-        staged = self._stage(self.pieces())
         background = default_context().background(coordinator)
-        tier = self.tier
-
-        def copy() -> None:
-            try:
-                save_to_tier(tier, step, staged, background, nodes, timeout=timeout)
-                tier.last_save_error = None
-            except Exception as exc:  # noqa: BLE001 - the step is committed in the persistent directory
-                tier.last_save_error = f"step {step}: {describe_error(exc)}"
-                _log.warning("the copy of step %s into the local tiers failed (the persistent checkpoint "
-                             "holds it): %s", step, tier.last_save_error)
-
-        return copy
+        return TierCopy(self, step, self.pieces(), lambda staged: save_to_tier(
+            self.tier, step, staged, background, nodes, timeout=timeout))
 
     def _stage(self, pieces: List[TierPiece]) -> List[TierPiece]:
         """Host copies of ``pieces``' values, into buffers kept from the last save where they fit."""
@@ -167,3 +152,54 @@ class Tiered:
 
         return restore_from_tier(self.tier, self._coordinator, self._nodes, persistent_step,
                                  lambda prefix: self._checkpoint.restore(prefix), timeout=timeout, found=found)
+
+
+class TierCopy:
+    """The copy of a step that also persists into the tiers (see :meth:`Tiered.stage`).
+
+    The host copy of the pieces starts at once on a thread of its own (the caller's persistent
+    save reads the same values meanwhile; neither writes them); :meth:`job`, called once the
+    caller's save returned, waits for the copy and returns the work that saves it into the
+    tiers, for the background (``AsyncSaver.then``). That work never raises: the persistent
+    checkpoint of the step is committed whatever happens to its copy (a restore then finds the
+    persistent step newer than the tiers' newest); a failure is logged and kept as the tier's
+    ``last_save_error``.
+    """
+
+    def __init__(self, tiered: Tiered, step: int, pieces: List[TierPiece],
+                 save: Callable[[List[TierPiece]], Any]) -> None:
+        self._tiered, self._step, self._save = tiered, step, save
+        self._staged: Optional[List[TierPiece]] = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._copy, args=(pieces,), name=f"shardckpt-tier-copy {step}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _copy(self, pieces: List[TierPiece]) -> None:
+        try:
+            self._staged = self._tiered._stage(pieces)
+        except BaseException as exc:  # noqa: BLE001 - reported by job()
+            self._error = exc
+
+    def _failed(self, why: str) -> None:
+        tier = self._tiered.tier
+        tier.last_save_error = f"step {self._step}: {why}"
+        _log.warning("the copy of step %s into the local tiers failed (the persistent checkpoint holds it): %s",
+                     self._step, tier.last_save_error)
+
+    def job(self) -> Optional[Callable[[], None]]:
+        """Wait for the host copy; the work that saves it into the tiers (``None``: the copy failed, logged)."""
+        self._thread.join()
+        staged = self._staged
+        if staged is None:
+            self._failed(f"the host copy failed: {describe_error(self._error or RuntimeError('no copy'))}")
+            return None
+
+        def save() -> None:
+            try:
+                self._save(staged)
+                self._tiered.tier.last_save_error = None
+            except Exception as exc:  # noqa: BLE001 - the step is committed in the persistent directory
+                self._failed(describe_error(exc))
+
+        return save
