@@ -1,0 +1,138 @@
+"""One client of tests/test_tier_lanes.py, started by torchrun or mpiexec (3 clients).
+
+    tier_lanes_worker.py OUTDIR DATADIR
+
+Three clients as two simulated nodes of unequal size: clients 0 and 1 on node ``a``, client 2 on
+node ``b``. Node ``a``'s tier holds a bundle of step 1 (three data files and an index) written
+before the phases; ``tier.prefix(node, owner, step)`` is where each node keeps it. Phases (every
+client, :func:`shardckpt.tiers.transfer.move_bundles` with the same moves):
+
+* ``a_to_b``: node ``a``'s bundle moves to node ``b``: one lane (client 0 -> client 2), every file
+  on it; the receiver's files are byte for byte the sender's;
+* ``b_to_a``: and back to node ``a`` under another owner name: one lane (client 2 -> client 0);
+* ``sender_fault``: client 0's data file 1 is cut short before it moves to ``b`` again: client 0
+  sends zeros for what is missing and reports the error; client 2 still receives every byte it
+  was promised (nobody waits for bytes that never come) and reports nothing.
+
+Each phase records what ``move_bundles`` returned (bytes, error) and, on the receiver, the
+files received with their sizes and whether their bytes equal the sender's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import traceback
+from typing import Any, Dict
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import dtensor_worker as W  # noqa: E402  (tests/helpers)
+
+
+def digests(folder: str, base: str) -> Dict[str, Any]:
+    out = {}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.startswith(base + "."):
+            with open(os.path.join(folder, name), "rb") as f:
+                data = f.read()
+            out[name] = [len(data), hashlib.sha256(data).hexdigest()]
+    return out
+
+
+def run(data: str) -> None:
+    import shardckpt
+    from shardckpt.format.bundle_writer import BundleWriter
+    from shardckpt.format.tensor_slice import TensorSlice
+    from shardckpt.storage.local import LocalFileSystem
+    from shardckpt.tiers import NodeMap
+    from shardckpt.tiers.transfer import move_bundles
+
+    coord = W.result["coordinator"]
+    rank = coord.rank
+    nodes = NodeMap.gather(coord)
+    tier = shardckpt.LocalTier(os.path.join(data, "tier", "{node}"), chunk_bytes=1 << 16)
+    source = tier.prefix("a", "a", 1)
+    if rank == 0:  # a bundle of three data files (as merged parts), written by node a's leader
+        os.makedirs(os.path.dirname(source), exist_ok=True)
+        for shard in range(3):
+            with BundleWriter(f"{source}_p{shard}", fs=LocalFileSystem()) as writer:
+                writer.add_slice("w", (3, 50000), TensorSlice(((shard, 1), (0, 50000))),
+                                 np.full((1, 50000), shard + 1, np.float32))
+        from shardckpt.saving.commit.rename import merge_bundles
+
+        merge_bundles([f"{source}_p{s}" for s in range(3)], source, fs=LocalFileSystem())
+    coord.barrier("written")
+    W.result["nodes"] = nodes.as_json()
+
+    def move(moves, look):
+        moved = move_bundles(coord, tier, nodes, 1, moves, timeout=120)
+        out = {"sent": moved.sent, "received": moved.received, "error": moved.error}
+        if rank == 0:
+            out["source"] = digests(os.path.dirname(source), "ckpt-1")
+        if look is not None:
+            out["received_files"] = digests(*look)
+        return out
+
+    b_folder = tier.folder("b", "a")
+    W.phase("a_to_b", lambda: move([("a", "b", "a")], (b_folder, "ckpt-1") if rank == 2 else None))
+    a_back = tier.folder("a", "b")
+    import shutil
+
+    if rank == 2:  # node b holds it as owner "b" too, to send back
+        os.makedirs(tier.folder("b", "b"), exist_ok=True)
+        for name in os.listdir(b_folder):
+            shutil.copy(os.path.join(b_folder, name), os.path.join(tier.folder("b", "b"), name))
+    coord.barrier("copied")
+    W.phase("b_to_a", lambda: move([("b", "a", "b")], (a_back, "ckpt-1") if rank == 0 else None))
+    if rank == 0:
+        data1 = [n for n in sorted(os.listdir(os.path.dirname(source))) if ".data-00001-" in n][0]
+        with open(os.path.join(os.path.dirname(source), data1), "r+b") as f:
+            f.truncate(1000)  # cut short after the sizes were listed: the sender must still send them all
+    coord.barrier("cut")
+    import shardckpt.tiers.transfer as T
+
+    listed = T.bundle_files
+    sizes_before = {n: s for n, s in listed(tier.prefix("b", "a", 1))} if rank == 2 else {}
+
+    def as_before(prefix):  # the sizes a moment before the cut (what a sender lists, then finds shorter)
+        files = listed(prefix)
+        return [(n, W.result.get("sizes", {}).get(n, s)) for n, s in files]
+
+    W.result["sizes"] = coord.broadcast(sizes_before, root=2)
+    T.bundle_files = as_before
+    try:
+        W.phase("sender_fault", lambda: move([("a", "b", "a")], (b_folder, "ckpt-1") if rank == 2 else None))
+    finally:
+        T.bundle_files = listed
+
+
+def main() -> None:
+    W.OUT, data = sys.argv[1], os.path.abspath(sys.argv[2])
+    os.makedirs(W.OUT, exist_ok=True)
+    rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    os.environ["SHARDCKPT_NODE"] = "a" if rank < 2 else "b"
+    coord = W.make_coordinator(W.LONG)
+    W.result.update(rank=coord.rank, size=coord.size, backend=coord.backend, pid=os.getpid())
+    W.flush()
+    W.result["coordinator"] = coord
+    try:
+        run(data)
+    finally:
+        del W.result["coordinator"]
+    W.result["done"] = True
+    W.flush()
+    coord.close()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:
+        W.result.pop("coordinator", None)
+        W.result["fatal"] = traceback.format_exc()
+        W.flush()
+        raise

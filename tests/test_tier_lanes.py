@@ -1,0 +1,72 @@
+"""Moving a node's bundle between nodes of unequal size (tiers/transfer.py), on three real clients.
+
+tests/helpers/tier_lanes_worker.py runs under torchrun (gloo) and mpiexec: clients 0 and 1 are
+node ``a``, client 2 node ``b``, so every move has one lane and all of a bundle's files go
+over it; a sender whose file was cut short after it was listed sends zeros in its place and
+reports, and its receiver still gets every promised byte (no client waits for bytes that never
+come).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+HELPERS = HERE / "helpers"
+WORKER = HELPERS / "tier_lanes_worker.py"
+if str(HELPERS) not in sys.path:
+    sys.path.insert(0, str(HELPERS))
+
+from launchers import clean_env, launch_command, rank_results, run_launched  # noqa: E402  (tests/helpers)
+
+NPROC = 3
+
+
+@pytest.fixture(scope="module", params=["torch", "mpi"])
+def job(request, tmp_path_factory) -> Dict[int, Any]:
+    backend = request.param
+    tmp = tmp_path_factory.mktemp(f"lanes-{backend}")
+    out, data = tmp / "out", tmp / "data"
+    try:
+        proc = run_launched(launch_command(backend, NPROC, WORKER) + [str(out), str(data)], env=clean_env(),
+                            cwd=str(HERE.parent), timeout=300)
+        rc: Any = proc.returncode
+        tail = (proc.stdout + proc.stderr)[-5000:]
+    except subprocess.TimeoutExpired as exc:
+        rc, tail = "timeout", str(exc.stdout or "")[-5000:]
+    results = rank_results(out, NPROC, "torch" if backend == "torch" else "mpi", rc, tail)
+    assert rc == 0, f"launcher exit {rc}; log:\n{tail}"
+    return results
+
+
+def _value(results: Dict[int, Any], rank: int, name: str) -> Dict[str, Any]:
+    entry = results[rank]["phases"][name]
+    assert entry["ok"], entry
+    return entry["value"]
+
+
+def test_a_bundle_moves_whole_over_the_one_lane_of_unequal_nodes(job):
+    assert job[0]["nodes"] == {"nodes": ["a", "b"], "node_of_rank": ["a", "a", "b"]}
+    sender, idle, receiver = (_value(job, r, "a_to_b") for r in range(3))
+    assert len(sender["source"]) == 4  # three data files and the index
+    assert receiver["received_files"] == sender["source"]  # byte for byte
+    total = sum(size for size, _ in sender["source"].values())
+    assert sender["sent"] == receiver["received"] == total
+    assert idle["sent"] == idle["received"] == 0 and not (sender["error"] or receiver["error"] or idle["error"])
+    back = _value(job, 0, "b_to_a")
+    assert back["received_files"] == sender["source"] and _value(job, 2, "b_to_a")["sent"] == total
+
+
+def test_a_sender_that_cannot_read_sends_zeros_and_reports_and_its_receiver_never_waits(job):
+    sender, receiver = _value(job, 0, "sender_fault"), _value(job, 2, "sender_fault")
+    assert "holds 1000 bytes" in sender["error"] and ".data-00001-of-00003" in sender["error"], sender
+    assert receiver["error"] is None
+    promised = _value(job, 2, "a_to_b")["received"]
+    assert sender["sent"] == receiver["received"] == promised  # every promised byte arrived
+    name = [n for n in receiver["received_files"] if ".data-00001-" in n][0]
+    assert receiver["received_files"][name][0] == _value(job, 2, "a_to_b")["received_files"][name][0]
