@@ -321,15 +321,17 @@ class CheckpointManager:
 
         With several clients the io client's latest checkpoint is every client's choice: every
         client restores it, or every client initializes."""
-        if self._tiered is not None:  # tiered: a save in flight commits (or fails) before the tiers are read
-            self._checkpoint._wait_for_pending()
-        latest = self._shared(lambda: self._latest_checkpoint, "choose between restoring and initializing")
         if self._tiered is not None:  # tiered checkpoints: the newest complete local step, if not older
-            restored = self._tiered.restore(_number_of(latest))
+            self._checkpoint._wait_for_pending()  # a save in flight commits (or fails) before the tiers are read
+            # client 0's persistent latest travels in the tiers' report round (one round, not two)
+            restored = self._tiered.restore(lambda: self._latest_checkpoint)
             if restored.prefix is not None:
                 if self._checkpoint_interval is not None:
                     self._last_checkpoint_step = _value(self._step_counter)
                 return restored.prefix
+            latest = restored.persistent
+        else:
+            latest = self._shared(lambda: self._latest_checkpoint, "choose between restoring and initializing")
         if latest is not None:
             self._checkpoint.restore(latest)
             if self._checkpoint_interval is not None:
@@ -338,12 +340,6 @@ class CheckpointManager:
         if self._init_fn is not None:
             self._init_fn()
         return None
-
-
-def _number_of(path: Optional[str]) -> Optional[int]:
-    """The number of checkpoint ``<prefix>-<N>`` (``None``: no path, or no number)."""
-    tail = None if path is None else str(path).rsplit("-", 1)[-1]
-    return int(tail) if tail is not None and tail.isdigit() else None
 
 
 def _sweep(kept: "OrderedDict[str, float]", max_to_keep: Optional[int], keep_every_hours: Optional[float],

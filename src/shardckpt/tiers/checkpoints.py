@@ -141,16 +141,17 @@ class Tiered:
         self._buffers = buffers
         return out
 
-    def restore(self, persistent_step: Optional[int], timeout: Optional[float] = None) -> TierRestore:
-        """Restore the newest complete local step unless ``persistent_step`` is newer (collective); a result
-        whose ``step`` is ``None`` leaves the persistent restore to the caller."""
+    def restore(self, persistent: Callable[[], Optional[str]], timeout: Optional[float] = None) -> TierRestore:
+        """Restore the newest complete local step unless the persistent latest (``persistent()``, asked on client 0)
+        is newer (collective); a result whose ``step`` is ``None`` leaves the restore of its ``persistent``
+        (every client's answer) to the caller."""
         if self._coordinator is None:
             self._coordinator = self._find() or SingleProcessCoordinator()
 
         def found(nodes: NodeMap) -> None:
             self._nodes = nodes
 
-        return restore_from_tier(self.tier, self._coordinator, self._nodes, persistent_step,
+        return restore_from_tier(self.tier, self._coordinator, self._nodes, persistent,
                                  lambda prefix: self._checkpoint.restore(prefix), timeout=timeout, found=found)
 
 

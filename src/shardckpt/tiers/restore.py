@@ -9,7 +9,7 @@ same order. Steps::
                     node map is not known yet: every client lists, the leaders' lists count)
     2 choose   all  the newest step S for which every node's bundle is held by some node
                     (its own or a replica holder); if the newest persistent checkpoint
-                    (``persistent_step``) is newer, or no step is complete, nothing here:
+                    (client 0's, gathered in step 1) is newer, or no step is complete, nothing here:
                     the caller restores the persistent checkpoint (never a mix of steps)
     3 repopulate    for each node that lacks its own bundle of S: its leader removes what
                     a save that died left of it (all-gather of the outcome); the first
@@ -33,6 +33,8 @@ With nothing lost, step 3 moves no byte. :class:`TierRestore` (kept as the tier'
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -51,13 +53,15 @@ class TierRestore:
 
     ``step``: the local step restored, or ``None`` when the persistent tier is to be used
     (``reason`` says why); ``prefix``: the bundle read; ``bytes_sent`` / ``bytes_received``: this
-    client's bytes of bundles moved between nodes (repopulation)."""
+    client's bytes of bundles moved between nodes (repopulation); ``persistent``: the newest persistent
+    checkpoint (client 0's, every client's answer)."""
 
     step: Optional[int]
     prefix: Optional[str]
     bytes_sent: int = 0
     bytes_received: int = 0
     reason: str = ""
+    persistent: Optional[str] = None
 
 
 def _holdings(tier: LocalTier, node: str) -> Dict[str, List[Tuple[str, Any]]]:
@@ -78,17 +82,20 @@ def _of_this_job(held: Dict[str, List[Any]], nodes: NodeMap) -> Dict[str, List[s
     return out
 
 
-def report(tier: LocalTier, coordinator: Coordinator, nodes: Optional[NodeMap], timeout: Optional[float] = None
-           ) -> Tuple[NodeMap, Dict[str, Dict[str, List[str]]]]:
-    """Step 1 (collective, one all-gather): the job's node map (gathered here when ``nodes`` is ``None``) and,
-    per node, step -> owners held whole there (its leader's listing)."""
+def report(tier: LocalTier, coordinator: Coordinator, nodes: Optional[NodeMap], timeout: Optional[float] = None,
+           persistent: Callable[[], Optional[str]] = lambda: None
+           ) -> Tuple[NodeMap, Dict[str, Dict[str, List[str]]], Optional[str]]:
+    """Step 1 (collective, one all-gather): the job's node map (gathered here when ``nodes`` is ``None``),
+    per node, step -> owners held whole there (its leader's listing), and client 0's
+    ``persistent()`` (the persistent latest checkpoint every client goes by)."""
     me = checked_node_id(coordinator) if nodes is None else nodes.node_of_rank[coordinator.rank]
     held = _holdings(tier, me) if nodes is None or nodes.leader(me) == coordinator.rank else None
-    reports = coordinator.all_gather({"node": me, "held": held}, timeout=timeout)
+    latest = persistent() if coordinator.rank == 0 else None
+    reports = coordinator.all_gather({"node": me, "held": held, "latest": latest}, timeout=timeout)
     if nodes is None:
         nodes = NodeMap.of([str(r["node"]) for r in reports])
     by_node = {node: _of_this_job(reports[nodes.leader(node)]["held"], nodes) for node in nodes.nodes}
-    return nodes, by_node
+    return nodes, by_node, reports[0]["latest"]
 
 
 def choose_step(reports: Dict[str, Dict[str, List[str]]], nodes: NodeMap
@@ -105,24 +112,29 @@ def choose_step(reports: Dict[str, Dict[str, List[str]]], nodes: NodeMap
 
 
 def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: Optional[NodeMap],
-                      persistent_step: Optional[int], read: Callable[[str], Any], timeout: Optional[float] = None,
-                      found: Optional[Callable[[NodeMap], None]] = None) -> TierRestore:
+                      persistent: Callable[[], Optional[str]], read: Callable[[str], Any],
+                      timeout: Optional[float] = None, found: Optional[Callable[[NodeMap], None]] = None
+                      ) -> TierRestore:
     """This client's part of a restore through the tiers (see the module docstring). Collective.
 
-    ``read(prefix)`` restores this client's values from a bundle. ``nodes``: the job's node map,
-    or ``None`` to gather it in step 1 (``found`` gets it). Returns what was done; a ``step`` of
-    ``None`` means: restore the persistent checkpoint instead (every client gets the same answer)."""
+    ``persistent()`` (called on client 0 only) is the newest persistent checkpoint's path (``None``:
+    none); every client gets client 0's answer as the result's ``persistent``. ``read(prefix)``
+    restores this client's values from a bundle. ``nodes``: the job's node map, or ``None`` to
+    gather it in step 1 (``found`` gets it). Returns what was done; a ``step`` of ``None`` means:
+    restore ``persistent`` instead (every client gets the same answer)."""
     rank = coordinator.rank
-    nodes, by_node = report(tier, coordinator, nodes, timeout=timeout)
+    nodes, by_node, latest = report(tier, coordinator, nodes, timeout=timeout, persistent=persistent)
     if found is not None:
         found(nodes)
+    persistent_step = number_of(latest)
+    done = functools.partial(_done, tier, latest)
     me = nodes.node_of_rank[rank]
     leader = nodes.leader(me) == rank
     step, holders = choose_step(by_node, nodes)
     if step is None:
-        return _done(tier, TierRestore(None, None, reason="no local step is complete across the nodes"))
+        return done(TierRestore(None, None, reason="no local step is complete across the nodes"))
     if persistent_step is not None and persistent_step > step:
-        return _done(tier, TierRestore(None, None, reason=f"the persistent step {persistent_step} is newer than "
+        return done(TierRestore(None, None, reason=f"the persistent step {persistent_step} is newer than "
                                                            f"the newest complete local step {step}"))
     # 3 repopulate: each node's own bundle (the replicas it held for others: by the next save)
     moves = [(holders[owner][0], owner, owner) for owner in nodes.nodes if owner not in holders[owner]]
@@ -158,15 +170,22 @@ def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: Optional
             error = describe_error(exc)
         failed = _failures(coordinator.all_gather({"ok": error is None, "error": error or ""}, timeout=timeout))
     if failed:
-        return _done(tier, TierRestore(None, None, sent, received,
+        return done(TierRestore(None, None, sent, received,
                                        reason=f"restoring local step {step} failed: " + "; ".join(failed)))
-    return _done(tier, TierRestore(step, tier.prefix(me, me, step), sent, received))
+    return done(TierRestore(step, tier.prefix(me, me, step), sent, received))
 
 
 def _failures(results: List[Dict[str, Any]]) -> List[str]:
     return [f"rank {r}: {res['error']}" for r, res in enumerate(results) if not res["ok"]]
 
 
-def _done(tier: LocalTier, outcome: TierRestore) -> TierRestore:
+def _done(tier: LocalTier, latest: Optional[str], outcome: TierRestore) -> TierRestore:
+    outcome = dataclasses.replace(outcome, persistent=latest)
     tier.last_restore = outcome
     return outcome
+
+
+def number_of(path: Optional[str]) -> Optional[int]:
+    """The number of checkpoint ``<prefix>-<N>`` (``None``: no path, or no number)."""
+    tail = None if path is None else str(path).rsplit("-", 1)[-1]
+    return int(tail) if tail is not None and tail.isdigit() else None
