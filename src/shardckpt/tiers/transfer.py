@@ -33,10 +33,15 @@ import json
 import mmap
 import os
 import struct
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from ..distributed.coordinator import Coordinator
+from ..format.bundle_writer import byte_view
+from ..runtime import ThreadPool
 from .tier import bundle_files, fsync_dir
 
 if TYPE_CHECKING:
@@ -100,10 +105,51 @@ def send_files(coordinator: Coordinator, dst: int, folder: str, files: Sequence[
     return sent, error
 
 
+class _FileOut:
+    """One file being received: its handle (``None`` once it failed) and the first error. Written in order by
+    the receiver's one writer thread."""
+
+    def __init__(self, target: str, error: Optional[str]) -> None:
+        self.target = target
+        self.error = error
+        self.handle: Any = None
+        if error is None:
+            try:
+                self.handle = open(target, "wb", buffering=0)
+            except OSError as e:
+                self.error = f"{target}: {e}"
+
+    def write(self, data: np.ndarray) -> None:
+        if self.handle is None:
+            return
+        try:
+            view = byte_view(data)
+            while len(view):
+                view = view[self.handle.write(view):]
+        except OSError as e:
+            self.error = f"{self.target}: {e}"
+            _close_quietly(self.handle)
+            self.handle = None
+
+    def close(self) -> None:
+        if self.handle is None:
+            return
+        try:
+            os.fsync(self.handle.fileno())
+            self.handle.close()
+        except OSError as e:
+            self.error = f"{self.target}: {e}"
+        self.handle = None
+
+
 def receive_files(coordinator: Coordinator, src: int, folder: str, chunk: int,
                   timeout: Optional[float] = None) -> Tuple[int, Optional[str]]:
     """Receive the files rank ``src`` sends into ``folder`` (made when missing); return ``(bytes received,
-    error)``: a write error is returned after every byte was received, never raised."""
+    error)``: a write error is returned after every byte was received, never raised.
+
+    Two buffers of ``chunk`` bytes: one writer thread writes a message's bytes while the
+    next message is received into the other buffer, so the sender is never held up by the
+    receiver's writes (files are written in order; each is fsynced, then the folder)."""
     head = coordinator.recv_bytes(src, 8, tag=TAG, timeout=timeout)
     (length,) = struct.unpack("<Q", bytes(head))
     manifest = json.loads(bytes(coordinator.recv_bytes(src, length, tag=TAG, timeout=timeout)).decode("utf-8"))
@@ -113,36 +159,30 @@ def receive_files(coordinator: Coordinator, src: int, folder: str, chunk: int,
         os.makedirs(folder, exist_ok=True)
     except OSError as e:
         error = f"{folder}: {e}"
-    buffer = bytearray(min(chunk, max((size for _, size in files), default=0)) or 1)
-    view = memoryview(buffer)
-    received = 0
-    for name, size in files:
-        target = os.path.join(folder, name)
-        out = None
-        if error is None:
-            try:
-                out = open(target, "wb", buffering=0)
-            except OSError as e:
-                error = f"{target}: {e}"
-        left = size
-        while left:
-            n = min(left, len(buffer))
-            coordinator.recv_bytes(src, n, out=view[:n], tag=TAG, timeout=timeout)
-            left -= n
-            received += n
-            if out is not None:
-                try:
-                    out.write(view[:n])
-                except OSError as e:
-                    error = f"{target}: {e}"
-                    _close_quietly(out)
-                    out = None
-        if out is not None:
-            try:
-                os.fsync(out.fileno())
-                out.close()
-            except OSError as e:
-                error = f"{target}: {e}"
+    size = min(chunk, max((z for _, z in files), default=0)) or 1
+    buffers = [np.empty(size, np.uint8) for _ in range(2)]  # NumPy's large pages: cheap to fault in
+    in_use: List[Optional["Future[None]"]] = [None, None]  # the write still reading each buffer
+    outs: List[_FileOut] = []
+    received = turn = 0
+    with ThreadPool(1, "shardckpt-tier-write") as writer:
+        for name, total in files:
+            out = _FileOut(os.path.join(folder, name), error)
+            outs.append(out)
+            left = total
+            while left:
+                n = min(left, size)
+                busy = in_use[turn]
+                if busy is not None:
+                    busy.result()  # its bytes are written: the buffer is free
+                buffer = buffers[turn][:n]
+                coordinator.recv_bytes(src, n, out=byte_view(buffer), tag=TAG, timeout=timeout)
+                in_use[turn] = writer.submit(out.write, buffer)
+                turn ^= 1
+                left -= n
+                received += n
+            writer.submit(out.close)
+    for out in outs:
+        error = error or out.error
     if error is None and files:
         try:
             fsync_dir(folder)
