@@ -113,7 +113,8 @@ def run(data: str) -> None:
     for generation in range(1, SAVES + 1):
         W.set_generation(variables, model.plain, generation)
         W.phase(f"save{generation}", lambda: str(manager.save()))
-    coord.barrier("saved")  # a save returns once committed; each node's leader then drops its older steps
+    manager.sync()  # a save returns once committed; each node's leader drops its older steps behind it
+    coord.barrier("saved")
     W.phase("files_after_saves", lambda: tier_files(data) if rank == 0 else None)
     W.phase("restore_nothing_wiped", lambda: restore_phase(mesh, data, SAVES))
 

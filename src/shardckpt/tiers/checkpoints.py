@@ -100,8 +100,10 @@ class Tiered:
         coordinator = self._setup()
         nodes = self.nodes
         me = nodes.node_of_rank[coordinator.rank]
-        if saver is None:
-            return save_to_tier(self.tier, step, self.pieces(), coordinator, nodes, timeout=timeout).prefix
+        if saver is None:  # the removal of older steps runs behind the save, on the checkpoint's saver thread
+            return save_to_tier(self.tier, step, self.pieces(), coordinator, nodes, timeout=timeout,
+                                later=lambda work: self._checkpoint._background().then(
+                                    work, name=f"tier retention after step {step}")).prefix
         saver.wait()  # the buffers are the previous save's until it ended
         staged = self._stage(self.pieces())
         background = default_context().background(coordinator)

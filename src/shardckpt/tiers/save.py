@@ -28,6 +28,7 @@ disk after each (``K``: a node, ``L``: its leader, its lowest rank)::
                     outcome (a marker that failed fails the save everywhere; the step may
                     still be complete through its other copies)
     6 retain   L    bundles of steps older than the newest ``keep`` committed ones removed
+                    (a synchronous save returns first: the removal runs behind it)
 
 Until step 5 begins nothing of step N counts; the markers are written only after the
 agreement of step 4, so step N counts (at restore: every node's bundle marked on some live
@@ -40,7 +41,7 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -124,8 +125,12 @@ def _round(coordinator: Coordinator, error: Optional[str], timeout: Optional[flo
 
 
 def save_to_tier(tier: LocalTier, step: int, pieces: List[TierPiece], coordinator: Coordinator, nodes: NodeMap,
-                 timeout: Optional[float] = None) -> TierSave:
-    """This client's part of the tiered save of ``step`` (see the module docstring). Collective."""
+                 timeout: Optional[float] = None, later: Optional[Callable[[Callable[[], None]], None]] = None
+                 ) -> TierSave:
+    """This client's part of the tiered save of ``step`` (see the module docstring). Collective.
+
+    ``later``: where step 6 (the removal of older steps, after the commit) goes instead of
+    running before the call returns (a synchronous save hands it to the background)."""
     rank = coordinator.rank
     me = nodes.node_of_rank[rank]
     leader = nodes.leader(me) == rank
@@ -188,6 +193,12 @@ def save_to_tier(tier: LocalTier, step: int, pieces: List[TierPiece], coordinato
         error = f"{tier.root(me)}: writing the markers of step {step}: {describe_error(exc)}"
     _round(coordinator, error, timeout)
     if leader:  # 6 retain
-        steps = sorted(s for s, owners in tier.committed(me).items() if me in owners)
-        retain(tier, me, steps[-tier.keep:])
+        def drop_older() -> None:
+            steps = sorted(s for s, owners in tier.committed(me).items() if me in owners)
+            retain(tier, me, steps[-tier.keep:])
+
+        if later is not None:
+            later(drop_older)
+        else:
+            drop_older()
     return TierSave(own, int(step), sent, received)
