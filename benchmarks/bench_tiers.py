@@ -32,6 +32,7 @@ after timing. Medians; the ratios are what to read.
 
     .venv/bin/python benchmarks/bench_tiers.py                 # 1 GiB, 3 repeats
     .venv/bin/python benchmarks/bench_tiers.py --smoke
+    .venv/bin/python benchmarks/bench_tiers.py --src /tmp/base/src      # another revision (before/after)
 """
 
 from __future__ import annotations
@@ -197,6 +198,8 @@ def main() -> None:
     p.add_argument("--dir", default=tempfile.gettempdir(), help="scratch folder (the persistent directory)")
     p.add_argument("--tier", default="/dev/shm", help="where the simulated nodes' tier folders go")
     p.add_argument("--no-cold", action="store_true", help="do not drop the page cache before persistent restores")
+    p.add_argument("--src", default=os.path.join(REPO, "src"),
+                   help="the shardckpt source tree the clients import (another revision's src: before/after)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
     p.add_argument("--tier-root", help=argparse.SUPPRESS)
@@ -209,7 +212,7 @@ def main() -> None:
     tier_root = tempfile.mkdtemp(dir=args.tier, prefix="tiers-")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([os.path.abspath(args.src), os.environ.get("PYTHONPATH", "")]))
     try:
         proc = subprocess.run([torchrun, "--standalone", f"--nproc-per-node={CLIENTS}", os.path.abspath(__file__),
                                "--worker", "--folder", folder, "--tier-root", tier_root, "--size", args.size,
@@ -224,7 +227,7 @@ def main() -> None:
     r = json.loads(lines[-1][7:])
     med = r["median_s"]
     load = os.getloadavg()
-    print(f"{r['clients']} clients as 2 nodes, {C.fmt_size(r['bytes'])}, cold={r['cold']}, medians of "
+    print(f"src {args.src}: {r['clients']} clients as 2 nodes, {C.fmt_size(r['bytes'])}, cold={r['cold']}, medians of "
           f"{args.repeats}, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"{'phase':<26} {'s':>8}")
     for name, t in med.items():
