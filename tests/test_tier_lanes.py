@@ -9,7 +9,6 @@ come).
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict
@@ -22,26 +21,14 @@ WORKER = HELPERS / "tier_lanes_worker.py"
 if str(HELPERS) not in sys.path:
     sys.path.insert(0, str(HELPERS))
 
-from launchers import clean_env, launch_command, rank_results, run_launched  # noqa: E402  (tests/helpers)
+from launchers import run_job  # noqa: E402  (tests/helpers)
 
 NPROC = 3
 
 
 @pytest.fixture(scope="module", params=["torch", "mpi"])
 def job(request, tmp_path_factory) -> Dict[int, Any]:
-    backend = request.param
-    tmp = tmp_path_factory.mktemp(f"lanes-{backend}")
-    out, data = tmp / "out", tmp / "data"
-    try:
-        proc = run_launched(launch_command(backend, NPROC, WORKER) + [str(out), str(data)], env=clean_env(),
-                            cwd=str(HERE.parent), timeout=300)
-        rc: Any = proc.returncode
-        tail = (proc.stdout + proc.stderr)[-5000:]
-    except subprocess.TimeoutExpired as exc:
-        rc, tail = "timeout", str(exc.stdout or "")[-5000:]
-    results = rank_results(out, NPROC, "torch" if backend == "torch" else "mpi", rc, tail)
-    assert rc == 0, f"launcher exit {rc}; log:\n{tail}"
-    return results
+    return run_job(request.param, NPROC, WORKER, tmp_path_factory.mktemp(f"lanes-{request.param}"))
 
 
 def _value(results: Dict[int, Any], rank: int, name: str) -> Dict[str, Any]:

@@ -22,7 +22,6 @@ replicas=1, keep=2), persist_every=5)``, six times. What is held (the issue's Te
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict
@@ -35,7 +34,7 @@ WORKER = HELPERS / "tiers_worker.py"
 if str(HELPERS) not in sys.path:
     sys.path.insert(0, str(HELPERS))
 
-from launchers import clean_env, launch_command, rank_results, run_launched  # noqa: E402  (tests/helpers)
+from launchers import run_job  # noqa: E402  (tests/helpers)
 
 NPROC = 4
 LAUNCH_TIMEOUT = 300
@@ -43,19 +42,8 @@ LAUNCH_TIMEOUT = 300
 
 @pytest.fixture(scope="module", params=["torch", "mpi"])
 def job(request, tmp_path_factory) -> Dict[str, Any]:
-    backend = request.param
-    tmp = tmp_path_factory.mktemp(f"tiers-{backend}")
-    out, data = tmp / "out", tmp / "data"
-    try:
-        proc = run_launched(launch_command(backend, NPROC, WORKER) + [str(out), str(data)], env=clean_env(),
-                            cwd=str(HERE.parent), timeout=LAUNCH_TIMEOUT)
-        rc: Any = proc.returncode
-        tail = (proc.stdout + proc.stderr)[-5000:]
-    except subprocess.TimeoutExpired as exc:
-        rc, tail = "timeout", str(exc.stdout or "")[-5000:]
-    results = rank_results(out, NPROC, backend, rc, tail)
-    assert rc == 0, f"launcher exit {rc}; log:\n{tail}"
-    return {"results": results, "data": data}
+    tmp = tmp_path_factory.mktemp(f"tiers-{request.param}")
+    return {"results": run_job(request.param, NPROC, WORKER, tmp, timeout=LAUNCH_TIMEOUT), "data": tmp / "data"}
 
 
 def _phase(job: Dict[str, Any], rank: int, name: str) -> Dict[str, Any]:

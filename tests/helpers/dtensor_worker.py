@@ -165,6 +165,40 @@ def phase(name: str, fn) -> Dict[str, Any]:
 
 
 # -- helpers -------------------------------------------------------------------------------------------------
+def launched(run, node_of_rank=None, register: bool = False) -> None:
+    """A launched client's whole life: ``argv`` is ``OUTDIR DATADIR``; ``SHARDCKPT_NODE`` set to
+    ``node_of_rank(rank)`` (when given) before anything is built; a coordinator (``register``: also the
+    process's, ``set_coordinator``) in ``result["coordinator"]`` while ``run(datadir)`` runs; the record
+    marked ``done``, or its ``fatal`` traceback kept, in ``OUTDIR/rank<R>.json``."""
+    global OUT
+    try:
+        OUT, data = sys.argv[1], os.path.abspath(sys.argv[2])
+        os.makedirs(OUT, exist_ok=True)
+        rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+        if node_of_rank is not None:
+            os.environ["SHARDCKPT_NODE"] = str(node_of_rank(rank))
+        coord = make_coordinator(LONG)
+        if register:
+            from shardckpt.distributed import set_coordinator
+
+            set_coordinator(coord)
+        result.update(rank=coord.rank, size=coord.size, backend=coord.backend, pid=os.getpid())
+        flush()
+        result["coordinator"] = coord
+        try:
+            run(data)
+        finally:
+            del result["coordinator"]
+        result["done"] = True
+        flush()
+        coord.close()
+    except BaseException:
+        result.pop("coordinator", None)
+        result["fatal"] = traceback.format_exc()
+        flush()
+        raise
+
+
 def make_coordinator(timeout: float):
     from shardckpt.distributed.select import detect_backend
 

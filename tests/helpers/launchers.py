@@ -71,3 +71,19 @@ def rank_results(out: Path, nproc: int, backend: str, rc: Any, tail: str) -> Dic
         assert res["rank"] == r and res["size"] == nproc and res["backend"] == backend, res
         results[r] = res
     return results
+
+
+def run_job(backend: str, nproc: int, worker: Path, tmp: Path, timeout: float = 300) -> Dict[int, dict]:
+    """``worker OUTDIR DATADIR`` launched on ``nproc`` clients (``tmp/out``, ``tmp/data``); every client's record,
+    checked (:func:`rank_results`), once the launcher exited 0."""
+    out, data = tmp / "out", tmp / "data"
+    try:
+        proc = run_launched(launch_command(backend, nproc, worker) + [str(out), str(data)], env=clean_env(),
+                            cwd=str(Path(__file__).resolve().parent.parent), timeout=timeout)
+        rc: Any = proc.returncode
+        tail = (proc.stdout + proc.stderr)[-5000:]
+    except subprocess.TimeoutExpired as exc:
+        rc, tail = "timeout", str(exc.stdout or "")[-5000:]
+    results = rank_results(out, nproc, backend, rc, tail)
+    assert rc == 0, f"launcher exit {rc}; log:\n{tail}"
+    return results

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-import traceback
 from typing import Any, Dict
 
 import numpy as np
@@ -110,29 +109,5 @@ def run(data: str) -> None:
         T.bundle_files = listed
 
 
-def main() -> None:
-    W.OUT, data = sys.argv[1], os.path.abspath(sys.argv[2])
-    os.makedirs(W.OUT, exist_ok=True)
-    rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
-    os.environ["SHARDCKPT_NODE"] = "a" if rank < 2 else "b"
-    coord = W.make_coordinator(W.LONG)
-    W.result.update(rank=coord.rank, size=coord.size, backend=coord.backend, pid=os.getpid())
-    W.flush()
-    W.result["coordinator"] = coord
-    try:
-        run(data)
-    finally:
-        del W.result["coordinator"]
-    W.result["done"] = True
-    W.flush()
-    coord.close()
-
-
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        W.result.pop("coordinator", None)
-        W.result["fatal"] = traceback.format_exc()
-        W.flush()
-        raise
+    W.launched(run, node_of_rank=lambda rank: "a" if rank < 2 else "b")

@@ -34,7 +34,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import traceback
 from typing import Any, Dict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -171,33 +170,10 @@ def shardckpt_options(**kwargs: Any) -> Any:
     return shardckpt.CheckpointOptions(**kwargs)
 
 
-def main() -> None:
-    W.OUT, data = sys.argv[1], os.path.abspath(sys.argv[2])
-    os.makedirs(W.OUT, exist_ok=True)
-    rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
-    os.environ["SHARDCKPT_NODE"] = str(rank // 2)
-    from shardckpt.distributed import set_coordinator
-
-    coord = W.make_coordinator(W.LONG)
-    set_coordinator(coord)
-    W.result.update(rank=coord.rank, size=coord.size, backend=coord.backend, pid=os.getpid())
-    W.flush()
-    count(coord, os.path.join(data, "persistent"))
-    W.result["coordinator"] = coord
-    try:
-        run(data)
-    finally:
-        del W.result["coordinator"]
-    W.result["done"] = True
-    W.flush()
-    coord.close()
+def counted(data: str) -> None:
+    count(W.result["coordinator"], os.path.join(data, "persistent"))
+    run(data)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        W.result.pop("coordinator", None)
-        W.result["fatal"] = traceback.format_exc()
-        W.flush()
-        raise
+    W.launched(counted, node_of_rank=lambda rank: rank // 2, register=True)
