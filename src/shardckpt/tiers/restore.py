@@ -9,16 +9,18 @@ same order. Steps::
                     node map is not known yet: every client lists, the leaders' lists count)
     2 choose   all  the newest step S for which every node's bundle is held by some node
                     (its own or a replica holder); if the newest persistent checkpoint
-                    (client 0's, gathered in step 1) is newer, or no step is complete, nothing here:
-                    the caller restores the persistent checkpoint (never a mix of steps)
+                    (client 0's, gathered in step 1) is newer, or no step is complete,
+                    nothing here: the caller restores the persistent checkpoint (never a
+                    mix of steps)
     3 repopulate    for each node that lacks its own bundle of S: its leader removes what
                     a save that died left of it (all-gather of the outcome); the first
                     holder (in node order) streams it to that node, every client of both
                     at once (:mod:`.transfer`: one lane per pair of clients); all-gather
                     of the outcome; that node's leader writes the marker. With nothing
-                    lost, this step moves no byte and has no round. Replicas a lost node held for others
-                    are not re-sent here (they are not needed to restore): the next save
-                    writes every bundle and replica of its step afresh
+                    lost, this step moves no byte and has no round. Replicas a lost node
+                    held for others are not re-sent here (they are not needed to
+                    restore): the next save writes every bundle and replica of its step
+                    afresh
     4 drop     L    bundles of steps newer than S are removed from every tier (marker
                     first), so that later saves of those numbers never meet them
     5 read     all  each client restores from its own node's bundle of S through the one
