@@ -76,6 +76,7 @@ from shardckpt.checkpoint.graph import OBJECT_GRAPH_KEY
 from shardckpt.distributed.coordinator import Coordinator
 from shardckpt.distributed.single import SingleProcessCoordinator
 from shardckpt.format.bundle_reader import BundleReader
+from shardckpt.saving import async_save as async_save_module
 from shardckpt.saving.async_save import AsyncSaveError, AsyncSaver
 from shardckpt.saving.distributed import save_tensors_distributed
 from shardckpt.saving.plan import SavePlan
@@ -641,7 +642,8 @@ _HANG_PRELUDE = """
     import errno, faulthandler, os, sys, tempfile, threading
     import numpy as np
     import shardckpt
-    from shardckpt.saving.async_save import AsyncSaveError, AsyncSaver
+    from shardckpt.saving import async_save as async_save_module
+from shardckpt.saving.async_save import AsyncSaveError, AsyncSaver
     from shardckpt.storage.local import LocalFileSystem
     faulthandler.dump_traceback_later(6, exit=True)  # a hang ends the process with its stacks
     d = tempfile.mkdtemp()
@@ -1219,3 +1221,19 @@ def test_a_follow_up_runs_after_the_save_in_flight_commits_and_never_after_one_t
     # a follow-up's own error is logged, never raised by the next wait
     saver.then(lambda: (_ for _ in ()).throw(RuntimeError("follow-up broke")))
     saver.wait()
+
+
+def test_background_work_runs_below_the_training_threads_priority(tmp_path: Path) -> None:
+    seen: List[int] = []
+
+    def write(_plan: Any) -> None:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    saver = AsyncSaver()
+    saver.submit(str(tmp_path / "a"), SavePlan.empty(), write)
+    saver.wait()
+    saver.then(lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    saver.wait()
+    assert seen == [max(mine, async_save_module.BACKGROUND_NICE)] * 2
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller's is untouched

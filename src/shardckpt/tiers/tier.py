@@ -53,7 +53,9 @@ class LocalTier:
         fewer other nodes): the placement of :func:`~shardckpt.tiers.nodes.replica_targets`.
       keep: how many of the newest local steps each node keeps (at least 1; every node deletes
         older steps only after every node committed the new one).
-      chunk_bytes: bytes in flight per replica transfer message (memory held per transfer).
+      chunk_bytes: bytes of one message of a transfer between nodes (a receiver holds two such
+        buffers per lane: it writes one while it receives the other; a sender sends its files'
+        mapped pages).
     """
 
     directory: str
