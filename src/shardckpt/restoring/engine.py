@@ -39,6 +39,7 @@ from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
 import numpy as np
 
 from .plan import Read, ReadGroup, RestorePlan
+from .sharing import Batch, Job, PieceCut, Scratch, share
 from .source import PieceSource
 
 __all__ = ["run", "read_one", "collective_call"]
@@ -87,6 +88,14 @@ def _one(source: PieceSource, read: Read, session: Any, verify: bool) -> np.ndar
     return source.read(read, session, verify=verify)
 
 
+def _job(source: PieceSource, job: Job, session: Any, verify: bool, scratch: Scratch) -> Optional[np.ndarray]:
+    """One job of a batch: a read (its value), or a shared piece read whole and cut (nothing)."""
+    if isinstance(job, PieceCut):
+        job.run(source, verify, scratch)
+        return None
+    return _one(source, job, session, verify)
+
+
 @contextlib.contextmanager
 def _pool(workers: int, jobs: int) -> Iterator[Optional[ThreadPoolExecutor]]:
     if workers <= 1 or jobs <= 1:
@@ -116,13 +125,18 @@ def _run_deferred(plan: RestorePlan) -> List[np.ndarray]:
     out: List[Optional[np.ndarray]] = [None] * len(reads)
     wholes = [i for i, r in enumerate(reads) if r.whole]
     others = [i for i, r in enumerate(reads) if not r.whole]
+    batch = share(source, [reads[i] for i in others])
+    jobs = batch.jobs
+    scratch = Scratch(plan.workers)
     with source.reading(defer=True) as session:
-        with _pool(plan.workers, len(others)) as pool:
-            futures = {i: pool.submit(_one, source, reads[i], session, verify) for i in others} if pool else {}
+        with _pool(plan.workers, len(jobs)) as pool:
+            futures = [pool.submit(_job, source, job, session, verify, scratch) for job in jobs] if pool else []
             for i, value in zip(wholes, source.read_whole([reads[i] for i in wholes], session, verify=verify)):
                 out[i] = value
-            for i in others:
-                out[i] = futures[i].result() if pool else _one(source, reads[i], session, verify)
+            results = [f.result() for f in futures] if pool else \
+                [_job(source, job, session, verify, scratch) for job in jobs]
+    for i, value in zip(others, batch.values(results)):
+        out[i] = value
     values: List[np.ndarray] = [v for v in out if v is not None]
     _finish_groups(plan.groups, values)
     return values
@@ -132,31 +146,38 @@ def _run_streaming(plan: RestorePlan) -> List[np.ndarray]:
     source, verify = plan.source, plan.verify
     budget = plan.budget
     values: List[np.ndarray] = []
-    pending: Deque[Tuple[ReadGroup, List["Future[np.ndarray]"]]] = deque()
+    pending: Deque[Tuple[ReadGroup, Batch, int, List["Future[Optional[np.ndarray]]"]]] = deque()
     upcoming = iter(plan.groups)
     following = next(upcoming, None)
     in_flight = 0
+    scratch = Scratch(plan.workers)
     with _pool(plan.workers, len(plan.reads)) as pool:
-        def submit(read: Read) -> "Future[np.ndarray]":
+        def submit(job: Job) -> "Future[Optional[np.ndarray]]":
             if pool is not None:
-                return pool.submit(_one, source, read, None, verify)
-            done: "Future[np.ndarray]" = Future()
-            done.set_result(_one(source, read, None, verify))
+                return pool.submit(_job, source, job, None, verify, scratch)
+            done: "Future[Optional[np.ndarray]]" = Future()
+            done.set_result(_job(source, job, None, verify, scratch))
             return done
 
+        batch: Optional[Batch] = None
         while following is not None or pending:
-            while following is not None and (not pending or budget is None or in_flight + following.nbytes <= budget):
-                pending.append((following, [submit(r) for r in following.reads]))
-                in_flight += following.nbytes
-                following = next(upcoming, None)
-            group, futures = pending.popleft()
-            got = [f.result() for f in futures]
+            while following is not None:
+                if batch is None:  # the group's pieces shared among its reads; their buffers count too
+                    batch = share(source, following.reads, limit=budget)
+                held = following.nbytes + batch.extra
+                if pending and budget is not None and in_flight + held > budget:
+                    break
+                pending.append((following, batch, held, [submit(job) for job in batch.jobs]))
+                in_flight += held
+                following, batch = next(upcoming, None), None
+            group, served, held, futures = pending.popleft()
+            got = served.values([f.result() for f in futures])
             if group.done is not None:
                 group.done(got)  # the group's buffers are the front door's now (dropped once it built its value)
             else:
                 values.extend(got)
-            in_flight -= group.nbytes
-            del got, futures
+            in_flight -= held
+            del got, futures, served
     return values
 
 

@@ -1,0 +1,309 @@
+"""Shared pieces: a stored piece that several reads of one batch cut across is read once, whole.
+
+A resharded restore asks for regions that cut stored pieces across: a (4096, 1024) tensor
+stored as four (1024, 1024) row blocks and read as four (4096, 256) column regions has each
+block cut by the four regions into 1 KiB row runs. Read region by region, each block is
+read (or covered by row reads) four times, and no checksum covers any of it.
+:func:`share` plans one batch of reads (a deferring plan's region reads, or one group of a
+streaming plan) from the source's metadata (:meth:`~.source.PieceSource.piece_boxes`): where
+the reads' parts of a stored piece together cover it and at least one part is strided in the
+file (not one contiguous range, which a region read moves straight into place), the piece
+is read once with a whole-piece read (``Read(key, piece box)``: the source reads it
+contiguously and checks its CRC32C) into a buffer (or straight into a destination whose part
+is the whole piece, when that part is contiguous in memory), and each part is copied out of
+it into its destination. The reads' other parts are read as before, each into its place in
+the read's destination (a view). What the engine runs, in order (any order is correct: the
+jobs write disjoint parts of the destinations, or equal bytes):
+
+    Batch.jobs       a PieceCut (one whole-piece read and its copies) or a Read (a part
+                     of a read, or a read left as it was) each
+    Batch.extra      bytes of the piece buffers (a streaming plan's budget counts them)
+    Batch.values(r)  every read's destination, in order, given the jobs' results (a shared
+                     read's destination is allocated here, 64-byte aligned, when it has none)
+
+Only reads without a follow-up (``then``), of a numeric dtype, whose region fits the tensor
+and whose destination (when given) has the region's shape and the stored dtype take part;
+any other read is left as it is, so the source reports its problems as it always did. A
+read takes part only when the stored pieces tile its region. Pieces larger than
+:data:`MAX_SHARED_PIECE` (or than the plan's budget) are not shared: their buffer would cost
+more memory than the saved reads are worth. Nothing here touches storage.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from ..errors import ShardckptError
+from ..format.buffers import aligned_empty
+from ..format.bundle_index import key_bytes
+from ..format.bundle_pieces import region_box
+from ..format.tensor_slice import Box, box_shape, box_volume, boxes_tile, full_box, intersect
+from .plan import Read
+
+__all__ = ["PieceCut", "Scratch", "Batch", "share", "unshared", "MAX_SHARED_PIECE"]
+
+MAX_SHARED_PIECE = 64 << 20  # bytes: larger pieces are read by parts, as their reads ask
+
+PieceId = Tuple[bytes, Box]  # the tensor's key and the piece's box in it
+
+
+@dataclass(frozen=True)
+class PieceCut:
+    """One stored piece read whole (``read``: checksum-verified by the source) and copied into each
+    destination: ``cuts`` are ``(index into the piece, destination)`` pairs (a destination that is
+    ``read.out`` itself already holds its part). ``nbytes``: the piece buffer's bytes, 0 when the
+    piece is read straight into a destination (else the buffer, of ``shape`` and ``dtype``, comes
+    from the run's :class:`Scratch`)."""
+
+    read: Read
+    cuts: Tuple[Tuple[Tuple[slice, ...], np.ndarray], ...]
+    shape: Tuple[int, ...]
+    dtype: np.dtype
+    nbytes: int = 0
+
+    def run(self, source: Any, verify: bool, scratch: "Scratch") -> None:
+        """Read the piece (complete and checked on return) and cut it into every destination."""
+        read, raw = self.read, None
+        if read.out is None:
+            raw = scratch.take(self.nbytes)
+            read = replace(read, out=raw[:self.nbytes].view(self.dtype).reshape(self.shape))
+        try:
+            buf = source.read(read, None, verify=verify)
+            for index, dest in self.cuts:
+                if dest is not read.out:
+                    dest[...] = buf[index]
+        finally:
+            if raw is not None:
+                scratch.give(raw)
+
+
+class Scratch:
+    """Piece buffers reused by the jobs of one run (one buffer per job at a time; a freshly
+    allocated buffer costs a page fault per page, about as much as reading the piece). At most
+    ``keep`` free buffers are kept (the largest); all are dropped with the run."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = max(1, keep)
+        self._free: List[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A 64-byte aligned byte buffer of at least ``nbytes``."""
+        with self._lock:
+            fits = [k for k, b in enumerate(self._free) if b.nbytes >= nbytes]
+            if fits:
+                return self._free.pop(min(fits, key=lambda k: self._free[k].nbytes))
+        return aligned_empty((nbytes,), np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        """``buf`` is free again."""
+        with self._lock:
+            self._free.append(buf)
+            if len(self._free) > self._keep:
+                self._free.pop(min(range(len(self._free)), key=lambda k: self._free[k].nbytes))
+
+
+Job = Union[Read, PieceCut]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The jobs that serve a batch of reads (see the module docstring)."""
+
+    jobs: Tuple[Job, ...]
+    slots: Tuple[Union[int, np.ndarray], ...]  # per read: the index of its job, or its destination
+    extra: int = 0
+
+    def values(self, results: Sequence[Any]) -> List[np.ndarray]:
+        """Every read's destination, in order, given each job's result (a Read's value)."""
+        return [results[s] if isinstance(s, int) else s for s in self.slots]
+
+
+def unshared(reads: Sequence[Read]) -> Batch:
+    """The batch that reads each read as it is."""
+    return Batch(tuple(reads), tuple(range(len(reads))))
+
+
+@dataclass
+class _Part:
+    pid: PieceId
+    common: Box  # the part, in the tensor's coordinates
+    read: Read  # the read it belongs to
+
+
+@dataclass
+class _Split:
+    box: Box  # the read's region, in the tensor's coordinates
+    dtype: np.dtype
+    parts: List[_Part]
+
+
+@dataclass
+class _Piece:
+    nbytes: int
+    dtype: np.dtype
+    parts: List[_Part] = field(default_factory=list)
+
+
+class _Meta:
+    """The source's metadata, asked once per key while one batch is planned."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self._seen: Dict[bytes, Tuple[Tuple[int, ...], Any, List[Box]]] = {}
+
+    def of(self, key: Any) -> Tuple[Tuple[int, ...], Any, List[Box]]:
+        kb = key_bytes(key)
+        got = self._seen.get(kb)
+        if got is None:
+            source = self.source
+            got = self._seen[kb] = (tuple(source.shape(key)), source.dtype(key), [])
+        return got
+
+    def boxes(self, key: Any) -> List[Box]:
+        shape, dt, boxes = self.of(key)
+        if not boxes:
+            boxes.extend(self.source.piece_boxes(key))
+        return boxes
+
+
+def _split(meta: _Meta, read: Read) -> Optional[_Split]:
+    """``read`` as its parts, one per stored piece it overlaps, or ``None`` when it does not take part."""
+    if read.then is not None or (read.region is None and read.piece is None):
+        return None
+    stored = read.piece
+    key = read.key if stored is None else stored.tensor_key
+    shape, dt, _ = meta.of(key)
+    if not dt.is_numeric:
+        return None
+    if stored is None:
+        box = region_box(read.region, shape, meta.source.prefix, key)
+        overlaps = [(pbox, intersect(pbox, box)) for pbox in meta.boxes(key)]
+        commons = [(pbox, c) for pbox, c in overlaps if c is not None]
+        if box_volume(box) == 0 or boxes_tile([c for _, c in commons], box) is not None:
+            return None  # the read reports what is missing
+    else:
+        pshape = box_shape(stored.box)
+        local = read.region if read.region is not None else full_box(pshape)
+        local = tuple((int(a), int(b)) for a, b in local)
+        if len(local) != len(pshape) or any(not 0 <= a < b <= d for (a, b), d in zip(local, pshape)):
+            return None
+        box = tuple((p0 + a, p0 + b) for (a, b), (p0, _) in zip(local, stored.box))
+        commons = [(tuple(stored.box), box)]
+    dtype = np.dtype(dt.numpy)
+    out = read.out
+    if out is not None and (tuple(out.shape) != box_shape(box) or out.dtype != dtype):
+        return None  # the read reports the wrong destination
+    kb = key_bytes(key)
+    return _Split(box, dtype, [_Part((kb, pbox), common, read) for pbox, common in commons])
+
+
+def share(source: Any, reads: Sequence[Read], *, limit: Optional[int] = None) -> Batch:
+    """Plan ``reads`` so that every stored piece their parts cover, and cut across, is read once."""
+    limit = MAX_SHARED_PIECE if limit is None else min(limit, MAX_SHARED_PIECE)
+    if len(reads) < 2:
+        return unshared(reads)
+    tensors: Dict[bytes, int] = {}  # reads per tensor: a piece is shared by reads of one tensor
+    for read in reads:
+        if read.then is None and (read.region is not None or read.piece is not None):
+            kb = _tensor_key(read)
+            tensors[kb] = tensors.get(kb, 0) + 1
+    if not any(n > 1 for n in tensors.values()):
+        return unshared(reads)
+    meta = _Meta(source)
+    splits: List[Optional[_Split]] = []
+    pieces: Dict[PieceId, _Piece] = {}
+    for read in reads:
+        try:
+            split = _split(meta, read) if tensors.get(_tensor_key(read), 0) > 1 else None
+        except ShardckptError:  # left to the read itself to report
+            split = None
+        splits.append(split)
+        if split is None:
+            continue
+        for part in split.parts:
+            piece = pieces.get(part.pid)
+            if piece is None:
+                piece = pieces[part.pid] = _Piece(box_volume(part.pid[1]) * split.dtype.itemsize, split.dtype)
+            piece.parts.append(part)
+    chosen = {pid for pid, piece in pieces.items() if piece.nbytes <= limit and _worth_sharing(pid[1], piece.parts)}
+    if not chosen:
+        return unshared(reads)
+    jobs: List[Job] = []
+    slots: List[Union[int, np.ndarray]] = []
+    cuts: Dict[PieceId, List[Tuple[Tuple[slice, ...], np.ndarray]]] = {}
+    for read, split in zip(reads, splits):
+        if split is None or not any(part.pid in chosen for part in split.parts):
+            slots.append(len(jobs))
+            jobs.append(read)
+            continue
+        dest = read.out if read.out is not None else aligned_empty(box_shape(split.box), split.dtype)
+        slots.append(dest)
+        for part in split.parts:
+            view = dest[_index(part.common, split.box)]
+            if part.pid in chosen:
+                cuts.setdefault(part.pid, []).append((_index(part.common, part.pid[1]), view))
+            elif read.piece is not None:  # the read names its piece: the part relative to it
+                jobs.append(Read(read.key, _relative(part.common, read.piece.box), view, read.piece))
+            else:
+                jobs.append(Read(read.key, part.common, view))
+    extra = 0
+    for pid, piece_cuts in cuts.items():
+        pbox = pid[1]
+        into = next((dest for index, dest in piece_cuts if _is_whole(index, pbox) and dest.flags.c_contiguous), None)
+        named = next((part.read.piece for part in pieces[pid].parts if part.read.piece is not None), None)
+        key = pieces[pid].parts[0].read.key
+        whole = Read(key, full_box(box_shape(pbox)), into, named) if named is not None else Read(key, pbox, into)
+        job = PieceCut(whole, tuple(piece_cuts), box_shape(pbox), pieces[pid].dtype,
+                       0 if into is not None else pieces[pid].nbytes)
+        extra += job.nbytes
+        jobs.append(job)
+    return Batch(tuple(jobs), tuple(slots), extra)
+
+
+def _tensor_key(read: Read) -> bytes:
+    return key_bytes(read.key if read.piece is None else read.piece.tensor_key)
+
+
+def _worth_sharing(pbox: Box, parts: List[_Part]) -> bool:
+    """Whether reading the piece once beats reading its parts: they cover it, and one of them is strided
+    in the file (a part of whole trailing dimensions is one contiguous range, read straight into place)."""
+    pshape = box_shape(pbox)
+    strided = any(any(c != p for c, p in zip(part.common[1:], pbox[1:])) for part in parts)
+    return strided and len(pshape) > 1 and _covers([part.common for part in parts], pbox)
+
+
+def _covers(boxes: List[Box], region: Box) -> bool:
+    """Whether the union of ``boxes`` (all inside ``region``, overlaps allowed) is ``region``."""
+    if sum(box_volume(b) for b in boxes) < box_volume(region):
+        return False
+    edges = [sorted({lo, hi} | {b[d][0] for b in boxes} | {b[d][1] for b in boxes})
+             for d, (lo, hi) in enumerate(region)]
+    cells = 1
+    for e in edges:
+        cells *= len(e) - 1
+    if cells > 4 * len(boxes) + 65536:  # a grid too large to paint: not shared
+        return False
+    painted = np.zeros([len(e) - 1 for e in edges], dtype=bool)
+    for box in boxes:
+        at = tuple(slice(bisect.bisect_left(e, a), bisect.bisect_left(e, b)) for e, (a, b) in zip(edges, box))
+        painted[at] = True
+    return bool(painted.all())
+
+
+def _index(common: Box, within: Box) -> Tuple[slice, ...]:
+    """``common`` as an index into an array holding the box ``within``."""
+    return tuple(slice(a - w0, b - w0) for (a, b), (w0, _) in zip(common, within))
+
+
+def _relative(common: Box, pbox: Box) -> Box:
+    return tuple((a - p0, b - p0) for (a, b), (p0, _) in zip(common, pbox))
+
+
+def _is_whole(index: Tuple[slice, ...], pbox: Box) -> bool:
+    return all(s.start == 0 and s.stop == b - a for s, (a, b) in zip(index, pbox))
