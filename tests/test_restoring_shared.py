@@ -172,7 +172,7 @@ def test_a_region_that_is_a_stored_piece_receives_it_straight(tmp_path: Path) ->
     pieces = [((0, 4), (0, 6)), ((4, 8), (0, 6))]
     with BundleSource.open(_save(tmp_path, "b", value, pieces)) as source:
         reads = [Read("t", ((0, 4), (0, 6))), Read("t", ((0, 8), (0, 3))), Read("t", ((0, 8), (3, 6)))]
-        batch = share(source, reads)
+        batch = share(source, reads).batch()
         cuts = [job for job in batch.jobs if isinstance(job, PieceCut)]
         assert len(cuts) == 2 and sum(job.nbytes for job in cuts) == 4 * 6 * 4  # the first piece: no buffer
         got = run(RestorePlan.of(source, reads, workers=2))
@@ -184,11 +184,11 @@ def test_parts_that_are_contiguous_ranges_are_read_straight_into_place(tmp_path:
     value = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
     with BundleSource.open(_save(tmp_path, "b", value, [((0, 8), (0, 6))])) as source:
         rows = [Read("t", ((r, r + 2), (0, 6))) for r in range(0, 8, 2)]  # leading rows: one range each
-        assert share(source, rows).jobs == tuple(rows)
+        assert share(source, rows).batch().jobs == tuple(rows)
         cols = [Read("t", ((0, 8), (c, c + 3))) for c in (0, 3)]
-        assert [type(job) for job in share(source, cols).jobs] == [PieceCut]
+        assert [type(job) for job in share(source, cols).batch().jobs] == [PieceCut]
         half = [Read("t", ((0, 8), (0, 3))), Read("t", ((0, 4), (3, 6)))]  # leaves part of the piece unread
-        assert share(source, half).jobs == tuple(half)
+        assert share(source, half).batch().jobs == tuple(half)
 
 
 def _damage_piece(prefix: str, source: BundleSource, box: Box) -> None:
@@ -249,3 +249,23 @@ def test_a_streaming_plan_counts_piece_buffers_in_its_budget(tmp_path: Path) -> 
                          for k in range(3))
         assert overlapped is not alone, events
         assert sorted(started) == sorted(k for k in range(4) for _ in pieces)  # each piece once
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_the_announcement_names_what_is_read_a_shared_piece_whole(tmp_path: Path, defer: bool) -> None:
+    value = np.arange(16 * 12, dtype=np.float32).reshape(16, 12)
+    pieces = _grid(value.shape, [[8], []])
+    announced: List[List[Tuple[Any, Any]]] = []
+
+    class Announced(BundleSource):
+        def announce(self, reads: Sequence[Read]) -> None:
+            announced.append([(r.key, r.region) for r in reads])
+            super().announce(reads)
+
+    with Announced(BundleSource.open(_save(tmp_path, "b", value, pieces)).reader) as source:
+        columns = tuple(Read("t", ((0, 16), (c, c + 4))) for c in (0, 4, 8))
+        plan = RestorePlan.of(source, [ReadGroup(columns), Read("other")], workers=2, defer=defer)
+        got = run(plan)
+    assert sorted(announced[0], key=repr) == sorted([("t", p) for p in pieces] + [("other", None)], key=repr)
+    for read, array in zip(columns, got):
+        np.testing.assert_array_equal(array, value[_index(read.region)])

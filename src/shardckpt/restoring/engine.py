@@ -4,23 +4,34 @@ Every front door (``Checkpoint.restore``/``read``, ``dtensor`` restores, ``shard
 DCP's ``TFBundleReader``, ``restore_tensors``) plans against a :class:`~.source.PieceSource`'s
 metadata, checking every target before anything is read, and hands the plan here. Steps:
 
-1. **announce** (once): every read of the plan, so object stores fetch the byte ranges in few
-   large requests ahead of the reads, and local files whose reads leave gaps get a guide (a
-   plan of one read is not announced: its read fetches its own ranges, and a guide would map
-   the file for nothing).
-2. **read**, on one pool of ``plan.workers`` threads (none when ``workers == 1``):
+1. **share** (:mod:`.sharing`, metadata only): the region reads of a batch (a deferring
+   plan's, or one group of a streaming plan) are planned together: a stored piece that their
+   parts cover and cut across (columns of row blocks: a resharded restore) is to be read
+   once, whole and checksummed, and cut into every read's destination (a
+   :class:`~.sharing.PieceCut`); the reads' other parts, and every read that shares nothing,
+   are read as they are. A batch's destinations are allocated when it is admitted.
+2. **announce** (once): every read the plan will make (shared pieces whole), so object stores
+   fetch the byte ranges in few large requests ahead of the reads, and local files whose
+   reads leave gaps get a guide (a plan of one read is not announced: its read fetches its
+   own ranges, and a guide would map the file for nothing).
+3. **read**, on one pool of ``plan.workers`` threads (none when ``workers == 1``):
 
    * a *deferring* plan (the default) opens one read session: whole-tensor reads are planned
      in one pass on the calling thread and read and checksummed by the source's helpers;
-     region reads run on the pool meanwhile. Leaving the session waits for every read and
-     raises the first failure (a read error, a checksum mismatch, a replaced file).
+     the jobs of its region reads run on the pool meanwhile (a shared piece is complete and
+     checked before it is cut). Leaving the session waits for every read and raises the
+     first failure (a read error, a checksum mismatch, a replaced file).
    * a *streaming* plan (``defer=False``) admits groups in order while their bytes in flight
-     stay within ``plan.budget``; each group is complete and checked when its ``done`` runs,
-     so a front door builds each value (a ``jax.Array``) and drops its buffers as it goes (the
-   destinations of groups with a ``done`` are not kept, nor returned).
+     (the group's ``nbytes`` and its shared pieces' buffers) stay within ``plan.budget``; each
+     group is complete and checked when its ``done`` runs, so a front door builds each value
+     (a ``jax.Array``) and drops its buffers as it goes (the destinations of groups with a
+     ``done`` are not kept, nor returned).
+
+   Piece buffers come from one :class:`~.sharing.Scratch` per run, reused by the next piece
+   (at most one per reading thread at a time).
 
    A read with ``then`` is read and checked at once, and ``then`` runs on its thread.
-3. **report**: groups' ``done`` run on the calling thread, in order (after the session's
+4. **report**: groups' ``done`` run on the calling thread, in order (after the session's
    checks for a deferring plan); :func:`run` returns every read's destination, in order.
 
 A *collective* source (a funnelled restore) records the reads instead; its bytes move when the
@@ -39,7 +50,7 @@ from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
 import numpy as np
 
 from .plan import Read, ReadGroup, RestorePlan
-from .sharing import Batch, Job, PieceCut, Scratch, share
+from .sharing import Batch, Job, PieceCut, Scratch, Sharing, share
 from .source import PieceSource
 
 __all__ = ["run", "read_one", "collective_call"]
@@ -51,11 +62,17 @@ def run(plan: RestorePlan) -> List[np.ndarray]:
     if source.collective:
         return _record(plan)
     reads = plan.reads
-    if len(reads) > 1:  # one read fetches its own ranges: announcing it would only guide (map) the file
-        source.announce(reads)
     if plan.defer:
-        return _run_deferred(plan)
-    return _run_streaming(plan)
+        shared = [share(source, [r for r in reads if not r.whole])]
+        announced = [r for r in reads if r.whole] + shared[0].reads()
+    else:
+        shared = [share(source, group.reads, limit=plan.budget) for group in plan.groups]
+        announced = [r for sharing in shared for r in sharing.reads()]
+    if len(reads) > 1:  # one read fetches its own ranges: announcing it would only guide (map) the file
+        source.announce(announced)
+    if plan.defer:
+        return _run_deferred(plan, shared[0])
+    return _run_streaming(plan, shared)
 
 
 def read_one(source: PieceSource, read: Read, *, verify: bool = True) -> np.ndarray:
@@ -119,13 +136,13 @@ def _finish_groups(groups: Tuple[ReadGroup, ...], values: List[np.ndarray]) -> N
         at += n
 
 
-def _run_deferred(plan: RestorePlan) -> List[np.ndarray]:
+def _run_deferred(plan: RestorePlan, shared: Sharing) -> List[np.ndarray]:
     source, verify = plan.source, plan.verify
     reads = plan.reads
     out: List[Optional[np.ndarray]] = [None] * len(reads)
     wholes = [i for i, r in enumerate(reads) if r.whole]
     others = [i for i, r in enumerate(reads) if not r.whole]
-    batch = share(source, [reads[i] for i in others])
+    batch = shared.batch()
     jobs = batch.jobs
     scratch = Scratch(plan.workers)
     with source.reading(defer=True) as session:
@@ -142,12 +159,12 @@ def _run_deferred(plan: RestorePlan) -> List[np.ndarray]:
     return values
 
 
-def _run_streaming(plan: RestorePlan) -> List[np.ndarray]:
+def _run_streaming(plan: RestorePlan, shared: List[Sharing]) -> List[np.ndarray]:
     source, verify = plan.source, plan.verify
     budget = plan.budget
     values: List[np.ndarray] = []
     pending: Deque[Tuple[ReadGroup, Batch, int, List["Future[Optional[np.ndarray]]"]]] = deque()
-    upcoming = iter(plan.groups)
+    upcoming = iter(zip(plan.groups, shared))
     following = next(upcoming, None)
     in_flight = 0
     scratch = Scratch(plan.workers)
@@ -159,24 +176,23 @@ def _run_streaming(plan: RestorePlan) -> List[np.ndarray]:
             done.set_result(_job(source, job, None, verify, scratch))
             return done
 
-        batch: Optional[Batch] = None
         while following is not None or pending:
             while following is not None:
-                if batch is None:  # the group's pieces shared among its reads; their buffers count too
-                    batch = share(source, following.reads, limit=budget)
-                held = following.nbytes + batch.extra
+                group, sharing = following
+                held = group.nbytes + sharing.extra  # the group's shared pieces' buffers count too
                 if pending and budget is not None and in_flight + held > budget:
                     break
-                pending.append((following, batch, held, [submit(job) for job in batch.jobs]))
+                batch = sharing.batch()
+                pending.append((group, batch, held, [submit(job) for job in batch.jobs]))
                 in_flight += held
-                following, batch = next(upcoming, None), None
-            group, served, held, futures = pending.popleft()
+                following = next(upcoming, None)
+            done_group, served, done_held, futures = pending.popleft()
             got = served.values([f.result() for f in futures])
-            if group.done is not None:
-                group.done(got)  # the group's buffers are the front door's now (dropped once it built its value)
+            if done_group.done is not None:
+                done_group.done(got)  # the group's buffers are the front door's now (dropped once it built its value)
             else:
                 values.extend(got)
-            in_flight -= held
+            in_flight -= done_held
             del got, futures, served
     return values
 

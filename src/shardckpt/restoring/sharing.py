@@ -34,7 +34,7 @@ from __future__ import annotations
 import bisect
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 
@@ -45,7 +45,7 @@ from ..format.bundle_pieces import region_box
 from ..format.tensor_slice import Box, box_shape, box_volume, boxes_tile, full_box, intersect
 from .plan import Read
 
-__all__ = ["PieceCut", "Scratch", "Batch", "share", "unshared", "MAX_SHARED_PIECE"]
+__all__ = ["PieceCut", "Scratch", "Batch", "Sharing", "share", "unshared", "MAX_SHARED_PIECE"]
 
 MAX_SHARED_PIECE = 64 << 20  # bytes: larger pieces are read by parts, as their reads ask
 
@@ -203,18 +203,93 @@ def _split(meta: _Meta, read: Read) -> Optional[_Split]:
     return _Split(box, dtype, [_Part((kb, pbox), common, read) for pbox, common in commons])
 
 
-def share(source: Any, reads: Sequence[Read], *, limit: Optional[int] = None) -> Batch:
-    """Plan ``reads`` so that every stored piece their parts cover, and cut across, is read once."""
+class Sharing:
+    """Which stored pieces one batch of reads shares, from metadata only (nothing is allocated until
+    :meth:`batch`). ``extra``: the bytes of the shared pieces' buffers (at most: a piece read straight
+    into a destination needs none)."""
+
+    def __init__(self, reads: Sequence[Read], splits: Sequence[Optional[_Split]], pieces: Dict[PieceId, _Piece],
+                 chosen: Set[PieceId]) -> None:
+        self._reads = tuple(reads)
+        self._splits = tuple(splits)
+        self._pieces = pieces
+        self._chosen = chosen
+        self.extra = sum(pieces[pid].nbytes for pid in chosen)
+
+    def _whole(self, pid: PieceId, into: Optional[np.ndarray]) -> Read:
+        """The read of piece ``pid`` whole (through the stored piece a read named, when one did)."""
+        parts = self._pieces[pid].parts
+        named = next((part.read.piece for part in parts if part.read.piece is not None), None)
+        if named is not None:
+            return Read(parts[0].read.key, full_box(box_shape(pid[1])), into, named)
+        return Read(parts[0].read.key, pid[1], into)
+
+    def reads(self) -> List[Read]:
+        """What the batch's jobs will read (to announce): each shared piece whole, the reads' other
+        parts, the reads that share nothing (destinations not set: nothing is allocated)."""
+        if not self._chosen:
+            return list(self._reads)
+        out: List[Read] = []
+        for read, split in zip(self._reads, self._splits):
+            if split is None or not any(part.pid in self._chosen for part in split.parts):
+                out.append(read)
+                continue
+            out.extend(_part_read(read, part, None) for part in split.parts if part.pid not in self._chosen)
+        out.extend(self._whole(pid, None) for pid in self._pieces if pid in self._chosen)
+        return out
+
+    def batch(self) -> Batch:
+        """The jobs, with the shared reads' destinations (allocated now, 64-byte aligned, where a read
+        has none)."""
+        if not self._chosen:
+            return unshared(self._reads)
+        chosen = self._chosen
+        jobs: List[Job] = []
+        slots: List[Union[int, np.ndarray]] = []
+        cuts: Dict[PieceId, List[Tuple[Tuple[slice, ...], np.ndarray]]] = {}
+        for read, split in zip(self._reads, self._splits):
+            if split is None or not any(part.pid in chosen for part in split.parts):
+                slots.append(len(jobs))
+                jobs.append(read)
+                continue
+            dest = read.out if read.out is not None else aligned_empty(box_shape(split.box), split.dtype)
+            slots.append(dest)
+            for part in split.parts:
+                view = dest[_index(part.common, split.box)]
+                if part.pid in chosen:
+                    cuts.setdefault(part.pid, []).append((_index(part.common, part.pid[1]), view))
+                else:
+                    jobs.append(_part_read(read, part, view))
+        extra = 0
+        for pid, piece_cuts in cuts.items():
+            pbox = pid[1]
+            into = next((d for index, d in piece_cuts if _is_whole(index, pbox) and d.flags.c_contiguous), None)
+            piece = self._pieces[pid]
+            job = PieceCut(self._whole(pid, into), tuple(piece_cuts), box_shape(pbox), piece.dtype,
+                           0 if into is not None else piece.nbytes)
+            extra += job.nbytes
+            jobs.append(job)
+        return Batch(tuple(jobs), tuple(slots), extra)
+
+
+def _part_read(read: Read, part: _Part, out: Optional[np.ndarray]) -> Read:
+    """The part of ``read`` that one stored piece holds, into ``out``."""
+    if read.piece is not None:  # the read names its piece: the part relative to it
+        return Read(read.key, _relative(part.common, read.piece.box), out, read.piece)
+    return Read(read.key, part.common, out)
+
+
+def share(source: Any, reads: Sequence[Read], *, limit: Optional[int] = None) -> Sharing:
+    """Plan ``reads`` so that every stored piece their parts cover, and cut across, is read once
+    (pieces over ``limit`` bytes, or :data:`MAX_SHARED_PIECE`, are not)."""
     limit = MAX_SHARED_PIECE if limit is None else min(limit, MAX_SHARED_PIECE)
-    if len(reads) < 2:
-        return unshared(reads)
     tensors: Dict[bytes, int] = {}  # reads per tensor: a piece is shared by reads of one tensor
     for read in reads:
         if read.then is None and (read.region is not None or read.piece is not None):
             kb = _tensor_key(read)
             tensors[kb] = tensors.get(kb, 0) + 1
     if not any(n > 1 for n in tensors.values()):
-        return unshared(reads)
+        return Sharing(reads, [None] * len(reads), {}, set())
     meta = _Meta(source)
     splits: List[Optional[_Split]] = []
     pieces: Dict[PieceId, _Piece] = {}
@@ -232,38 +307,7 @@ def share(source: Any, reads: Sequence[Read], *, limit: Optional[int] = None) ->
                 piece = pieces[part.pid] = _Piece(box_volume(part.pid[1]) * split.dtype.itemsize, split.dtype)
             piece.parts.append(part)
     chosen = {pid for pid, piece in pieces.items() if piece.nbytes <= limit and _worth_sharing(pid[1], piece.parts)}
-    if not chosen:
-        return unshared(reads)
-    jobs: List[Job] = []
-    slots: List[Union[int, np.ndarray]] = []
-    cuts: Dict[PieceId, List[Tuple[Tuple[slice, ...], np.ndarray]]] = {}
-    for read, split in zip(reads, splits):
-        if split is None or not any(part.pid in chosen for part in split.parts):
-            slots.append(len(jobs))
-            jobs.append(read)
-            continue
-        dest = read.out if read.out is not None else aligned_empty(box_shape(split.box), split.dtype)
-        slots.append(dest)
-        for part in split.parts:
-            view = dest[_index(part.common, split.box)]
-            if part.pid in chosen:
-                cuts.setdefault(part.pid, []).append((_index(part.common, part.pid[1]), view))
-            elif read.piece is not None:  # the read names its piece: the part relative to it
-                jobs.append(Read(read.key, _relative(part.common, read.piece.box), view, read.piece))
-            else:
-                jobs.append(Read(read.key, part.common, view))
-    extra = 0
-    for pid, piece_cuts in cuts.items():
-        pbox = pid[1]
-        into = next((dest for index, dest in piece_cuts if _is_whole(index, pbox) and dest.flags.c_contiguous), None)
-        named = next((part.read.piece for part in pieces[pid].parts if part.read.piece is not None), None)
-        key = pieces[pid].parts[0].read.key
-        whole = Read(key, full_box(box_shape(pbox)), into, named) if named is not None else Read(key, pbox, into)
-        job = PieceCut(whole, tuple(piece_cuts), box_shape(pbox), pieces[pid].dtype,
-                       0 if into is not None else pieces[pid].nbytes)
-        extra += job.nbytes
-        jobs.append(job)
-    return Batch(tuple(jobs), tuple(slots), extra)
+    return Sharing(reads, splits, pieces, chosen)
 
 
 def _tensor_key(read: Read) -> bytes:
