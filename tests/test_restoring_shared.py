@@ -21,7 +21,7 @@ import pytest
 from shardckpt.errors import DataLossError
 from shardckpt.io import save_v2
 from shardckpt.restoring import BundleSource, Read, ReadGroup, RestorePlan, run
-from shardckpt.restoring.sharing import PieceCut, share
+from shardckpt.restoring.sharing import PieceCut, Scratch, share
 
 Box = Tuple[Tuple[int, int], ...]
 
@@ -269,3 +269,17 @@ def test_the_announcement_names_what_is_read_a_shared_piece_whole(tmp_path: Path
     assert sorted(announced[0], key=repr) == sorted([("t", p) for p in pieces] + [("other", None)], key=repr)
     for read, array in zip(columns, got):
         np.testing.assert_array_equal(array, value[_index(read.region)])
+
+
+def test_a_run_reuses_piece_buffers_and_holds_one_per_running_job() -> None:
+    scratch = Scratch(2)
+    a, b = scratch.take(5000), scratch.take(9000)  # two jobs at once
+    assert a.nbytes >= 5000 and b.nbytes >= 9000 and a.ctypes.data % 64 == 0 and b.ctypes.data % 64 == 0
+    scratch.give(a)
+    scratch.give(b)
+    assert scratch.take(6000) is b  # the smallest that fits
+    c = scratch.take(20000)  # none fits: the one left (a) is dropped for it
+    assert scratch._free == [] and c.nbytes >= 20000
+    for buf in (b, c, scratch.take(100)):
+        scratch.give(buf)
+    assert len(scratch._free) == 2 and {x.nbytes for x in scratch._free} == {b.nbytes, c.nbytes}  # the largest

@@ -12,14 +12,19 @@ is read once with a whole-piece read (``Read(key, piece box)``: the source reads
 contiguously and checks its CRC32C) into a buffer (or straight into a destination whose part
 is the whole piece, when that part is contiguous in memory), and each part is copied out of
 it into its destination. The reads' other parts are read as before, each into its place in
-the read's destination (a view). What the engine runs, in order (any order is correct: the
-jobs write disjoint parts of the destinations, or equal bytes):
+the read's destination (a view). The engine's calls, in order:
 
-    Batch.jobs       a PieceCut (one whole-piece read and its copies) or a Read (a part
-                     of a read, or a read left as it was) each
-    Batch.extra      bytes of the piece buffers (a streaming plan's budget counts them)
-    Batch.values(r)  every read's destination, in order, given the jobs' results (a shared
-                     read's destination is allocated here, 64-byte aligned, when it has none)
+    share(source, reads)   a :class:`Sharing`, from metadata only; ``.extra``: the bytes of
+                           its piece buffers (a streaming plan's budget counts them)
+    .reads()               what the jobs will read (announced: shared pieces whole)
+    .batch()               when the batch is admitted: the shared reads' destinations
+                           (allocated here, 64-byte aligned, where a read has none) and the
+                           jobs: a PieceCut (one whole-piece read and its copies) or a Read
+                           (a part of a read, or a read left as it was) each; any order is
+                           correct (the jobs write disjoint parts, or equal bytes)
+    Batch.values(r)        every read's destination, in order, given the jobs' results
+
+Piece buffers come from the run's :class:`Scratch` (reused: at most one per job running).
 
 Only reads without a follow-up (``then``), of a numeric dtype, whose region fits the tensor
 and whose destination (when given) has the region's shape and the stored dtype take part;
@@ -83,9 +88,10 @@ class PieceCut:
 
 
 class Scratch:
-    """Piece buffers reused by the jobs of one run (one buffer per job at a time; a freshly
-    allocated buffer costs a page fault per page, about as much as reading the piece). At most
-    ``keep`` free buffers are kept (the largest); all are dropped with the run."""
+    """Piece buffers reused by the jobs of one run (a freshly allocated buffer costs a page fault a
+    page, about as much as reading the piece). A buffer too small for a piece is dropped when a
+    larger one is made, so the run holds at most one buffer per job running at once (at most
+    ``keep`` free); all are dropped with the run."""
 
     def __init__(self, keep: int) -> None:
         self._keep = max(1, keep)
@@ -95,17 +101,21 @@ class Scratch:
     def take(self, nbytes: int) -> np.ndarray:
         """A 64-byte aligned byte buffer of at least ``nbytes``."""
         with self._lock:
-            fits = [k for k, b in enumerate(self._free) if b.nbytes >= nbytes]
+            free = self._free
+            fits = [k for k, b in enumerate(free) if b.nbytes >= nbytes]
             if fits:
-                return self._free.pop(min(fits, key=lambda k: self._free[k].nbytes))
+                return free.pop(min(fits, key=lambda k: free[k].nbytes))
+            if free:  # replaced by the larger one made now
+                free.pop(min(range(len(free)), key=lambda k: free[k].nbytes))
         return aligned_empty((nbytes,), np.uint8)
 
     def give(self, buf: np.ndarray) -> None:
         """``buf`` is free again."""
         with self._lock:
-            self._free.append(buf)
-            if len(self._free) > self._keep:
-                self._free.pop(min(range(len(self._free)), key=lambda k: self._free[k].nbytes))
+            free = self._free
+            free.append(buf)
+            if len(free) > self._keep:
+                free.pop(min(range(len(free)), key=lambda k: free[k].nbytes))
 
 
 Job = Union[Read, PieceCut]
