@@ -283,3 +283,31 @@ def test_a_run_reuses_piece_buffers_and_holds_one_per_running_job() -> None:
     for buf in (b, c, scratch.take(100)):
         scratch.give(buf)
     assert len(scratch._free) == 2 and {x.nbytes for x in scratch._free} == {b.nbytes, c.nbytes}  # the largest
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_follow_ups_of_shared_reads_see_their_whole_region_once(tmp_path: Path, defer: bool) -> None:
+    value = np.arange(16 * 12, dtype=np.float32).reshape(16, 12)
+    pieces = _grid(value.shape, [[4, 8, 12], [6]])
+    seen: List[Tuple[Box, np.ndarray]] = []
+    lock = threading.Lock()
+
+    def keep(region: Box) -> Any:
+        def then(array: np.ndarray) -> None:
+            with lock:
+                seen.append((region, array.copy()))
+        return then
+
+    regions = _grid(value.shape, [[], [3, 6, 9]]) + [((5, 7), (0, 12)), ((1, 3), (1, 2))]  # the last: one piece
+    done: List[int] = []
+    with BundleSource.open(_save(tmp_path, "b", value, pieces)) as source:
+        reads = tuple(Read("t", r, then=keep(r)) for r in regions)
+        assert any(isinstance(job, PieceCut) for job in share(source, reads).batch().jobs)
+        group = ReadGroup(reads, lambda values: done.append(len(seen)))
+        got = run(RestorePlan.of(source, [group], workers=3, defer=defer))
+    assert done == [len(regions)]  # every follow-up ran before the group was done
+    assert sorted(r for r, _ in seen) == sorted(regions)
+    for region, array in seen:
+        np.testing.assert_array_equal(array, value[_index(region)])
+    for region, array in zip(regions, got):
+        np.testing.assert_array_equal(array, value[_index(region)])

@@ -50,7 +50,7 @@ from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
 import numpy as np
 
 from .plan import Read, ReadGroup, RestorePlan
-from .sharing import Batch, Job, PieceCut, Scratch, Sharing, share
+from .sharing import Batch, Job, Scratch, Sharing, share
 from .source import PieceSource
 
 __all__ = ["run", "read_one", "collective_call"]
@@ -106,11 +106,12 @@ def _one(source: PieceSource, read: Read, session: Any, verify: bool) -> np.ndar
 
 
 def _job(source: PieceSource, job: Job, session: Any, verify: bool, scratch: Scratch) -> Optional[np.ndarray]:
-    """One job of a batch: a read (its value), or a shared piece read whole and cut (nothing)."""
-    if isinstance(job, PieceCut):
-        job.run(source, verify, scratch)
-        return None
-    return _one(source, job, session, verify)
+    """One job of a batch: a read (its value), or a shared piece read whole and cut, or a part of a read
+    with a follow-up (nothing: they fill destinations the batch holds)."""
+    if isinstance(job, Read):
+        return _one(source, job, session, verify)
+    job.run(source, verify, scratch)
+    return None
 
 
 @contextlib.contextmanager

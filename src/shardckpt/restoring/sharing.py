@@ -19,19 +19,23 @@ the read's destination (a view). The engine's calls, in order:
     .reads()               what the jobs will read (announced: shared pieces whole)
     .batch()               when the batch is admitted: the shared reads' destinations
                            (allocated here, 64-byte aligned, where a read has none) and the
-                           jobs: a PieceCut (one whole-piece read and its copies) or a Read
-                           (a part of a read, or a read left as it was) each; any order is
-                           correct (the jobs write disjoint parts, or equal bytes)
+                           jobs: a PieceCut (one whole-piece read and its copies), a Read
+                           (a part of a read, or a read left as it was) or a PartRead (a
+                           part of a read with a follow-up) each; any order is correct (the
+                           jobs write disjoint parts, or equal bytes)
     Batch.values(r)        every read's destination, in order, given the jobs' results
 
 Piece buffers come from the run's :class:`Scratch` (reused: at most one per job running).
 
-Only reads without a follow-up (``then``), of a numeric dtype, whose region fits the tensor
-and whose destination (when given) has the region's shape and the stored dtype take part;
-any other read is left as it is, so the source reports its problems as it always did. A
-read takes part only when the stored pieces tile its region. Pieces larger than
-:data:`MAX_SHARED_PIECE` (or than the plan's budget) are not shared: their buffer would cost
-more memory than the saved reads are worth. Nothing here touches storage.
+A read with a follow-up (``then``) that shares a piece has it run on the thread of the last
+job that writes its destination (its parts then are never deferred). Only reads of a numeric
+dtype, whose region fits the tensor and whose destination (when given) has the region's
+shape and the stored dtype take part; any other read is left as it is, so the source reports
+its problems as it always did. A read takes part only when the stored pieces tile its
+region. Pieces larger than :data:`MAX_SHARED_PIECE` (or than the plan's budget) are not
+shared: their buffer would cost more memory than the saved reads are worth.
+
+Nothing here touches storage.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from ..format.bundle_pieces import region_box
 from ..format.tensor_slice import Box, box_shape, box_volume, boxes_tile, full_box, intersect
 from .plan import Read
 
-__all__ = ["PieceCut", "Scratch", "Batch", "Sharing", "share", "unshared", "MAX_SHARED_PIECE"]
+__all__ = ["PieceCut", "PartRead", "Scratch", "Batch", "Sharing", "share", "unshared", "MAX_SHARED_PIECE"]
 
 MAX_SHARED_PIECE = 64 << 20  # bytes: larger pieces are read by parts, as their reads ask
 
@@ -70,9 +74,11 @@ class PieceCut:
     shape: Tuple[int, ...]
     dtype: np.dtype
     nbytes: int = 0
+    after: Tuple["_FollowUp", ...] = ()
 
     def run(self, source: Any, verify: bool, scratch: "Scratch") -> None:
-        """Read the piece (complete and checked on return) and cut it into every destination."""
+        """Read the piece (complete and checked on return), cut it into every destination, and follow
+        up the reads it completed."""
         read, raw = self.read, None
         if read.out is None:
             raw = scratch.take(self.nbytes)
@@ -85,6 +91,37 @@ class PieceCut:
         finally:
             if raw is not None:
                 scratch.give(raw)
+        for follow_up in self.after:
+            follow_up.tick()
+
+
+@dataclass(frozen=True)
+class PartRead:
+    """A part of a read with a follow-up: read and checked now (never deferred), then its read is
+    followed up if this was its last part."""
+
+    read: Read
+    after: Tuple["_FollowUp", ...]
+
+    def run(self, source: Any, verify: bool, scratch: "Scratch") -> None:
+        source.read(self.read, None, verify=verify)
+        for follow_up in self.after:
+            follow_up.tick()
+
+
+class _FollowUp:
+    """A shared read's ``then``, run on the thread of the last job that writes its destination."""
+
+    def __init__(self, then: Any, dest: np.ndarray, jobs: int) -> None:
+        self._then, self._dest, self._left = then, dest, jobs
+        self._lock = threading.Lock()
+
+    def tick(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._then(self._dest)
 
 
 class Scratch:
@@ -118,7 +155,7 @@ class Scratch:
                 free.pop(min(range(len(free)), key=lambda k: free[k].nbytes))
 
 
-Job = Union[Read, PieceCut]
+Job = Union[Read, PieceCut, PartRead]
 
 
 @dataclass(frozen=True)
@@ -184,7 +221,7 @@ class _Meta:
 
 def _split(meta: _Meta, read: Read) -> Optional[_Split]:
     """``read`` as its parts, one per stored piece it overlaps, or ``None`` when it does not take part."""
-    if read.then is not None or (read.region is None and read.piece is None):
+    if read.region is None and read.piece is None:
         return None
     stored = read.piece
     key = read.key if stored is None else stored.tensor_key
@@ -257,6 +294,7 @@ class Sharing:
         jobs: List[Job] = []
         slots: List[Union[int, np.ndarray]] = []
         cuts: Dict[PieceId, List[Tuple[Tuple[slice, ...], np.ndarray]]] = {}
+        after: Dict[PieceId, List[_FollowUp]] = {}
         for read, split in zip(self._reads, self._splits):
             if split is None or not any(part.pid in chosen for part in split.parts):
                 slots.append(len(jobs))
@@ -264,10 +302,15 @@ class Sharing:
                 continue
             dest = read.out if read.out is not None else aligned_empty(box_shape(split.box), split.dtype)
             slots.append(dest)
+            follow_up = _FollowUp(read.then, dest, len(split.parts)) if read.then is not None else None
             for part in split.parts:
                 view = dest[_index(part.common, split.box)]
                 if part.pid in chosen:
                     cuts.setdefault(part.pid, []).append((_index(part.common, part.pid[1]), view))
+                    if follow_up is not None:
+                        after.setdefault(part.pid, []).append(follow_up)
+                elif follow_up is not None:
+                    jobs.append(PartRead(_part_read(read, part, view), (follow_up,)))
                 else:
                     jobs.append(_part_read(read, part, view))
         extra = 0
@@ -276,14 +319,14 @@ class Sharing:
             into = next((d for index, d in piece_cuts if _is_whole(index, pbox) and d.flags.c_contiguous), None)
             piece = self._pieces[pid]
             job = PieceCut(self._whole(pid, into), tuple(piece_cuts), box_shape(pbox), piece.dtype,
-                           0 if into is not None else piece.nbytes)
+                           0 if into is not None else piece.nbytes, tuple(after.get(pid, ())))
             extra += job.nbytes
             jobs.append(job)
         return Batch(tuple(jobs), tuple(slots), extra)
 
 
 def _part_read(read: Read, part: _Part, out: Optional[np.ndarray]) -> Read:
-    """The part of ``read`` that one stored piece holds, into ``out``."""
+    """The part of ``read`` that one stored piece holds, into ``out`` (without the read's follow-up)."""
     if read.piece is not None:  # the read names its piece: the part relative to it
         return Read(read.key, _relative(part.common, read.piece.box), out, read.piece)
     return Read(read.key, part.common, out)
@@ -295,7 +338,7 @@ def share(source: Any, reads: Sequence[Read], *, limit: Optional[int] = None) ->
     limit = MAX_SHARED_PIECE if limit is None else min(limit, MAX_SHARED_PIECE)
     tensors: Dict[bytes, int] = {}  # reads per tensor: a piece is shared by reads of one tensor
     for read in reads:
-        if read.then is None and (read.region is not None or read.piece is not None):
+        if read.region is not None or read.piece is not None:
             kb = _tensor_key(read)
             tensors[kb] = tensors.get(kb, 0) + 1
     if not any(n > 1 for n in tensors.values()):
