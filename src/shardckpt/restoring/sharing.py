@@ -203,6 +203,7 @@ class _Meta:
     def __init__(self, source: Any) -> None:
         self.source = source
         self._seen: Dict[bytes, Tuple[Tuple[int, ...], Any, List[Box]]] = {}
+        self._sets: Dict[bytes, Set[Box]] = {}
 
     def of(self, key: Any) -> Tuple[Tuple[int, ...], Any, List[Box]]:
         kb = key_bytes(key)
@@ -215,8 +216,16 @@ class _Meta:
     def boxes(self, key: Any) -> List[Box]:
         shape, dt, boxes = self.of(key)
         if not boxes:
-            boxes.extend(self.source.piece_boxes(key))
+            boxes.extend(tuple(tuple(pair) for pair in box) for box in self.source.piece_boxes(key))
         return boxes
+
+    def is_piece(self, key: Any, box: Box) -> bool:
+        """Whether ``box`` is the box of one of the stored pieces of ``key``."""
+        kb = key_bytes(key)
+        found = self._sets.get(kb)
+        if found is None:
+            found = self._sets[kb] = set(self.boxes(key))
+        return box in found
 
 
 def _split(meta: _Meta, read: Read) -> Optional[_Split]:
@@ -230,10 +239,13 @@ def _split(meta: _Meta, read: Read) -> Optional[_Split]:
         return None
     if stored is None:
         box = region_box(read.region, shape, meta.source.prefix, key)
-        overlaps = [(pbox, intersect(pbox, box)) for pbox in meta.boxes(key)]
-        commons = [(pbox, c) for pbox, c in overlaps if c is not None]
-        if box_volume(box) == 0 or boxes_tile([c for _, c in commons], box) is not None:
-            return None  # the read reports what is missing
+        if meta.is_piece(key, box):  # a stored piece itself (a restore onto the saved layout): one part
+            commons = [(box, box)]
+        else:
+            overlaps = [(pbox, intersect(pbox, box)) for pbox in meta.boxes(key)]
+            commons = [(pbox, c) for pbox, c in overlaps if c is not None]
+            if box_volume(box) == 0 or boxes_tile([c for _, c in commons], box) is not None:
+                return None  # the read reports what is missing
     else:
         pshape = box_shape(stored.box)
         local = read.region if read.region is not None else full_box(pshape)
@@ -377,8 +389,13 @@ def _worth_sharing(pbox: Box, parts: List[_Part]) -> bool:
 
 def _covers(boxes: List[Box], region: Box) -> bool:
     """Whether the union of ``boxes`` (all inside ``region``, overlaps allowed) is ``region``."""
-    if sum(box_volume(b) for b in boxes) < box_volume(region):
+    distinct = list(set(boxes))
+    volume = sum(box_volume(b) for b in distinct)
+    if volume < box_volume(region):
         return False
+    if volume == box_volume(region) and len(distinct) <= 16 and not any(
+            intersect(a, b) for i, a in enumerate(distinct) for b in distinct[i + 1:]):
+        return True  # disjoint boxes of the region's volume: they tile it
     edges = [sorted({lo, hi} | {b[d][0] for b in boxes} | {b[d][1] for b in boxes})
              for d, (lo, hi) in enumerate(region)]
     cells = 1
