@@ -21,7 +21,9 @@ Steps, as one streaming plan of the restore engine (:mod:`shardckpt.restoring`):
 3. For each array leaf, this process's distinct regions (each region of the
    target sharding's addressable devices, once however many local devices
    replicate it) are read by the engine's threads, straight from the overlapping
-   stored bytes, into 64-byte aligned buffers. Leaves are read ahead in order
+   stored bytes, into 64-byte aligned buffers (a stored piece that the leaf's regions
+   cut across, as a resharded restore's columns cut row blocks, is read once, whole
+   and checksummed, and cut into them). Leaves are read ahead in order
    while the host bytes in flight stay within ``memory_budget`` (a leaf larger
    than the budget is read alone); each leaf's array is made as soon as its
    regions are in, and its host buffers are dropped.

@@ -11,7 +11,9 @@ holds the zero-copy NumPy view of the shard's buffer (see :class:`ShardBytes`).
 
 Restoring: :func:`array_reads` is the restore engine's group of reads for a new array of
 the wanted shape, dtype and sharding: each distinct region among this process's devices
-is read once from the checkpoint (only the overlapping stored bytes); once they are in,
+is read once from the checkpoint (only the overlapping stored bytes; a stored piece that
+several regions cut across, as columns cut row blocks, is read once, whole and checksummed,
+and cut into them: the restore engine's shared pieces); once they are in,
 ``jax.make_array_from_callback`` places each on every local device that holds it.
 """
 

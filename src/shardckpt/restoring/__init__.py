@@ -4,7 +4,8 @@ A front door opens a :class:`PieceSource` (:class:`BundleSource`: the checkpoint
 local disk or an object store; :class:`FunnelledSource`: a funnelled restore, where only the
 io client reads), plans against its metadata (checking every target first), builds a
 :class:`RestorePlan` of :class:`Read`\\ s (grouped in :class:`ReadGroup`\\ s) and hands it to
-:func:`run`, the one read loop (announce once, one pool, reads into destinations, verify,
+:func:`run`, the one read loop (stored pieces that several reads cut across planned to be read
+once, whole: :mod:`.sharing`; announce once, one pool, reads into destinations, verify,
 report). See :mod:`.engine` for the steps and :mod:`.source` for the source's call sequence.
 
 Front doors: ``restore_tensors`` (:mod:`.tensors`), ``Checkpoint.restore``/``read``

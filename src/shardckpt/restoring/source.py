@@ -11,7 +11,9 @@ runs a :class:`~.plan.RestorePlan`, in this order::
     with reading(defer) as s:  a read session; leaving it waits for every deferred read
         read(r, s)             on the engine's threads: the bytes of one Read, into its
                                destination, verified when read whole (deferred reads: by
-                               the session's end)
+                               the session's end); a stored piece that several reads cut
+                               across is one read of the whole piece without a session
+                               (complete and verified on return), cut by the engine
         read_whole(rs, s)      whole tensors planned in one pass (the common restore)
     close()                    by whoever opened the source
 
