@@ -19,7 +19,9 @@ process; per system and repeat:
   ``clear_refs``, see ``common.Probe``). Values are checked after timing. The files are
   hot in the page cache for both systems.
 
-Medians over ``--repeats``; ratios are Orbax time / shardckpt time (> 1: shardckpt faster).
+Medians over ``--repeats``; each repeat starts with the next system in turn (the first to run
+in a repeat is slower in every phase on these machines), so use a multiple of the number of
+systems. Ratios are Orbax time / shardckpt time (> 1: shardckpt faster).
 
     .venv/bin/python benchmarks/bench_jax.py --size 256MiB --repeats 3
     .venv/bin/python benchmarks/bench_jax.py --size 64MiB --repeats 1     # a quick look
@@ -218,8 +220,11 @@ def main() -> None:
         srcs["baseline"] = str(base_src / "src" if (base_src / "src").is_dir() else base_src)
     runs: Dict[str, List[Dict[str, Any]]] = {name: [] for name in srcs}
     try:
+        names = list(runs)
         for r in range(args.repeats):
-            for system in runs:  # interleaved, so both see the same machine
+            # interleaved, so that all see the same machine, and each repeat starts with the next system
+            # (whichever runs first in a repeat is slower in every phase here)
+            for system in names[r % len(names):] + names[:r % len(names)]:
                 folder = base / f"{system}-{r}"
                 shutil.rmtree(folder, ignore_errors=True)
                 folder.mkdir(parents=True)
