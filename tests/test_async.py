@@ -642,8 +642,7 @@ _HANG_PRELUDE = """
     import errno, faulthandler, os, sys, tempfile, threading
     import numpy as np
     import shardckpt
-    from shardckpt.saving import async_save as async_save_module
-from shardckpt.saving.async_save import AsyncSaveError, AsyncSaver
+    from shardckpt.saving.async_save import AsyncSaveError, AsyncSaver
     from shardckpt.storage.local import LocalFileSystem
     faulthandler.dump_traceback_later(6, exit=True)  # a hang ends the process with its stacks
     d = tempfile.mkdtemp()
