@@ -24,7 +24,6 @@ torch, mpi4py and Open MPI are test dependencies: their absence fails these test
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List
@@ -42,7 +41,7 @@ WORKER = HELPERS / "manager_worker.py"
 if str(HELPERS) not in sys.path:
     sys.path.insert(0, str(HELPERS))
 
-from launchers import clean_env, launch_command, rank_results, run_launched  # noqa: E402  (tests/helpers)
+from launchers import run_job  # noqa: E402  (tests/helpers)
 from manager_worker import KINDS, SAVES  # noqa: E402  (tests/helpers)
 
 NPROC = 4
@@ -52,16 +51,7 @@ LAUNCH_TIMEOUT = 240
 def _launch(backend: str, mode: str, tmp: Path, data: Path) -> Dict[int, dict]:
     out = tmp / f"{mode}-out"
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        proc = run_launched(launch_command(backend, NPROC, WORKER) + [mode, str(out), str(data)], env=clean_env(),
-                            cwd=str(HERE.parent), timeout=LAUNCH_TIMEOUT)
-        rc: Any = proc.returncode
-        tail = (proc.stdout + proc.stderr)[-5000:]
-    except subprocess.TimeoutExpired as exc:
-        rc, tail = "timeout", str(exc.stdout or "")[-5000:]
-    results = rank_results(out, NPROC, backend, rc, tail)
-    assert rc == 0, f"launcher exit {rc}; log:\n{tail}"
-    return results
+    return run_job(backend, NPROC, WORKER, out, data, args=[mode], timeout=LAUNCH_TIMEOUT)
 
 
 @pytest.fixture(scope="module", params=["torch", "mpi"])

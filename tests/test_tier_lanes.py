@@ -28,7 +28,8 @@ NPROC = 3
 
 @pytest.fixture(scope="module", params=["torch", "mpi"])
 def job(request, tmp_path_factory) -> Dict[int, Any]:
-    return run_job(request.param, NPROC, WORKER, tmp_path_factory.mktemp(f"lanes-{request.param}"))
+    tmp = tmp_path_factory.mktemp(f"lanes-{request.param}")
+    return run_job(request.param, NPROC, WORKER, tmp / "out", tmp / "data")
 
 
 def _value(results: Dict[int, Any], rank: int, name: str) -> Dict[str, Any]:

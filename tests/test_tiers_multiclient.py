@@ -43,7 +43,8 @@ LAUNCH_TIMEOUT = 300
 @pytest.fixture(scope="module", params=["torch", "mpi"])
 def job(request, tmp_path_factory) -> Dict[str, Any]:
     tmp = tmp_path_factory.mktemp(f"tiers-{request.param}")
-    return {"results": run_job(request.param, NPROC, WORKER, tmp, timeout=LAUNCH_TIMEOUT), "data": tmp / "data"}
+    return {"results": run_job(request.param, NPROC, WORKER, tmp / "out", tmp / "data", timeout=LAUNCH_TIMEOUT),
+            "data": tmp / "data"}
 
 
 def _phase(job: Dict[str, Any], rank: int, name: str) -> Dict[str, Any]:

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Sequence
 
 BIN = Path(sys.executable).parent
 
@@ -73,12 +73,12 @@ def rank_results(out: Path, nproc: int, backend: str, rc: Any, tail: str) -> Dic
     return results
 
 
-def run_job(backend: str, nproc: int, worker: Path, tmp: Path, timeout: float = 300) -> Dict[int, dict]:
-    """``worker OUTDIR DATADIR`` launched on ``nproc`` clients (``tmp/out``, ``tmp/data``); every client's record,
-    checked (:func:`rank_results`), once the launcher exited 0."""
-    out, data = tmp / "out", tmp / "data"
+def run_job(backend: str, nproc: int, worker: Path, out: Path, data: Path, *, args: Sequence[str] = (),
+            timeout: float = 300) -> Dict[int, dict]:
+    """``worker [ARGS] OUTDIR DATADIR`` launched on ``nproc`` clients; every client's record, checked
+    (:func:`rank_results`), once the launcher exited 0."""
     try:
-        proc = run_launched(launch_command(backend, nproc, worker) + [str(out), str(data)], env=clean_env(),
+        proc = run_launched(launch_command(backend, nproc, worker) + [*args, str(out), str(data)], env=clean_env(),
                             cwd=str(Path(__file__).resolve().parent.parent), timeout=timeout)
         rc: Any = proc.returncode
         tail = (proc.stdout + proc.stderr)[-5000:]
