@@ -94,13 +94,18 @@ def test_node_1_wiped_restores_step_6_from_the_replica_without_persistent_reads(
         _exact(value)
         assert value["step"] == 6 and value["save_counter"] == 6
         assert value["persistent_opens"] == 0 and value["persistent_bytes"] == 0, value
-    # node 0's two clients -> node 1's two clients, one lane each; nothing the other way
+    # node 1's clients restored straight from node 0's replica, each from its own server (client 0 serves
+    # client 2, client 1 serves client 3): the bytes flow one way; node 1 sends only its requests
     assert got[0]["bytes_sent"] > 0 and got[1]["bytes_sent"] > 0, got
-    assert got[2]["bytes_received"] > 0 and got[3]["bytes_received"] > 0, got
-    assert got[0]["bytes_sent"] + got[1]["bytes_sent"] == got[2]["bytes_received"] + got[3]["bytes_received"]
-    assert got[2]["sent"] == got[3]["sent"] == 0 and got[0]["bytes_received"] == got[1]["bytes_received"] == 0
+    assert got[2]["bytes_received"] == got[0]["bytes_sent"] and got[3]["bytes_received"] == got[1]["bytes_sent"], got
+    assert 0 < got[2]["sent"] < 4096 and 0 < got[3]["sent"] < 4096, got
+    assert got[0]["bytes_received"] == got[1]["bytes_received"] == 0
+    # the lost bundle's files moved node 0 -> node 1 behind the restore, on the lanes
+    assert got[0]["sent_behind"] > 0 and got[1]["sent_behind"] > 0, got
+    assert got[2]["sent_behind"] == got[3]["sent_behind"] == 0, got
+    assert all(value["error_behind"] is None for value in got.values()), got
     files = _phase(job, 0, "files_after_repopulation")
-    assert "ckpt-6.committed" in files["1/node-1"]  # node 1 holds its own bundle again
+    assert "ckpt-6.committed" in files["1/node-1"]  # node 1 holds its own bundle again, repopulated behind
 
 
 def test_a_failed_replica_transfer_fails_the_save_everywhere_and_commits_nothing(job):

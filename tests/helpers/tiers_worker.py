@@ -23,9 +23,11 @@ manager_worker.py (DVariables of every layout of ``dtensor_worker.VARS`` on
   then ``sync()``; ``restore_after_async`` gives step 7 exactly, from the tiers.
 
 Each restore phase records what ``restore_or_initialize`` returned, the tier's
-``last_restore``, the bytes this client passed to ``send_bytes`` during the phase (every
-byte that crossed between clients outside the collectives), the reads of files under the
-persistent directory (opens and bytes) and the mismatches against the expected generation.
+``last_restore``, the bytes this client passed to ``send_bytes`` / ``send_many`` during the call
+on the calling thread (every byte that crossed between clients outside the collectives) and on
+the threads behind it (``sent_behind``: a lost node's tier repopulated, until ``sync()``), the reads
+of files under the persistent directory (opens and bytes), the mismatches against the expected
+generation and the tier's ``last_save_error`` after ``sync()``.
 Results go to ``OUTDIR/rank<R>.json``.
 """
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import threading
 from typing import Any, Dict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -42,20 +45,34 @@ import manager_worker as M  # noqa: E402  (tests/helpers)
 
 SAVES = 6
 PERSIST_EVERY = 5
-COUNTS: Dict[str, int] = {"sent": 0, "persistent_opens": 0, "persistent_bytes": 0}
+COUNTS: Dict[str, int] = {"sent": 0, "sent_behind": 0, "persistent_opens": 0, "persistent_bytes": 0}
 
 
 def count(coordinator, persistent: str) -> None:
     """Count bytes this client sends point-to-point, and its reads of files under ``persistent``."""
     from shardckpt.storage.local import LocalFileSystem
 
-    send = type(coordinator).send_bytes
+    send, send_many = type(coordinator).send_bytes, type(coordinator).send_many
+    depth = [0]  # send_many may send through send_bytes: its bytes counted once
+
+    def counter() -> str:  # the caller's thread, or the work behind it (the checkpoint's saver thread)
+        return "sent" if threading.current_thread() is threading.main_thread() else "sent_behind"
 
     def sending(self, data, dst, tag=0):
-        COUNTS["sent"] += memoryview(data).nbytes
+        if not depth[0]:
+            COUNTS[counter()] += memoryview(data).nbytes
         return send(self, data, dst, tag)
 
+    def sending_many(self, buffers, dst, tag=0):
+        COUNTS[counter()] += sum(memoryview(b).nbytes for b in buffers)
+        depth[0] += 1
+        try:
+            return send_many(self, buffers, dst, tag)
+        finally:
+            depth[0] -= 1
+
     type(coordinator).send_bytes = sending
+    type(coordinator).send_many = sending_many
     open_read, pread = LocalFileSystem.open_read, LocalFileSystem.pread_into
 
     def opening(self, path, *args, **kwargs):
@@ -88,8 +105,10 @@ def restore_phase(mesh, data: str, expected: int) -> Dict[str, Any]:
     last = manager.local.last_restore
     out = {"returned": returned, "step": last.step, "reason": last.reason, "bytes_received": last.bytes_received,
            "bytes_sent": last.bytes_sent, "save_counter": int(manager.checkpoint.save_counter.numpy())}
-    out.update({k: COUNTS[k] - before[k] for k in COUNTS})
     out.update(M.check_values(model, variables, expected))
+    manager.sync()  # what runs behind the restore (a lost node's tier repopulated) ends here
+    out.update({k: COUNTS[k] - before[k] for k in COUNTS})
+    out["error_behind"] = manager.local.last_save_error
     return out
 
 
@@ -122,6 +141,7 @@ def run(data: str) -> None:
         shutil.rmtree(os.path.join(data, "tier", "1"))
     coord.barrier("wiped node 1")
     W.phase("restore_node1_wiped", lambda: restore_phase(mesh, data, SAVES))
+    coord.barrier("repopulated")
     W.phase("files_after_repopulation", lambda: tier_files(data) if rank == 0 else None)
 
     model7, variables7 = M.build_model(mesh, 0)

@@ -216,6 +216,13 @@ class Checkpoint(AutoTrackable):
         options = options or CheckpointOptions()
         self._wait_for_pending()  # never restore around a save in flight
         reader = self._open_for_restore(os.fspath(save_path), options, saved_model)
+        return self._restore_through(reader, options)
+
+    def _restore_through(self, reader: Any, options: Optional[CheckpointOptions] = None) -> Any:
+        """``restore`` from an open reader (a ``BundleReader`` over any store, or a ``PieceSource``: a
+        tiered restore reads a peer's replica through one); the caller closes it."""
+        options = options or CheckpointOptions()
+        self._wait_for_pending()
         with collective_call(as_source(reader)):  # a funnelled restore's exchange when the call ends
             status = self._restore_from(reader, options)
         return status

@@ -20,7 +20,7 @@ from __future__ import annotations
 import abc
 import json
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import InvalidArgumentError, ShardckptError
 
@@ -152,6 +152,23 @@ class Coordinator(abc.ABC):
     def recv_bytes(self, src: int, nbytes: int, out: Optional[memoryview] = None, tag: int = 0,
                    timeout: Optional[float] = None) -> memoryview:
         """Receive ``nbytes`` from ``src`` into ``out`` (allocated when ``None``)."""
+
+    def send_many(self, buffers: Sequence[memoryview], dst: int, tag: int = 0) -> None:
+        """Send ``buffers`` to ``dst``, one message each, in order (the receiver calls :meth:`recv_many` or
+        :meth:`recv_bytes` for each, with the same sizes). Engines whose messages each cost a
+        round of their own override it to keep several in flight; default: :meth:`send_bytes` each."""
+        for buffer in buffers:
+            self.send_bytes(buffer, dst, tag=tag)
+
+    def recv_many(self, src: int, outs: Sequence[memoryview], tag: int = 0, timeout: Optional[float] = None,
+                  landed: Optional[Callable[[int], None]] = None) -> None:
+        """Receive one message from ``src`` into each of ``outs`` (its size: the buffer's), in order;
+        ``landed(i)`` runs as soon as message ``i`` is in (while later ones may still be arriving).
+        Default: :meth:`recv_bytes` each."""
+        for i, out in enumerate(outs):
+            self.recv_bytes(src, memoryview(out).nbytes, out=out, tag=tag, timeout=timeout)
+            if landed is not None:
+                landed(i)
 
     def agree(self, ok: bool, error: str = "", timeout: Optional[float] = None) -> None:
         """All-gather success flags; if any client failed, raise on every client naming it."""

@@ -47,7 +47,8 @@ import re
 import threading
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .._extras import install_hint
 from ..errors import InvalidArgumentError
@@ -60,6 +61,8 @@ _ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 _LIVE: List["TorchCoordinator"] = []  # in creation order; closed in reverse at exit
 _LIVE_LOCK = threading.Lock()
 _MAX_TAG = 2**31 - 1
+#: point-to-point messages kept in flight by send_many / recv_many (each gloo message costs a round)
+_IN_FLIGHT = 4
 
 
 def _import_dist():
@@ -71,6 +74,13 @@ def _import_dist():
     if not dist.is_available():  # pragma: no cover
         raise CoordinationError("this PyTorch build has no torch.distributed")
     return torch, dist
+
+
+class _Done:
+    """The work of an empty message: nothing to wait for."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
 
 
 def _seconds(timeout: float) -> datetime.timedelta:
@@ -359,6 +369,56 @@ class TorchCoordinator(EngineCoordinator):
         work = self._dist.irecv(tensor, group=self._group, group_src=src, tag=tag)
         self._wait(work, deadline, f"receive of {nbytes} bytes from rank {src}", timeout)
         return mv
+
+    def send_many(self, buffers: Sequence[memoryview], dst: int, tag: int = 0) -> None:
+        """Gloo pays a round between the peers for each message: up to :data:`_IN_FLIGHT` sends are kept in
+        flight, so that a stream of messages moves at the link's rate."""
+        self._check()
+        self._check_peer(dst, "send destination")
+        if not 0 <= tag <= _MAX_TAG:
+            raise InvalidArgumentError(f"tag {tag} out of range [0, {_MAX_TAG}]")
+        works: Deque[Any] = deque()
+        try:
+            for buffer in buffers:
+                mv, tensor = self._as_bytes_tensor(buffer, writable=False)
+                if mv.nbytes == 0:
+                    continue
+                works.append(self._dist.isend(tensor, group=self._group, group_dst=dst, tag=tag))
+                if len(works) >= _IN_FLIGHT:
+                    works.popleft().wait()
+            while works:
+                works.popleft().wait()
+        except Exception as e:
+            self._failed = f"send to rank {dst} failed"
+            raise CoordinationError(f"rank {self._rank}: sending to rank {dst} failed: {e}") from e
+
+    def recv_many(self, src: int, outs: Sequence[memoryview], tag: int = 0, timeout: Optional[float] = None,
+                  landed: Optional[Callable[[int], None]] = None) -> None:
+        """Up to :data:`_IN_FLIGHT` receives posted ahead (see :meth:`send_many`); ``landed(i)`` as each completes."""
+        self._check()
+        self._check_peer(src, "receive source")
+        if not 0 <= tag <= _MAX_TAG:
+            raise InvalidArgumentError(f"tag {tag} out of range [0, {_MAX_TAG}]")
+        deadline = self._deadline(timeout)
+        self._gloo_timeout(timeout)
+        posted: Deque[Tuple[int, Any]] = deque()
+
+        def complete() -> None:
+            i, work = posted.popleft()
+            self._wait(work, deadline, f"receive of message {i} from rank {src}", timeout)
+            if landed is not None:
+                landed(i)
+
+        for i, out in enumerate(outs):
+            mv, tensor = self._as_bytes_tensor(out, writable=True)
+            if mv.nbytes == 0:
+                posted.append((i, _Done()))
+            else:
+                posted.append((i, self._dist.irecv(tensor, group=self._group, group_src=src, tag=tag)))
+            if len(posted) >= _IN_FLIGHT:
+                complete()
+        while posted:
+            complete()
 
     # -- barrier transport (the protocol is in .barrier) ------------------------------------------------------
 

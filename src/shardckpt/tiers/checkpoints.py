@@ -150,11 +150,25 @@ class Tiered:
         if self._coordinator is None:
             self._coordinator = self._find() or SingleProcessCoordinator()
 
+        coordinator = self._coordinator
+        checkpoint = self._checkpoint
+
         def found(nodes: NodeMap) -> None:
             self._nodes = nodes
 
-        return restore_from_tier(self.tier, self._coordinator, self._nodes, persistent,
-                                 lambda prefix: self._checkpoint.restore(prefix), timeout=timeout, found=found)
+        def read(where: Any) -> None:  # a local bundle's prefix, or a reader of a peer's replica
+            if isinstance(where, str):
+                checkpoint.restore(where)
+            else:
+                checkpoint.save_counter  # noqa: B018 - created so that it is restored too, as by restore()
+                checkpoint._restore_through(where)
+
+        def behind(work: Callable[[Coordinator], None]) -> None:
+            background = default_context().background(coordinator)  # collective on first use: every client, here
+            checkpoint._background().then(lambda: work(background), name="repopulating the tiers")
+
+        return restore_from_tier(self.tier, coordinator, self._nodes, persistent, read, timeout=timeout,
+                                 found=found, behind=behind)
 
 
 class TierCopy:

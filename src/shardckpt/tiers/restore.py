@@ -37,16 +37,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..distributed.coordinator import Coordinator
 from .nodes import NodeMap, checked_node_id
+from .peer import PeerFileSystem, PeerSource, peer_pairs, serve_bundle
 from .save import describe_error
 from .tier import LocalTier, bundle_files, read_marker, remove_bundle, write_marker
-from .transfer import move_bundles
+from .transfer import Moved, move_bundles
 
 __all__ = ["TierRestore", "restore_from_tier", "choose_step"]
+
+_log = logging.getLogger("shardckpt")
+
+#: Schedules work behind a restore: called (on every client, in the same order) with a function of the
+#: background coordinator, which it runs on the checkpoint's saver thread
+Behind = Callable[[Callable[[Coordinator], None]], None]
 
 
 @dataclass(frozen=True)
@@ -115,8 +124,8 @@ def choose_step(reports: Dict[str, Dict[str, List[str]]], nodes: NodeMap
 
 def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: Optional[NodeMap],
                       persistent: Callable[[], Optional[str]], read: Callable[[str], Any],
-                      timeout: Optional[float] = None, found: Optional[Callable[[NodeMap], None]] = None
-                      ) -> TierRestore:
+                      timeout: Optional[float] = None, found: Optional[Callable[[NodeMap], None]] = None,
+                      behind: Optional[Behind] = None) -> TierRestore:
     """This client's part of a restore through the tiers (see the module docstring). Collective.
 
     ``persistent()`` (called on client 0 only) is the newest persistent checkpoint's path (``None``:
@@ -140,41 +149,143 @@ def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: Optional
                                                            f"the newest complete local step {step}"))
     # 3 repopulate: each node's own bundle (the replicas it held for others: by the next save)
     moves = [(holders[owner][0], owner, owner) for owner in nodes.nodes if owner not in holders[owner]]
+    if moves and behind is not None and not {s for s, _, _ in moves} & {t for _, t, _ in moves}:
+        return done(_from_peers(tier, coordinator, nodes, step, moves, read, behind, timeout))
     got = [owner for _, target, owner in moves if target == me] if leader else []
     sent = received = 0
     failed: List[str] = []
     if moves:
-        error: Optional[str] = None
-        try:
-            for owner in got:  # what a save that died left of it (marker first)
-                remove_bundle(tier.prefix(me, owner, step))
-        except Exception as exc:  # noqa: BLE001
-            error = describe_error(exc)
-        failed = _failures(coordinator.all_gather({"ok": error is None, "error": error or ""}, timeout=timeout))
-        if not failed:
-            moved = move_bundles(coordinator, tier, nodes, step, moves, timeout=timeout)
-            sent, received = moved.sent, moved.received
-            failed = _failures(coordinator.all_gather({"ok": moved.error is None, "error": moved.error or ""},
-                                                      timeout=timeout))
+        failed, moved = _repopulate(tier, coordinator, nodes, step, moves, timeout)
+        sent, received = moved.sent, moved.received
     if not failed:
         error = None
         try:
-            for owner in got:
-                prefix = tier.prefix(me, owner, step)
-                write_marker(prefix, {"step": step, "owner": owner, "nodes": list(nodes.nodes),
-                                      "files": bundle_files(prefix)})
+            _mark(tier, nodes, me, step, got)
             if leader:  # 4 drop newer steps
-                for owner, steps in tier.steps_on_disk(me).items():
-                    for newer in [s for s in steps if s > step]:
-                        remove_bundle(tier.prefix(me, owner, newer))
+                _drop_newer(tier, me, step)
             read(tier.prefix(me, me, step))  # 5 read
         except Exception as exc:  # noqa: BLE001
             error = describe_error(exc)
         failed = _failures(coordinator.all_gather({"ok": error is None, "error": error or ""}, timeout=timeout))
     if failed:
         return done(TierRestore(None, None, sent, received,
-                                       reason=f"restoring local step {step} failed: " + "; ".join(failed)))
+                                reason=f"restoring local step {step} failed: " + "; ".join(failed)))
     return done(TierRestore(step, tier.prefix(me, me, step), sent, received))
+
+
+def _from_peers(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step: int,
+                moves: List[Tuple[str, str, str]], read: Callable[[Any], Any], behind: Behind,
+                timeout: Optional[float]) -> TierRestore:
+    """Steps 3-5 when the nodes that lost their bundle hold none that others lack: each client of such a
+    node restores straight from the holder's replica (:mod:`.peer`); the others serve first (holders),
+    then restore from their own tier; the lost bundles are moved into their nodes' tiers behind the
+    restore, once every client restored (``behind``)."""
+    from ..format.bundle_reader import BundleReader
+
+    rank = coordinator.rank
+    me = nodes.node_of_rank[rank]
+    pairs = peer_pairs(nodes, moves)
+    sent = received = 0
+    error: Optional[str] = None
+    try:
+        if nodes.leader(me) == rank:  # 4 drop newer steps
+            _drop_newer(tier, me, step)
+    except Exception as exc:  # noqa: BLE001 - told to every client by the round below
+        error = describe_error(exc)
+    for server, client, source, _target, owner in pairs:  # holders serve first, in the pairs' order
+        if rank != server:
+            continue
+        prefix = tier.prefix(source, owner, step)
+        try:
+            files = bundle_files(prefix)
+        except Exception as exc:  # noqa: BLE001 - its client gets an empty manifest, and fails
+            files, error = [], error or f"{prefix}: {describe_error(exc)}"
+        try:
+            served, problem = serve_bundle(coordinator, client, os.path.dirname(prefix), files, tier.chunk_bytes,
+                                           timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - told to every client by the round below
+            served, problem = 0, describe_error(exc)
+        sent += served
+        error = error or (None if problem is None else f"serving {owner}'s bundle of step {step}: {problem}")
+    mine = [p for p in pairs if p[1] == rank]
+    try:
+        if mine:  # 5 read, from the peer
+            server, _, source, _, owner = mine[0]
+            fs = PeerFileSystem(coordinator, server, tier.folder(source, owner), timeout=timeout)
+            try:
+                with PeerSource(BundleReader(tier.prefix(source, owner, step), fs=fs), fs) as peer:
+                    read(peer)
+            finally:
+                received = fs.received
+                fs.done()
+        elif error is None:  # 5 read, locally
+            read(tier.prefix(me, me, step))
+    except Exception as exc:  # noqa: BLE001
+        error = error or describe_error(exc)
+    failed = _failures(coordinator.all_gather({"ok": error is None, "error": error or ""}, timeout=timeout))
+    if failed:
+        return TierRestore(None, None, sent, received,
+                           reason=f"restoring local step {step} failed: " + "; ".join(failed))
+    behind(functools.partial(_repopulate_behind, tier, nodes, step, moves, timeout))
+    return TierRestore(step, tier.prefix(me, me, step), sent, received)
+
+
+def _repopulate(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step: int,
+                moves: List[Tuple[str, str, str]], timeout: Optional[float]) -> Tuple[List[str], Moved]:
+    """Each node of ``moves`` that lacks its own bundle of ``step``: its leader removes what a save that died
+    left of it (a round), the holder moves it over the lanes, a round; returns the failures (every
+    client's answer) and what this client moved. The caller marks the bundles (:func:`_mark`)."""
+    rank = coordinator.rank
+    me = nodes.node_of_rank[rank]
+    got = [owner for _, target, owner in moves if target == me] if nodes.leader(me) == rank else []
+    error: Optional[str] = None
+    try:
+        for owner in got:  # what a save that died left of it (marker first)
+            remove_bundle(tier.prefix(me, owner, step))
+    except Exception as exc:  # noqa: BLE001
+        error = describe_error(exc)
+    failed = _failures(coordinator.all_gather({"ok": error is None, "error": error or ""}, timeout=timeout))
+    if failed:
+        return failed, Moved()
+    moved = move_bundles(coordinator, tier, nodes, step, moves, timeout=timeout)
+    return _failures(coordinator.all_gather({"ok": moved.error is None, "error": moved.error or ""},
+                                            timeout=timeout)), moved
+
+
+def _repopulate_behind(tier: LocalTier, nodes: NodeMap, step: int, moves: List[Tuple[str, str, str]],
+                       timeout: Optional[float], coordinator: Coordinator) -> None:
+    """:func:`_repopulate` and the markers, in the background after a restore from peers (``coordinator``:
+    the background clone). Never raises: the restore is done; a failure is logged and kept as the tier's
+    ``last_save_error`` (the next save writes every bundle of its step afresh)."""
+    me = nodes.node_of_rank[coordinator.rank]
+    leader = nodes.leader(me) == coordinator.rank
+    try:
+        failed, _ = _repopulate(tier, coordinator, nodes, step, moves, timeout)
+        if not failed:
+            error: Optional[str] = None
+            try:
+                _mark(tier, nodes, me, step, [o for _, t, o in moves if t == me] if leader else [])
+            except Exception as exc:  # noqa: BLE001
+                error = describe_error(exc)
+            failed = _failures(coordinator.all_gather({"ok": error is None, "error": error or ""}, timeout=timeout))
+        if failed:
+            raise RuntimeError("; ".join(failed))
+    except Exception as exc:  # noqa: BLE001 - the restore is done; logged and kept
+        tier.last_save_error = f"repopulating the tiers with step {step}: {describe_error(exc)}"
+        _log.warning("%s", tier.last_save_error)
+
+
+def _mark(tier: LocalTier, nodes: NodeMap, me: str, step: int, owners: List[str]) -> None:
+    for owner in owners:
+        prefix = tier.prefix(me, owner, step)
+        write_marker(prefix, {"step": step, "owner": owner, "nodes": list(nodes.nodes),
+                              "files": bundle_files(prefix)})
+
+
+def _drop_newer(tier: LocalTier, me: str, step: int) -> None:
+    for owner, steps in tier.steps_on_disk(me).items():
+        for newer in [s for s in steps if s > step]:
+            remove_bundle(tier.prefix(me, owner, newer))
 
 
 def _failures(results: List[Dict[str, Any]]) -> List[str]:
