@@ -23,8 +23,10 @@ slowest client's call:
 * ``tier restore``: ``restore_or_initialize()`` from the tiers (nothing lost);
 * ``cold persistent restore``: ``Checkpoint.restore`` of the persistent checkpoint after the
   page cache was dropped (root; ``--no-cold`` or a smoke run: warm);
-* ``recovery``: node 1's tier removed, then ``restore_or_initialize()``: node 1's bundle comes
+* ``recovery``: node 1's tier removed, then ``restore_or_initialize()``: node 1's clients restore
   from node 0's replica over gloo; the bytes read from the persistent folder are counted (0).
+  Node 1's tier is repopulated behind it, timed apart until committed (``sync()``: "recovery:
+  tier repopulated behind it"; a revision that repopulates first shows ~0 there).
 
 A first round runs every phase untimed (what a process pays once: pools, buffers, connections).
 Before each phase the page cache's dirty pages are written back (``os.sync()``, untimed), so
@@ -178,6 +180,8 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool) -> 
                 before = read_persistent[0]
                 fresh = manager_of(target)
                 timed(name, fresh.restore_or_initialize)
+                if name == "recovery":  # the lost node's tier is repopulated behind the restore: until committed
+                    timed("recovery: tier repopulated behind it", fresh.sync)
                 counts[name + " bytes from persistent"] = read_persistent[0] - before
                 counts[name + " bytes between nodes"] = fresh.local.last_restore.bytes_received
                 if fresh.local.last_restore.step is None:

@@ -4,7 +4,9 @@ tests/helpers/tier_lanes_worker.py runs under torchrun (gloo) and mpiexec: clien
 node ``a``, client 2 node ``b``, so every move has one lane and all of a bundle's files go
 over it; a sender whose file was cut short after it was listed sends zeros in its place and
 reports, and its receiver still gets every promised byte (no client waits for bytes that never
-come).
+come). A client of node ``b`` reads node ``a``'s bundle straight from client 0 (tiers/peer.py):
+what is not in the bundle is refused and named, values come back exact, a flipped byte fails its
+checksum.
 """
 
 from __future__ import annotations
@@ -58,3 +60,23 @@ def test_a_sender_that_cannot_read_sends_zeros_and_reports_and_its_receiver_neve
     assert sender["sent"] == receiver["received"] == promised  # every promised byte arrived
     name = [n for n in receiver["received_files"] if ".data-00001-" in n][0]
     assert receiver["received_files"][name][0] == _value(job, 2, "a_to_b")["received_files"][name][0]
+
+
+def test_a_peer_serves_a_bundle_to_a_restore_refusing_what_is_not_in_it(job):
+    server, client = _value(job, 0, "peer"), _value(job, 2, "peer")
+    kind, message = client["past_the_end"]
+    assert kind == "StorageError" and "rank 0 could not serve it" in message and ".data-00000-of-00003" in message
+    assert server["error"] is not None and "asked for" in server["error"]  # its first error, not raised
+    piece, cut = client["values"]
+    assert piece == [2.0]  # the whole stored piece (row 1), fetched when the call ended
+    assert cut == [[1.0] * 4, [2.0] * 4, [3.0] * 4]  # a region cutting every piece, served at once
+    assert client["whole"] == [[1.0] * 5, [2.0] * 5, [3.0] * 5]
+    assert server["sent"] == client["received"] > 50000 * 4
+
+
+def test_a_damaged_replica_fails_its_checksum_when_read_from_a_peer(job):
+    client = _value(job, 2, "peer_damaged")
+    kind, message = client["failed"]
+    assert kind == "DataLossError" and "checksum does not match" in message, message
+    assert ".data-00002-of-00003" in message and "'w'" in message and "slice 2,1:0,50000" in message, message
+    assert "asked for" in _value(job, 0, "peer_damaged")["error"]  # the server saw only the request past the end

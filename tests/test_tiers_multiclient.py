@@ -123,6 +123,16 @@ def test_a_failed_replica_transfer_fails_the_save_everywhere_and_commits_nothing
         assert value["step"] == 6
 
 
+def test_a_damaged_replica_read_by_the_lost_node_makes_every_client_restore_the_persistent_step(job):
+    for rank in range(NPROC):
+        got = _phase(job, rank, "restore_damaged_replica")
+        _exact(got)  # generation 5 everywhere: never node 0 at step 6 and node 1 at step 5
+        assert got["step"] is None and got["returned"] == str(job["data"] / "persistent" / "ckpt-5"), got
+        assert got["save_counter"] == 5
+        assert "checksum does not match" in got["reason"] and "node-1/ckpt-6.data-" in got["reason"], got["reason"]
+        assert got["sent_behind"] == 0  # nothing repopulated from a damaged replica
+
+
 def test_both_wiped_restores_the_persistent_step_5(job):
     for rank in range(NPROC):
         got = _phase(job, rank, "restore_both_wiped")

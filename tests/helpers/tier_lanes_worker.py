@@ -10,6 +10,12 @@ client, :func:`shardckpt.tiers.transfer.move_bundles` with the same moves):
 * ``a_to_b``: node ``a``'s bundle moves to node ``b``: one lane (client 0 -> client 2), every file
   on it; the receiver's files are byte for byte the sender's;
 * ``b_to_a``: and back to node ``a`` under another owner name: one lane (client 2 -> client 0);
+* ``peer``: client 0 serves node ``a``'s bundle to client 2, which reads it through a
+  ``PeerFileSystem``/``PeerSource`` (tiers/peer.py): a request past a file's end is refused with
+  an error naming the file, and the server serves on; a whole stored piece, a region cutting
+  every piece and the whole tensor come back exact;
+* ``peer_damaged``: the same from node ``a``'s copy ``b`` whose data file 2 holds a flipped byte:
+  the piece read from it fails its checksum, named by file, key and slice;
 * ``sender_fault``: client 0's data file 1 is cut short before it moves to ``b`` again: client 0
   sends zeros for what is missing and reports the error; client 2 still receives every byte it
   was promised (nobody waits for bytes that never come) and reports nothing.
@@ -39,6 +45,46 @@ def digests(folder: str, base: str) -> Dict[str, Any]:
             with open(os.path.join(folder, name), "rb") as f:
                 data = f.read()
             out[name] = [len(data), hashlib.sha256(data).hexdigest()]
+    return out
+
+
+def peer(coord, tier, owner: str, damaged) -> Dict[str, Any]:
+    """Client 0 serves node a's copy of ``owner``'s bundle to client 2 (tiers/peer.py), which asks for bytes
+    past a file's end, then restores through a PeerSource: a whole stored piece (fetched when the call
+    ends, checksummed), a region cutting every piece (served at once) and, after the call, the whole
+    tensor through the reader. With ``damaged``: only that piece, whose file holds a flipped byte."""
+    from shardckpt.errors import ShardckptError
+    from shardckpt.format.bundle_reader import BundleReader
+    from shardckpt.restoring import Read, RestorePlan, collective_call, run
+    from shardckpt.tiers.peer import PeerFileSystem, PeerSource, serve_bundle
+    from shardckpt.tiers.tier import bundle_files
+
+    prefix = tier.prefix("a", owner, 1)
+    if coord.rank == 0:
+        sent, error = serve_bundle(coord, 2, os.path.dirname(prefix), bundle_files(prefix), tier.chunk_bytes,
+                                   timeout=120)
+        return {"sent": sent, "error": error}
+    if coord.rank != 2:
+        return {}
+    fs = PeerFileSystem(coord, 0, os.path.dirname(prefix), timeout=120)
+    out: Dict[str, Any] = {}
+    try:
+        try:
+            fs.fetch([(0, 1 << 40, memoryview(bytearray(8)))], "past the end")
+        except ShardckptError as e:
+            out["past_the_end"] = [type(e).__name__, str(e)]
+        source = PeerSource(BundleReader(prefix, fs=fs), fs)
+        reads = [Read("w", damaged)] if damaged else [Read("w", ((1, 2), (0, 50000))), Read("w", ((0, 3), (5, 9)))]
+        try:
+            with collective_call(source):
+                values = run(RestorePlan.of(source, reads))
+            out["values"] = [v.tolist() if v.size < 100 else sorted(set(v.reshape(-1).tolist())) for v in values]
+            out["whole"] = source.reader.read("w")[:, ::10000].tolist()
+        except ShardckptError as e:
+            out["failed"] = [type(e).__name__, str(e)]
+        out["received"] = fs.received
+    finally:
+        fs.done()
     return out
 
 
@@ -87,6 +133,16 @@ def run(data: str) -> None:
             shutil.copy(os.path.join(b_folder, name), os.path.join(tier.folder("b", "b"), name))
     coord.barrier("copied")
     W.phase("b_to_a", lambda: move([("b", "a", "b")], (a_back, "ckpt-1") if rank == 0 else None))
+    W.phase("peer", lambda: peer(coord, tier, "a", None))
+    if rank == 0:  # one byte of data file 2 of the copy node a got back, flipped
+        name = [n for n in sorted(os.listdir(a_back)) if ".data-00002-" in n][0]
+        with open(os.path.join(a_back, name), "r+b") as f:
+            f.seek(1234)
+            byte = f.read(1)
+            f.seek(1234)
+            f.write(bytes([byte[0] ^ 0x40]))
+    coord.barrier("flipped")
+    W.phase("peer_damaged", lambda: peer(coord, tier, "b", ((2, 3), (0, 50000))))
     if rank == 0:
         data1 = [n for n in sorted(os.listdir(os.path.dirname(source))) if ".data-00001-" in n][0]
         with open(os.path.join(os.path.dirname(source), data1), "r+b") as f:

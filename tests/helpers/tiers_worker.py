@@ -17,6 +17,9 @@ manager_worker.py (DVariables of every layout of ``dtensor_worker.VARS`` on
   write node 0's replica of step 7 (``tier/1/node-0/ckpt-7.index``): the save of generation 7
   must fail on every client; then the files are looked at (no marker of step 7 anywhere) and the fault removed;
 * ``restore_after_fault``: a restore gives step 6 again;
+* ``restore_damaged_replica``: node 1's tier removed again and a byte of every data file of node
+  0's replica of node 1's step 6 flipped: node 1's clients fail its checksums while they restore
+  from the replica, so every client restores the persistent ``ckpt-5`` (never a mix of steps);
 * ``restore_both_wiped``: both tiers removed: the restore gives the persistent ``ckpt-5``;
 * ``async_save6``, ``async_save7``: a new manager restores step 5, then saves generations 6 and 7
   with ``CheckpointOptions(enable_async=True)``, the values clobbered right after each return,
@@ -161,9 +164,23 @@ def run(data: str) -> None:
     coord.barrier("fault removed")
     W.phase("restore_after_fault", lambda: restore_phase(mesh, data, SAVES))
 
+    coord.barrier("wipe node 1 again")
+    if rank == 2:
+        shutil.rmtree(os.path.join(data, "tier", "1"))
+    if rank == 0:  # the first byte of every data file of node 0's replica of node 1's step 6, flipped
+        replica = os.path.join(data, "tier", "0", "node-1")
+        for name in sorted(os.listdir(replica)):
+            if name.startswith(f"ckpt-{SAVES}.data-"):
+                with open(os.path.join(replica, name), "r+b") as f:
+                    byte = f.read(1)
+                    f.seek(0)
+                    f.write(bytes([byte[0] ^ 0x01]))
+    coord.barrier("replica damaged")
+    W.phase("restore_damaged_replica", lambda: restore_phase(mesh, data, PERSIST_EVERY))
+
     coord.barrier("wipe both")
     if rank in (0, 2):
-        shutil.rmtree(os.path.join(data, "tier", str(rank // 2)))
+        shutil.rmtree(os.path.join(data, "tier", str(rank // 2)), ignore_errors=True)  # node 1: gone already
     coord.barrier("wiped both")
     W.phase("restore_both_wiped", lambda: restore_phase(mesh, data, PERSIST_EVERY))
 

@@ -100,26 +100,7 @@ def serve_bundle(coordinator: Coordinator, client: int, folder: str, files: Sequ
                 return sent, first
             ranges = np.empty((n, 3), "<i8")
             coordinator.recv_bytes(client, ranges.nbytes, out=byte_view(ranges), tag=TAG, timeout=timeout)
-            views: List[memoryview] = []
-            error: Optional[str] = None
-            for number, offset, length in ranges.tolist():
-                if not 0 <= number < len(files):
-                    error = f"no file number {number} in a bundle of {len(files)} files"
-                    break
-                name, size = files[number]
-                path = os.path.join(folder, name)
-                if offset < 0 or length < 0 or offset + length > size:
-                    error = f"{path}: bytes [{offset}, {offset + length}) asked for, the file holds {size}"
-                    break
-                try:
-                    view = mapped.get(number)
-                    if view is None:
-                        view = mapped[number] = _map(path, size)
-                except OSError as e:
-                    error = f"{path}: {e}"
-                    break
-                views.append(view[offset:offset + length])
-            del view
+            views, error = _ranges_of(ranges.tolist(), folder, files, mapped)
             if error is not None:
                 for view in views:
                     view.release()
@@ -135,6 +116,27 @@ def serve_bundle(coordinator: Coordinator, client: int, folder: str, files: Sequ
     finally:
         for view in mapped.values():
             _unmap(view)
+
+
+def _ranges_of(ranges: List[List[int]], folder: str, files: Sequence[Tuple[str, int]], mapped: Dict[int, memoryview]
+               ) -> Tuple[List[memoryview], Optional[str]]:
+    """The views of the files' pages that ``ranges`` ask for (files mapped into ``mapped`` on first use), or
+    what is wrong with the first range that cannot be served."""
+    views: List[memoryview] = []
+    for number, offset, length in ranges:
+        if not 0 <= number < len(files):
+            return views, f"no file number {number} in a bundle of {len(files)} files"
+        name, size = files[number]
+        path = os.path.join(folder, name)
+        if offset < 0 or length < 0 or offset + length > size:
+            return views, f"{path}: bytes [{offset}, {offset + length}) asked for, the file holds {size}"
+        try:
+            if number not in mapped:
+                mapped[number] = _map(path, size)
+        except OSError as e:
+            return views, f"{path}: {e}"
+        views.append(mapped[number][offset:offset + length])
+    return views, None
 
 
 def _send_ranges(coordinator: Coordinator, client: int, views: List[memoryview], chunk: int) -> int:
