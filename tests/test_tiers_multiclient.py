@@ -123,13 +123,24 @@ def test_a_failed_replica_transfer_fails_the_save_everywhere_and_commits_nothing
         assert value["step"] == 6
 
 
+def test_nodes_that_lost_their_own_bundles_swap_replicas_first_then_restore_step_7_locally(job):
+    got = {rank: _phase(job, rank, "restore_own_bundles_lost") for rank in range(NPROC)}
+    for value in got.values():
+        _exact(value)
+        assert value["step"] == 7 and value["persistent_opens"] == 0, value
+        assert value["bytes_sent"] > 0 and value["bytes_received"] > 0, value  # every client on a lane, both ways
+        assert value["sent_behind"] == 0, value  # repopulated before the restore, not behind it
+    files = _phase(job, 0, "files_after_own_bundles_lost")
+    assert "ckpt-7.committed" in files["0/node-0"] and "ckpt-7.committed" in files["1/node-1"]
+
+
 def test_a_damaged_replica_read_by_the_lost_node_makes_every_client_restore_the_persistent_step(job):
     for rank in range(NPROC):
         got = _phase(job, rank, "restore_damaged_replica")
         _exact(got)  # generation 5 everywhere: never node 0 at step 6 and node 1 at step 5
         assert got["step"] is None and got["returned"] == str(job["data"] / "persistent" / "ckpt-5"), got
         assert got["save_counter"] == 5
-        assert "checksum does not match" in got["reason"] and "node-1/ckpt-6.data-" in got["reason"], got["reason"]
+        assert "checksum does not match" in got["reason"] and "node-1/ckpt-7.data-" in got["reason"], got["reason"]
         assert got["sent_behind"] == 0  # nothing repopulated from a damaged replica
 
 

@@ -17,8 +17,13 @@ manager_worker.py (DVariables of every layout of ``dtensor_worker.VARS`` on
   write node 0's replica of step 7 (``tier/1/node-0/ckpt-7.index``): the save of generation 7
   must fail on every client; then the files are looked at (no marker of step 7 anywhere) and the fault removed;
 * ``restore_after_fault``: a restore gives step 6 again;
+* ``save7``: generation 7 saved (step 7: every bundle and replica in place again; node 1 lost
+  the replica it held of node 0 with its tier);
+* ``restore_own_bundles_lost``: each node's own bundles removed, the replicas kept: each node
+  holds what the other lost, so the bundles move both ways first (files, over the lanes), then
+  every client restores step 7 from its own tier;
 * ``restore_damaged_replica``: node 1's tier removed again and a byte of every data file of node
-  0's replica of node 1's step 6 flipped: node 1's clients fail its checksums while they restore
+  0's replica of node 1's step 7 flipped: node 1's clients fail its checksums while they restore
   from the replica, so every client restores the persistent ``ckpt-5`` (never a mix of steps);
 * ``restore_both_wiped``: both tiers removed: the restore gives the persistent ``ckpt-5``;
 * ``async_save6``, ``async_save7``: a new manager restores step 5, then saves generations 6 and 7
@@ -164,13 +169,23 @@ def run(data: str) -> None:
     coord.barrier("fault removed")
     W.phase("restore_after_fault", lambda: restore_phase(mesh, data, SAVES))
 
+    W.phase("save7", lambda: str(manager7.save()))  # generation 7 again, now with every replica in place
+    manager7.sync()
+    coord.barrier("own bundles lost")
+    if rank in (0, 2):  # each node loses its own bundles and keeps the replica it holds of the other's
+        shutil.rmtree(os.path.join(data, "tier", str(rank // 2), f"node-{rank // 2}"))
+    coord.barrier("own bundles removed")
+    W.phase("restore_own_bundles_lost", lambda: restore_phase(mesh, data, SAVES + 1))
+    coord.barrier("own bundles back")
+    W.phase("files_after_own_bundles_lost", lambda: tier_files(data) if rank == 0 else None)
+
     coord.barrier("wipe node 1 again")
     if rank == 2:
         shutil.rmtree(os.path.join(data, "tier", "1"))
-    if rank == 0:  # the first byte of every data file of node 0's replica of node 1's step 6, flipped
+    if rank == 0:  # the first byte of every data file of node 0's replica of node 1's step 7, flipped
         replica = os.path.join(data, "tier", "0", "node-1")
         for name in sorted(os.listdir(replica)):
-            if name.startswith(f"ckpt-{SAVES}.data-"):
+            if name.startswith(f"ckpt-{SAVES + 1}.data-"):
                 with open(os.path.join(replica, name), "r+b") as f:
                     byte = f.read(1)
                     f.seek(0)

@@ -50,7 +50,7 @@ from ..format.bundle_reader import BundleReader
 from ..format.bundle_writer import byte_view
 from ..restoring.plan import Read
 from ..restoring.source import BundleSource
-from ..storage.base import Identity, ReadHandle
+from ..storage.base import FileSystem, Identity, ReadHandle
 from ..storage.local import LocalFileSystem
 from ..storage.wrappers import FileSystemWrapper
 
@@ -300,13 +300,7 @@ class PeerFileSystem(FileSystemWrapper):
         return (size, "peer", self.server, number)
 
     def identities(self, paths: Sequence[str]) -> "dict[str, Optional[Identity]]":
-        out: "dict[str, Optional[Identity]]" = {}
-        for p in paths:
-            try:
-                out[p] = self.identity(p)
-            except NotFoundError:
-                out[p] = None
-        return out
+        return FileSystem.identities(self, paths)  # one identity() each: the manifest answers
 
     @property
     def prefetches(self) -> bool:
