@@ -30,7 +30,13 @@ slowest client's call:
 
 A first round runs every phase untimed (what a process pays once: pools, buffers, connections).
 Before each phase the page cache's dirty pages are written back (``os.sync()``, untimed), so
-that no phase pays for an earlier one's write-back. Every restore's values are checked
+that no phase pays for an earlier one's write-back, and each client primes ``--prime`` (2) times
+its share of the state of free memory (``common.prime_free_memory``: touched and freed, untimed;
+not before the tier copy behind a persistent save, which is already running): this VM hands
+memory freed for ~2 s back to the host and a write's page cache then costs ~2.3 s/GiB to
+allocate (0.2 s/GiB from memory freed a moment ago), so that without it a phase's time depended
+on what ran before it (a save right after a tier save's retention freed 2 GiB ran at 0.5 s, the
+same save at another position up to 1.6 s). Every restore's values are checked
 after timing. Medians; the ratios are what to read.
 
     .venv/bin/python benchmarks/bench_tiers.py                 # 1 GiB, 3 repeats
@@ -60,7 +66,7 @@ import common as C  # noqa: E402
 TENSORS, COLS, CLIENTS = 64, 1024, 4
 
 
-def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool) -> None:
+def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool, prime: float) -> None:
     import numpy as np
 
     import shardckpt
@@ -103,13 +109,15 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool) -> 
     wrong: List[str] = []
     counts: Dict[str, int] = {}
 
-    def timed(name: str, fn: Any) -> Any:
+    def timed(name: str, fn: Any, primed: bool = True) -> Any:
         if rank == 0:
             os.sync()  # no earlier save's write-back left to slow this phase's fsyncs
         # memory untouched for seconds goes back to the host here (common.warm): the state, the
         # memcpy targets and the tiered manager's host-copy buffers (reused from save to save) are
         # touched right before every phase, as a training loop saving each step keeps them
         C.warm(sources + copies + [b for b in manager._tiered._buffers.values() if b.dtype != object])
+        if primed:  # the memory the phase's writes and page cache take (common.prime_free_memory)
+            C.prime_free_memory(prime_bytes)
         coord.barrier("start " + name)
         t0 = time.perf_counter()
         out = fn()
@@ -131,6 +139,7 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool) -> 
                     return
 
     sources = components(state)
+    prime_bytes = int(prime * size / n)  # of fresh memory, primed by each client before each phase
     copies = [np.empty_like(c) for c in sources]
     C.warm(copies)
     saved = 0
@@ -154,7 +163,7 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool) -> 
             else:
                 timed(name, manager.save)
                 if name == "persistent save":  # its copy into the tiers runs behind it: until committed
-                    timed("persistent save: tier copy behind it", manager.sync)
+                    timed("persistent save: tier copy behind it", manager.sync, primed=False)
             saved += 1
         if saved % 2 == 1:
             manager.save()  # the tiers' newest step is then also the persistent one
@@ -207,6 +216,8 @@ def main() -> None:
     p.add_argument("--dir", default=tempfile.gettempdir(), help="scratch folder (the persistent directory)")
     p.add_argument("--tier", default="/dev/shm", help="where the simulated nodes' tier folders go")
     p.add_argument("--no-cold", action="store_true", help="do not drop the page cache before persistent restores")
+    p.add_argument("--prime", type=float, default=2.0,
+                   help="free memory each client primes before each phase, in multiples of its share of the state")
     p.add_argument("--src", default=os.path.join(REPO, "src"),
                    help="the shardckpt source tree the clients import (another revision's src: before/after)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -215,7 +226,7 @@ def main() -> None:
     args = C.parse_args(p, size="4MiB", repeats="1", no_cold=True)
     if args.worker:
         os.environ["SHARDCKPT_NODE"] = str(int(os.environ.get("RANK", "0")) // 2)
-        worker(C.parse_size(args.size), args.repeats, args.folder, args.tier_root, not args.no_cold)
+        worker(C.parse_size(args.size), args.repeats, args.folder, args.tier_root, not args.no_cold, args.prime)
         return
     folder = tempfile.mkdtemp(dir=args.dir, prefix="tiers-")
     tier_root = tempfile.mkdtemp(dir=args.tier, prefix="tiers-")
@@ -225,7 +236,8 @@ def main() -> None:
     try:
         proc = subprocess.run([torchrun, "--standalone", f"--nproc-per-node={CLIENTS}", os.path.abspath(__file__),
                                "--worker", "--folder", folder, "--tier-root", tier_root, "--size", args.size,
-                               "--repeats", str(args.repeats)] + (["--no-cold"] if args.no_cold else []),
+                               "--repeats", str(args.repeats), "--prime", str(args.prime)]
+                              + (["--no-cold"] if args.no_cold else []),
                               capture_output=True, text=True, env=env, timeout=3600)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -236,7 +248,8 @@ def main() -> None:
     r = json.loads(lines[-1][7:])
     med = r["median_s"]
     load = os.getloadavg()
-    print(f"src {args.src}: {r['clients']} clients as 2 nodes, {C.fmt_size(r['bytes'])}, cold={r['cold']}, medians of "
+    print(f"src {args.src}: {r['clients']} clients as 2 nodes, {C.fmt_size(r['bytes'])}, cold={r['cold']}, "
+          f"prime={args.prime}, medians of "
           f"{args.repeats}, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"{'phase':<26} {'s':>8}")
     for name, t in med.items():
@@ -253,7 +266,7 @@ def main() -> None:
         print(f"{name:<56} {value:>8.2f}")
     for name, value in r["counts"].items():
         print(f"{name:<56} {value:>8}")
-    C.write_results("tiers", dict(r, repeats=args.repeats, ratios=ratios, load=load))
+    C.write_results("tiers", dict(r, repeats=args.repeats, prime=args.prime, ratios=ratios, load=load))
     failed = [k for k, v in r["counts"].items() if k.endswith("bytes from persistent") and v]
     C.finish(wrong=r["wrong"], failed=[f"{k}: {r['counts'][k]} bytes" for k in failed])
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import pytest
 import shardckpt
 from shardckpt.errors import InvalidArgumentError
 from shardckpt.tiers import NodeMap, node_id, replica_targets
+from shardckpt.tiers.checkpoints import Tiered
 from shardckpt.tiers.restore import choose_step
 
 
@@ -280,6 +282,34 @@ def test_a_persistent_step_is_copied_into_the_tier_behind_it_and_a_failed_copy_n
     assert manager.save() == str(own / "ckpt-5")  # the next save goes on as usual
     returned, restored, last = _restore_every(tmp_path, 2)
     assert returned == str(own / "ckpt-5") and last.step == 5 and np.array_equal(restored, np.full(5, 5))
+
+
+def test_a_persisted_step_is_read_back_into_the_tier_behind_it_not_copied_beside_its_save(tmp_path, monkeypatch):
+    """A persistent step costs what a save without a tier costs: no host copy of the values runs beside its
+    save (on 2 cores it took CPU and memory bandwidth from the save); its tier copy reads the committed step
+    back behind it. A persistent folder in an object store is not read back (a download): copied on the host."""
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    copied = []
+    host_copy = Tiered._stage
+    monkeypatch.setattr(Tiered, "_stage", lambda self, pieces: copied.append(len(pieces)) or host_copy(self, pieces))
+    for kind, persistent in (("local", str(tmp_path / "persistent")),
+                             ("object store", f"memory://shardckpt-{uuid.uuid4().hex[:8]}/persistent")):
+        copied.clear()
+        value = shardckpt.Variable(np.zeros(5, np.float32))
+        tier = shardckpt.LocalTier(str(tmp_path / kind / "{node}"), keep=2)
+        manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(v=value), persistent, max_to_keep=2, local=tier,
+                                              persist_every=2)
+        for n in (1, 2, 3, 4):
+            value.assign(np.full(5, n, np.float32))
+            manager.save()
+            value.assign(np.full(5, -n, np.float32))  # after the call: never in any copy
+        manager.sync()
+        assert (copied != []) == (kind == "object store"), kind
+        assert tier.last_save_error is None
+        own = tmp_path / kind / "n0" / "node-n0"
+        for step in (3, 4):  # a tier-only step and a persisted one, read back from the persistent step 4
+            assert np.array_equal(shardckpt.load_checkpoint(str(own / f"ckpt-{step}"))
+                                  .get_tensor("v/.ATTRIBUTES/VARIABLE_VALUE"), np.full(5, step, np.float32)), kind
 
 
 def _restore_every(tmp_path, persist_every):

@@ -234,8 +234,8 @@ class CheckpointManager:
                     if self._checkpoint_interval is not None:
                         self._last_checkpoint_step = _value(self._step_counter)
                     return local
-                # a step that also persists: its values copied beside the persistent save, into the tiers behind it
-                behind = self._tiered.stage(number, timeout=timeout)
+                # a step that also persists: into the tiers behind the persistent save, read back from it
+                behind = self._tiered.stage(number, timeout=timeout, persisted=prefix)
             # The state file is recorded (and old checkpoints deleted) right after the
             # commit, before the write callbacks run; every client adopts the io client's
             # new state once it knows the save committed.
@@ -243,7 +243,7 @@ class CheckpointManager:
                 self._checkpoint._write(prefix, options,
                                         SharedCommitStep(lambda _written: self._record(prefix), self._adopt))
             finally:
-                copy = behind.job() if behind is not None else None  # the host copy made beside the write
+                copy = behind.job() if behind is not None else None  # the tier copy's work, for after the commit
             if copy is not None:
                 self._checkpoint._background().then(copy, name=f"tier copy of step {number}")
         except BaseException:

@@ -8,13 +8,16 @@ graph by each node's leader) and runs the collective steps of :mod:`.save` and
 :mod:`.restore` over the checkpoint's coordinator (a one-process coordinator when this
 client saves alone). The node map is gathered once, on first use.
 
-A step that also persists (every ``persist_every``-th) is copied to host buffers on a
-thread of its own while it is saved to the persistent directory as the caller asked
-(synchronously or not; :meth:`Tiered.stage`, :class:`TierCopy`), and saved into the tiers
-from that copy in the background, after the persistent save committed, on the checkpoint's
-saver thread (``AsyncSaver.then``): the persistent step costs what a save without a tier
-costs (the copy runs beside it), and a failure of its tier copy never fails the step (it
-is committed persistently; logged, and kept as the tier's ``last_save_error``).
+A step that also persists (every ``persist_every``-th) is saved to the persistent directory
+as the caller asked (synchronously or not) and, in the background once that save committed,
+on the checkpoint's saver thread (``AsyncSaver.then``), read back from the committed
+checkpoint (the page cache its save just filled; checksums verified) into host buffers
+reused from save to save and saved into the tiers (:meth:`Tiered.stage`, :class:`TierCopy`):
+the persistent step costs what a save without a tier costs (nothing of the tier copy runs
+before it returns). A persistent directory in an object store is not read back (that would
+download the step): its values are copied to host buffers on a thread of its own beside the
+persistent save instead. A failure of the tier copy never fails the step (it is committed
+persistently; logged, and kept as the tier's ``last_save_error``).
 
 An asynchronous save of a step that goes to the tiers only
 (``CheckpointOptions(enable_async=True)``) blocks for the host copy of this client's pieces
@@ -37,6 +40,8 @@ from ..distributed.single import SingleProcessCoordinator
 from ..saving.async_save import AsyncSaver
 from ..saving.context import default_context
 from ..saving.plan import SavePlan
+from ..storage.object_store import ObjectStore
+from ..storage.registry import get_fs
 from .nodes import NodeMap
 from .restore import TierRestore, restore_from_tier
 from .save import TierPiece, describe_error, node_pieces, save_to_tier
@@ -114,16 +119,20 @@ class Tiered:
         saver.submit(self.tier.prefix(me, me, step), SavePlan.empty(), write, on_failure)
         return self.tier.prefix(me, me, step)
 
-    def stage(self, step: int, timeout: Optional[float] = None) -> "TierCopy":
-        """For a step that also persists: start copying this client's pieces to host buffers (on a thread,
-        beside the persistent save the caller runs meanwhile) and return the :class:`TierCopy` whose
-        :meth:`~TierCopy.job` saves them as local step ``step``. Collective on first use (the node
-        map, the background coordinator), on the calling thread."""
+    def stage(self, step: int, timeout: Optional[float] = None, persisted: Optional[str] = None) -> "TierCopy":
+        """For a step that also persists (as ``persisted``, the prefix the caller saves next): the
+        :class:`TierCopy` whose :meth:`~TierCopy.job` saves this client's pieces as local step ``step``.
+        Their values come from the committed persistent checkpoint, read back behind it, when it is
+        not in an object store; else (or without ``persisted``) they are copied to host buffers now,
+        on a thread, beside the persistent save the caller runs meanwhile. Collective on first use
+        (the node map, the background coordinator), on the calling thread."""
         coordinator = self._setup()
         nodes = self.nodes
         background = default_context().background(coordinator)
+        if persisted is not None and isinstance(get_fs(persisted), ObjectStore):
+            persisted = None  # reading the step back would download it: copied on the host instead
         return TierCopy(self, step, self.pieces(), lambda staged: save_to_tier(
-            self.tier, step, staged, background, nodes, timeout=timeout))
+            self.tier, step, staged, background, nodes, timeout=timeout), persisted=persisted)
 
     def _stage(self, pieces: List[TierPiece]) -> List[TierPiece]:
         """Host copies of ``pieces``' values, into buffers kept from the last save where they fit."""
@@ -140,6 +149,38 @@ class Tiered:
             np.copyto(buffer, array)
             buffers[name] = buffer
             out.append((key, shape, box, buffer))
+        self._buffers = buffers
+        return out
+
+    def _read_back(self, pieces: List[TierPiece], prefix: str) -> List[TierPiece]:
+        """``pieces``' values read from the committed checkpoint ``prefix`` (checksums verified), into
+        the buffers kept from the last save where they fit; the object graph's as ``pieces`` hold it."""
+        from ..checkpoint.graph import OBJECT_GRAPH_KEY
+        from ..checkpoint.state import clean_path
+        from ..format.bundle_reader import BundleReader
+        from ..storage.location import Location
+
+        buffers: Dict[Any, np.ndarray] = {}
+        out: List[TierPiece] = []
+        reader = BundleReader(Location.of(clean_path(prefix)))
+        try:
+            for key, shape, box, value in pieces:
+                if key == OBJECT_GRAPH_KEY:
+                    out.append((key, shape, box, value))
+                    continue
+                name = (key, None if box is None else tuple(box))
+                stored = reader.dtype(key).numpy
+                want = reader.shape(key) if box is None else tuple(int(b) - int(a) for a, b in box)
+                buffer = self._buffers.get(name)
+                if stored == np.dtype(object):
+                    buffer = None  # not a reusable buffer: the reader makes the array
+                elif buffer is None or buffer.shape != tuple(want) or buffer.dtype != stored:
+                    buffer = np.empty(want, dtype=stored)
+                array = reader.read_region(key, None if box is None else tuple(tuple(b) for b in box), out=buffer)
+                buffers[name] = array
+                out.append((key, shape, box, array))
+        finally:
+            reader.close()
         self._buffers = buffers
         return out
 
@@ -174,23 +215,28 @@ class Tiered:
 class TierCopy:
     """The copy of a step that also persists into the tiers (see :meth:`Tiered.stage`).
 
-    The host copy of the pieces starts at once on a thread of its own (the caller's persistent
-    save reads the same values meanwhile; neither writes them); :meth:`job`, called once the
-    caller's save returned, waits for the copy and returns the work that saves it into the
-    tiers, for the background (``AsyncSaver.then``). That work never raises: the persistent
-    checkpoint of the step is committed whatever happens to its copy (a restore then finds the
-    persistent step newer than the tiers' newest); a failure is logged and kept as the tier's
-    ``last_save_error``.
+    From the persistent checkpoint (``persisted``): nothing happens until :meth:`job`, called
+    once the caller's save returned, returns the work that reads the pieces back from the
+    committed checkpoint (from the page cache its save just filled) and saves them into the
+    tiers, for the background (``AsyncSaver.then``, which runs it only after the commit). Else
+    the host copy of the pieces starts at once on a thread of its own (the caller's persistent
+    save reads the same values meanwhile; neither writes them) and :meth:`job` waits for it.
+    That work never raises: the persistent checkpoint of the step is committed whatever
+    happens to its copy (a restore then finds the persistent step newer than the tiers'
+    newest); a failure is logged and kept as the tier's ``last_save_error``.
     """
 
     def __init__(self, tiered: Tiered, step: int, pieces: List[TierPiece],
-                 save: Callable[[List[TierPiece]], Any]) -> None:
-        self._tiered, self._step, self._save = tiered, step, save
+                 save: Callable[[List[TierPiece]], Any], persisted: Optional[str] = None) -> None:
+        self._tiered, self._step, self._save, self._persisted = tiered, step, save, persisted
+        self._pieces: Optional[List[TierPiece]] = pieces if persisted is not None else None
         self._staged: Optional[List[TierPiece]] = None
         self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._copy, args=(pieces,), name=f"shardckpt-tier-copy {step}",
-                                        daemon=True)
-        self._thread.start()
+        self._thread: Optional[threading.Thread] = None
+        if persisted is None:
+            self._thread = threading.Thread(target=self._copy, args=(pieces,), name=f"shardckpt-tier-copy {step}",
+                                            daemon=True)
+            self._thread.start()
 
     def _copy(self, pieces: List[TierPiece]) -> None:
         try:
@@ -205,16 +251,28 @@ class TierCopy:
                      self._step, tier.last_save_error)
 
     def job(self) -> Optional[Callable[[], None]]:
-        """Wait for the host copy; the work that saves it into the tiers (``None``: the copy failed, logged)."""
-        self._thread.join()
+        """The work that saves the step into the tiers, once the persistent save committed (waits for a
+        host copy first; ``None``: it failed, logged)."""
+        persisted, pieces = self._persisted, self._pieces
+        if self._thread is not None:
+            self._thread.join()
+            if self._staged is None:
+                self._failed(f"the host copy failed: {describe_error(self._error or RuntimeError('no copy'))}")
+                return None
         staged = self._staged
-        if staged is None:
-            self._failed(f"the host copy failed: {describe_error(self._error or RuntimeError('no copy'))}")
-            return None
 
         def save() -> None:
             try:
-                self._save(staged)
+                if persisted is not None and pieces is not None:
+                    try:
+                        values = self._tiered._read_back(pieces, persisted)
+                    except Exception as exc:  # noqa: BLE001 - as a failed host copy
+                        self._failed(f"reading it back from {persisted} failed: {describe_error(exc)}")
+                        return
+                else:
+                    assert staged is not None
+                    values = staged
+                self._save(values)
                 self._tiered.tier.last_save_error = None
             except Exception as exc:  # noqa: BLE001 - the step is committed in the persistent directory
                 self._failed(describe_error(exc))
