@@ -190,7 +190,7 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool, pri
                 fresh = manager_of(target)
                 timed(name, fresh.restore_or_initialize)
                 if name == "recovery":  # the lost node's tier is repopulated behind the restore: until committed
-                    timed("recovery: tier repopulated behind it", fresh.sync)
+                    timed("recovery: tier repopulated behind it", fresh.sync, primed=False)
                 counts[name + " bytes from persistent"] = read_persistent[0] - before
                 counts[name + " bytes between nodes"] = fresh.local.last_restore.bytes_received
                 if fresh.local.last_restore.step is None:
