@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +115,35 @@ def test_the_soak_checks_catch_torn_stale_and_missing_checkpoints(tmp_path: Path
     s.stats = soak.ConfigStats()
     s._after(_ended([sys.executable, "-c", "pass"]), committed_in_run=False)
     assert s.stats.missing_latest == 1, s.stats
+
+
+def test_a_whole_job_kill_of_torchrun_kills_its_clients_too(tmp_path: Path) -> None:
+    """torchrun starts each client in a session of its own, and a client outlives a SIGKILLed torchrun:
+    the driver's whole-job kill must reach the clients, else a "killed" job saves on beside the next trial.
+    The clients here only sleep (a soak worker stops at its next use of the dead launcher's store)."""
+    sleeper = tmp_path / soak.WORKER.name  # the driver knows a job's processes by the worker's name
+    sleeper.write_text("import os, sys, time\n"
+                       "print('PID', os.environ['RANK'], os.getpid(), flush=True)\n"
+                       "print('READY', flush=True)\n"
+                       "time.sleep(120)\n")
+    job = soak._Job([str(soak.tool("torchrun")), "--standalone", "--nproc-per-node=2", str(sleeper)])
+    clients = {}
+    try:
+        deadline = time.monotonic() + soak.START_LIMIT
+        while len(clients) < 2 and time.monotonic() < deadline and job.proc.poll() is None:
+            time.sleep(0.05)
+            clients = job.pids()
+        assert sorted(clients) == [0, 1], job.output()
+        assert all(os.getsid(pid) != job.proc.pid for pid in clients.values())  # not in the launcher's session
+        job.kill_all()
+        job.end(30)
+        alive = [pid for pid in clients.values() if os.path.exists(f"/proc/{pid}")
+                 and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+        assert not alive, f"clients alive after the job was killed: {alive}"
+        assert job.survivors == 0  # killed with the launcher, not found orphaned after it
+    finally:
+        for pid in clients.values():
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass

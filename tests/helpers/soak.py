@@ -36,7 +36,9 @@ process of the job left, it checks the directory:
 * **hangs**: a job with one killed client must end by itself within the coordination
   timeout plus a margin (else a *hang*; the job is then killed). Clients still alive after
   their launcher ended are counted (*orphans*) and killed before the checks, which always
-  run with no process of the job left.
+  run with no process of the job left. The job is the launcher's process tree and every
+  client that announced its pid, not its session: torchrun starts each client in a session
+  of its own, and a client outlives a SIGKILLed torchrun.
 
 At the end every config runs once to completion (no kill); then its directory must hold
 exactly the state file and the two kept checkpoints: *leaked bytes* counts everything else.
@@ -116,15 +118,9 @@ def _command(launcher: str, clients: int, directory: str, mode: str, saves: int)
     raise ValueError(f"unknown launcher {launcher!r}")
 
 
-def _session_members(session: int) -> List[int]:
-    """Live processes of session ``session`` that run the soak worker or a launcher of it.
-
-    A job is started in a session of its own (``start_new_session``); OpenMPI puts every
-    rank in a process group of its own, so the session, not the group, is the whole job.
-    A session id is not reused while any member lives; the command-line check keeps a
-    later, unrelated session out even so.
-    """
-    found = []
+def _processes() -> Dict[int, Tuple[int, int, str, bytes]]:
+    """Every live process: pid -> (parent pid, session id, start time, command line)."""
+    found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -135,8 +131,8 @@ def _session_members(session: int) -> List[int]:
                 cmdline = f.read()
         except OSError:
             continue
-        if int(fields[3]) == session and fields[0] != "Z" and WORKER.name.encode() in cmdline:
-            found.append(int(entry))
+        if fields[0] != "Z":
+            found[int(entry)] = (int(fields[1]), int(fields[3]), fields[19], cmdline)
     return found
 
 
@@ -149,6 +145,8 @@ class _Job:
                                      start_new_session=True)
         self.lines: List[Tuple[float, str]] = []
         self.survivors = 0
+        self._known: Dict[int, str] = {}  # every process of the job seen so far: pid -> its start time
+        self._killed: Set[int] = set()  # those this driver sent a SIGKILL
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -176,15 +174,53 @@ class _Job:
     def committed(self) -> List[int]:
         return [int(line.split()[1]) for _, line in list(self.lines) if line.startswith("COMMITTED ")]
 
+    def members(self) -> List[int]:
+        """Live processes of the job that run the soak worker or a launcher of it.
+
+        The job is the launcher, its descendants and the clients that announced their pids.
+        Its session is not enough: torchrun starts every client in a session of its own, and a
+        client outlives a SIGKILLed torchrun. So the tree is walked while the launcher lives, and
+        every process seen is remembered with its start time: an orphan reparented elsewhere is
+        still found, and a reused pid is not taken for one.
+        """
+        table = _processes()
+        announced = set(self.pids().values())
+        tree, frontier = {self.proc.pid}, [self.proc.pid]
+        while frontier:
+            parent = frontier.pop()
+            children = [pid for pid, (ppid, _, _, _) in table.items() if ppid == parent and pid not in tree]
+            tree.update(children)
+            frontier += children
+        for pid, (_, session, started, cmdline) in table.items():
+            if pid in self._known and self._known[pid] != started:
+                continue  # the pid was reused by another process
+            if WORKER.name.encode() not in cmdline:
+                continue
+            if pid in tree or pid in announced or pid in self._known or session == self.proc.pid:
+                self._known[pid] = started
+        return [pid for pid in self._known if pid in table and table[pid][2] == self._known[pid]]
+
     def kill_all(self) -> int:
-        """SIGKILL every process of the job (the launcher and all clients); return how many were alive."""
-        members = _session_members(self.proc.pid)
-        for pid in members:
+        """SIGKILL every process of the job (the launcher and all clients); return how many of them
+        were alive and not yet sent a SIGKILL by this driver."""
+        fresh = 0
+        for pid in self.members():
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
-                pass
-        return len(members)
+                continue
+            fresh += pid not in self._killed
+            self._killed.add(pid)
+        return fresh
+
+    def kill_client(self, pid: int) -> None:
+        """SIGKILL one client of the job."""
+        self.members()  # the tree, seen while the launcher lives
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self._killed.add(pid)
 
     def end(self, limit: float) -> bool:
         """Wait up to ``limit`` s for the job to end by itself; True if it did. Nothing of it is left after."""
@@ -197,7 +233,7 @@ class _Job:
         self.proc.wait()
         self.survivors = self.kill_all()  # clients a launcher that ended left behind
         deadline = time.monotonic() + 30
-        while _session_members(self.proc.pid) and time.monotonic() < deadline:
+        while self.members() and time.monotonic() < deadline:
             time.sleep(0.01)  # SIGKILLed: gone in a moment
         self._reader.join(timeout=10)
         return ended
@@ -396,10 +432,7 @@ class ConfigSoak:
                     victims = [r for r in sorted(pids) if soak_worker.node_of(r, self.clients) == node]
                     self.stats.killed_one_node += 1
                 for victim in victims:
-                    try:
-                        os.kill(pids[victim], signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                    job.kill_client(pids[victim])
             self.stats.killed_one_client += 1
         if before:
             self.stats.kills_after_a_commit += 1
