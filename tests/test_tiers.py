@@ -16,7 +16,7 @@ import shardckpt
 from shardckpt.errors import InvalidArgumentError
 from shardckpt.tiers import NodeMap, node_id, replica_targets
 from shardckpt.tiers.checkpoints import Tiered
-from shardckpt.tiers.restore import choose_step
+from shardckpt.tiers.restore import choose_step, replica_moves
 
 
 def test_replicas_go_to_the_next_nodes_never_the_node_itself():
@@ -49,6 +49,20 @@ def test_the_newest_step_complete_across_nodes_is_chosen():
     reports = {"0": {"6": ["0", "1"], "7": ["1"]}, "1": {"5": ["0", "1"], "7": ["1"]}}
     assert choose_step(reports, nodes) == (6, {"0": ["0"], "1": ["0"]})
     assert choose_step({"0": {}, "1": {}}, nodes) == (None, {})
+
+
+def test_the_replicas_a_lost_node_held_are_restocked_from_another_holder():
+    nodes = NodeMap(("0", "1", "2"), ("0", "1", "2"))  # replicas=2: each node's bundle on both others
+    # node 1 lost its tier: its own bundle is at 2 and 0; it held replicas of 0 and 2
+    reports = {"0": {"6": ["0", "1", "2"]}, "1": {}, "2": {"6": ["0", "1", "2"]}}
+    step, holders = choose_step(reports, nodes)
+    assert (step, holders) == (6, {"0": ["0", "2"], "1": ["0", "2"], "2": ["0", "2"]})
+    assert replica_moves(reports, holders, nodes, 6, 2) == [("0", "1", "0"), ("0", "1", "2")]
+    assert replica_moves(reports, holders, nodes, 6, 1) == [("0", "1", "0")]  # replicas=1: 0's goes to 1 only
+    # node 0 lost its own bundle only: its replicas elsewhere are whole, so nothing to restock
+    reports = {"0": {"6": ["1", "2"]}, "1": {"6": ["0", "1", "2"]}, "2": {"6": ["0", "1", "2"]}}
+    step, holders = choose_step(reports, nodes)
+    assert replica_moves(reports, holders, nodes, 6, 2) == []
 
 
 def _saves(tmp_path, count=6):

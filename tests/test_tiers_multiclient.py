@@ -11,7 +11,10 @@ replicas=1, keep=2), persist_every=5)``, six times. What is held (the issue's Te
 * node 1's tier wiped: every client restores step 6 exactly (it exists only in the tiers); node 1's
   bundle comes from node 0's replica (node 0's two clients send, on a lane each, what node 1's two
   clients receive), and
-  no file of the persistent directory is opened; node 1's tier is repopulated;
+  no file of the persistent directory is opened; node 1's tier is repopulated behind the restore:
+  its own bundle and the replica it held of node 0's;
+* node 0's tier wiped next, with no save in between: step 6 again, node 0's bundle from that
+  restocked replica;
 * a replica transfer failing (node 1 cannot write node 0's replica of step 7) fails the save on
   every client, commits nothing (no marker, no file of step 7 left) and gives the number back;
   step 6 is restored afterwards;
@@ -106,6 +109,23 @@ def test_node_1_wiped_restores_step_6_from_the_replica_without_persistent_reads(
     assert all(value["error_behind"] is None for value in got.values()), got
     files = _phase(job, 0, "files_after_repopulation")
     assert "ckpt-6.committed" in files["1/node-1"]  # node 1 holds its own bundle again, repopulated behind
+    assert "ckpt-6.committed" in files["1/node-0"]  # and the replica it held of node 0's, restocked behind
+
+
+def test_a_second_node_lost_before_the_next_save_restores_step_6_from_the_restocked_replica(job):
+    got = {rank: _phase(job, rank, "restore_node0_wiped_next") for rank in range(NPROC)}
+    for value in got.values():
+        _exact(value)
+        assert value["step"] == 6 and value["save_counter"] == 6, value
+        assert value["persistent_opens"] == 0 and value["persistent_bytes"] == 0, value
+        assert value["error_behind"] is None, value
+    # node 0's clients restored from the replica node 1 got back after the first loss
+    assert got[0]["bytes_received"] == got[2]["bytes_sent"] > 0, got
+    assert got[1]["bytes_received"] == got[3]["bytes_sent"] > 0, got
+    assert got[2]["sent_behind"] > 0 and got[0]["sent_behind"] == got[1]["sent_behind"] == 0, got
+    files = _phase(job, 0, "files_after_second_loss")
+    for folder in ("0/node-0", "0/node-1", "1/node-0", "1/node-1"):
+        assert "ckpt-6.committed" in files[folder], (folder, files)
 
 
 def test_a_failed_replica_transfer_fails_the_save_everywhere_and_commits_nothing(job):

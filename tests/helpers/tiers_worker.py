@@ -12,13 +12,15 @@ manager_worker.py (DVariables of every layout of ``dtensor_worker.VARS`` on
 * ``save1`` .. ``save6``: generation ``g`` saved by save ``g``;
 * ``restore_nothing_wiped``: a new model and manager run ``restore_or_initialize`` (step 6);
 * ``restore_node1_wiped``: node 1's leader (client 2) removes node 1's whole tier first (after a
-  barrier); then the same restore (step 6, node 1's bundle from node 0's replica);
+  barrier); then the same restore (step 6, node 1's bundle from node 0's replica; behind it node
+  1's tier gets its own bundle and the replica it held of node 0's back);
+* ``restore_node0_wiped_next``: node 0's whole tier removed (client 0), no save since: the same
+  restore (step 6, node 0's bundle from the replica node 1 got back);
 * ``replica_fault``: a new manager restores step 6; then a directory stands where node 1 must
   write node 0's replica of step 7 (``tier/1/node-0/ckpt-7.index``): the save of generation 7
   must fail on every client; then the files are looked at (no marker of step 7 anywhere) and the fault removed;
 * ``restore_after_fault``: a restore gives step 6 again;
-* ``save7``: generation 7 saved (step 7: every bundle and replica in place again; node 1 lost
-  the replica it held of node 0 with its tier);
+* ``save7``: generation 7 saved (step 7: every bundle and replica in place again);
 * ``restore_own_bundles_lost``: each node's own bundles removed, the replicas kept: each node
   holds what the other lost, so the bundles move both ways first (files, over the lanes), then
   every client restores step 7 from its own tier;
@@ -151,6 +153,14 @@ def run(data: str) -> None:
     W.phase("restore_node1_wiped", lambda: restore_phase(mesh, data, SAVES))
     coord.barrier("repopulated")
     W.phase("files_after_repopulation", lambda: tier_files(data) if rank == 0 else None)
+
+    coord.barrier("wipe node 0")  # a second node lost, with no save since the first loss
+    if rank == 0:
+        shutil.rmtree(os.path.join(data, "tier", "0"))
+    coord.barrier("wiped node 0")
+    W.phase("restore_node0_wiped_next", lambda: restore_phase(mesh, data, SAVES))
+    coord.barrier("repopulated node 0")
+    W.phase("files_after_second_loss", lambda: tier_files(data) if rank == 0 else None)
 
     model7, variables7 = M.build_model(mesh, 0)
     manager7 = manager_for(model7, data)

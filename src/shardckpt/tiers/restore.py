@@ -17,10 +17,9 @@ same order. Steps::
                     holder (in node order) streams it to that node, every client of both
                     at once (:mod:`.transfer`: one lane per pair of clients); all-gather
                     of the outcome; that node's leader writes the marker. With nothing
-                    lost, this step moves no byte and has no round. Replicas a lost node
-                    held for others are not re-sent here (they are not needed to
-                    restore): the next save writes every bundle and replica of its step
-                    afresh
+                    lost, this step moves no byte and has no round. The replicas of S
+                    that a lost node held for others are not needed to restore: they are
+                    sent back behind the restore (step 6)
     4 drop     L    bundles of steps newer than S are removed from every tier (marker
                     first), so that later saves of those numbers never meet them
     5 read     all  each client restores from its own node's bundle of S through the one
@@ -28,8 +27,15 @@ same order. Steps::
                     node or from persistent storage); all-gather of the outcome: if any
                     client failed (another layout, pieces its node does not hold), every
                     client says so and the caller restores the persistent checkpoint
+    6 restock  all  behind the restore (on the checkpoint's saver thread, over the
+                    background coordinator): every replica of S that the placement puts on a
+                    node lacking it (what a lost node held for others) is sent from the
+                    first other node holding that bundle, as in step 3, then marked; so a
+                    second node lost before the next save still finds S whole. A failure
+                    is logged and kept as the tier's ``last_save_error``: the next save
+                    writes every bundle and replica of its step afresh
 
-With nothing lost, step 3 moves no byte. :class:`TierRestore` (kept as the tier's
+With nothing lost, steps 3 and 6 move no byte. :class:`TierRestore` (kept as the tier's
 ``last_restore``) says what was restored and how many bytes each client moved.
 """
 
@@ -49,7 +55,7 @@ from .save import describe_error
 from .tier import LocalTier, bundle_files, read_marker, remove_bundle, write_marker
 from .transfer import Moved, move_bundles
 
-__all__ = ["TierRestore", "restore_from_tier", "choose_step"]
+__all__ = ["TierRestore", "restore_from_tier", "choose_step", "replica_moves"]
 
 _log = logging.getLogger("shardckpt")
 
@@ -147,10 +153,11 @@ def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: Optional
     if persistent_step is not None and persistent_step > step:
         return done(TierRestore(None, None, reason=f"the persistent step {persistent_step} is newer than "
                                                            f"the newest complete local step {step}"))
-    # 3 repopulate: each node's own bundle (the replicas it held for others: by the next save)
+    # 3 repopulate: each node's own bundle; 6 restock: the replicas lost with a node, behind the restore
     moves = [(holders[owner][0], owner, owner) for owner in nodes.nodes if owner not in holders[owner]]
+    restock = replica_moves(by_node, holders, nodes, step, tier.replicas) if behind is not None else []
     if moves and behind is not None and not {s for s, _, _ in moves} & {t for _, t, _ in moves}:
-        return done(_from_peers(tier, coordinator, nodes, step, moves, read, behind, timeout))
+        return done(_from_peers(tier, coordinator, nodes, step, moves + restock, read, behind, timeout))
     got = [owner for _, target, owner in moves if target == me] if leader else []
     sent = received = 0
     failed: List[str] = []
@@ -170,21 +177,40 @@ def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: Optional
     if failed:
         return done(TierRestore(None, None, sent, received,
                                 reason=f"restoring local step {step} failed: " + "; ".join(failed)))
+    if restock and behind is not None:  # 6 restock
+        behind(functools.partial(_repopulate_behind, tier, nodes, step, restock, timeout))
     return done(TierRestore(step, tier.prefix(me, me, step), sent, received))
+
+
+def replica_moves(reports: Dict[str, Dict[str, List[str]]], holders: Dict[str, List[str]], nodes: NodeMap,
+                  step: int, replicas: int) -> List[Tuple[str, str, str]]:
+    """Step 6's moves ``(source, target, owner)``: each replica of ``step`` that the placement
+    (:meth:`NodeMap.replicas_of`) puts on a node whose report lacks it, from the first other node holding
+    that bundle (``holders``: owner -> nodes holding it, in node order, as :func:`choose_step` gives)."""
+    out = []
+    for owner in nodes.nodes:
+        for target in nodes.replicas_of(owner, replicas):
+            if owner in reports.get(target, {}).get(str(step), []):
+                continue
+            sources = [node for node in holders[owner] if node != target]
+            if sources:
+                out.append((sources[0], target, owner))
+    return out
 
 
 def _from_peers(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step: int,
                 moves: List[Tuple[str, str, str]], read: Callable[[Any], Any], behind: Behind,
                 timeout: Optional[float]) -> TierRestore:
-    """Steps 3-5 when the nodes that lost their bundle hold none that others lack: each client of such a
+    """Steps 3-6 when the nodes that lost their bundle hold none that others lack: each client of such a
     node restores straight from the holder's replica (:mod:`.peer`); the others serve first (holders),
-    then restore from their own tier; the lost bundles are moved into their nodes' tiers behind the
-    restore, once every client restored (``behind``)."""
+    then restore from their own tier; the lost bundles (``moves`` with ``target == owner``) and the
+    replicas to restock (the others) are moved into their nodes' tiers behind the restore, once every
+    client restored (``behind``)."""
     from ..format.bundle_reader import BundleReader
 
     rank = coordinator.rank
     me = nodes.node_of_rank[rank]
-    pairs = peer_pairs(nodes, moves)
+    pairs = peer_pairs(nodes, [move for move in moves if move[1] == move[2]])
     sent = received = 0
     error: Optional[str] = None
     try:
