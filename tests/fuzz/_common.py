@@ -9,7 +9,9 @@ is a finding. Harnesses are scripts: ``python tests/fuzz/fuzz_sstable.py [libFuz
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import struct
 import sys
 import tempfile
@@ -24,12 +26,31 @@ if os.path.join(REPO, "src") not in sys.path:
 _SCRATCH = None
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def scratch() -> str:
-    """A private scratch directory for this process (on tmpfs when there is one)."""
+    """A private scratch directory for this process (on tmpfs when there is one), named by its pid.
+
+    libFuzzer ends the process without Python's exit handlers, so the directories of earlier
+    harness processes that are gone are removed here (tmpfs is memory)."""
     global _SCRATCH
     if _SCRATCH is None:
-        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        _SCRATCH = tempfile.mkdtemp(prefix="shardckpt-fuzz-", dir=base)
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+        for name in os.listdir(base):
+            parts = name.split("-")
+            if name.startswith("shardckpt-fuzz-") and len(parts) == 4 and parts[2].isdigit() \
+                    and not _alive(int(parts[2])):
+                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        _SCRATCH = tempfile.mkdtemp(prefix=f"shardckpt-fuzz-{os.getpid()}-", dir=base)
+        atexit.register(shutil.rmtree, _SCRATCH, True)
     return _SCRATCH
 
 
