@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import uuid
@@ -114,14 +115,45 @@ def test_an_unmarked_bundle_never_counts_and_is_dropped(tmp_path, monkeypatch):
     assert not [p for p in own.iterdir() if p.name.startswith("ckpt-7")]
 
 
-def test_a_damaged_bundle_does_not_count(tmp_path, monkeypatch):
+def test_a_damaged_bundle_does_not_count_and_passing_it_over_is_logged(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SHARDCKPT_NODE", "n0")
     _saves(tmp_path)
     own = tmp_path / "tier" / "n0" / "node-n0"
     with open(own / "ckpt-6.data-00000-of-00001", "ab") as f:
         f.write(b"x")  # its size no longer what the marker says
-    returned, value, last = _restore(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        returned, value, last = _restore(tmp_path)
     assert returned == str(own / "ckpt-5") and last.step == 5 and np.array_equal(value, np.full(5, 5))
+    assert last.newest_saved == 6
+    assert "restoring local step 5: the local tiers hold a newer step, 6, that cannot be restored (no tier " \
+           "holds whole node n0's bundle of step 6" in caplog.text, caplog.text
+
+
+def test_a_bundle_failing_its_checksum_restores_the_persistent_step_and_says_so(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    _saves(tmp_path)
+    own = tmp_path / "tier" / "n0" / "node-n0"
+    (own / "ckpt-5.committed").unlink()  # step 5 only in the persistent directory
+    data = own / "ckpt-6.data-00000-of-00001"
+    raw = bytearray(data.read_bytes())
+    raw[0] ^= 0x01  # same size: the marker counts it whole; its checksum fails when read
+    data.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        returned, value, last = _restore(tmp_path)
+    assert returned == str(tmp_path / "persistent" / "ckpt-5") and last.step is None
+    assert np.array_equal(value, np.full(5, 5))
+    assert f"restoring the persistent checkpoint {tmp_path / 'persistent' / 'ckpt-5'}: the local tiers hold a " \
+           "newer step, 6, that cannot be restored (restoring local step 6 failed: rank 0: " in caplog.text
+    assert "checksum" in caplog.text, caplog.text
+
+
+def test_restoring_the_newest_step_saved_warns_of_nothing(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    _saves(tmp_path, count=5)  # step 5: persistent, and copied into the tier
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        _, value, last = _restore(tmp_path)
+    assert last.step == 5 and last.newest_saved == 5 and np.array_equal(value, np.full(5, 5))
+    assert "cannot be restored" not in caplog.text, caplog.text
 
 
 def test_a_wiped_tier_restores_the_persistent_checkpoint(tmp_path, monkeypatch):

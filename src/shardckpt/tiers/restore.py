@@ -71,7 +71,10 @@ class TierRestore:
     ``step``: the local step restored, or ``None`` when the persistent tier is to be used
     (``reason`` says why); ``prefix``: the bundle read; ``bytes_sent`` / ``bytes_received``: this
     client's bytes of bundles moved between nodes (repopulation); ``persistent``: the newest persistent
-    checkpoint (client 0's, every client's answer)."""
+    checkpoint (client 0's, every client's answer); ``newest_saved``: the newest step any tier has a marker
+    of (committed there by a tiered save), restorable or not. When the step restored (local or persistent)
+    is older, client 0 logs a warning naming both steps and why: saved steps are never passed over
+    silently."""
 
     step: Optional[int]
     prefix: Optional[str]
@@ -79,6 +82,7 @@ class TierRestore:
     bytes_received: int = 0
     reason: str = ""
     persistent: Optional[str] = None
+    newest_saved: Optional[int] = None
 
 
 def _holdings(tier: LocalTier, node: str) -> Dict[str, List[Tuple[str, Any]]]:
@@ -101,18 +105,24 @@ def _of_this_job(held: Dict[str, List[Any]], nodes: NodeMap) -> Dict[str, List[s
 
 def report(tier: LocalTier, coordinator: Coordinator, nodes: Optional[NodeMap], timeout: Optional[float] = None,
            persistent: Callable[[], Optional[str]] = lambda: None
-           ) -> Tuple[NodeMap, Dict[str, Dict[str, List[str]]], Optional[str]]:
+           ) -> Tuple[NodeMap, Dict[str, Dict[str, List[str]]], Optional[str], Optional[int]]:
     """Step 1 (collective, one all-gather): the job's node map (gathered here when ``nodes`` is ``None``),
-    per node, step -> owners held whole there (its leader's listing), and client 0's
-    ``persistent()`` (the persistent latest checkpoint every client goes by)."""
+    per node, step -> owners held whole there (its leader's listing), client 0's
+    ``persistent()`` (the persistent latest checkpoint every client goes by) and the newest step any
+    tier has a marker of (:meth:`LocalTier.newest_marked`)."""
     me = checked_node_id(coordinator) if nodes is None else nodes.node_of_rank[coordinator.rank]
-    held = _holdings(tier, me) if nodes is None or nodes.leader(me) == coordinator.rank else None
+    leads = nodes is None or nodes.leader(me) == coordinator.rank
+    held = _holdings(tier, me) if leads else None
+    marked = tier.newest_marked(me) if leads else None
     latest = persistent() if coordinator.rank == 0 else None
-    reports = coordinator.all_gather({"node": me, "held": held, "latest": latest}, timeout=timeout)
+    reports = coordinator.all_gather({"node": me, "held": held, "marked": marked, "latest": latest},
+                                     timeout=timeout)
     if nodes is None:
         nodes = NodeMap.of([str(r["node"]) for r in reports])
     by_node = {node: _of_this_job(reports[nodes.leader(node)]["held"], nodes) for node in nodes.nodes}
-    return nodes, by_node, reports[0]["latest"]
+    newest = max((int(reports[nodes.leader(node)]["marked"]) for node in nodes.nodes
+                  if reports[nodes.leader(node)]["marked"] is not None), default=None)
+    return nodes, by_node, reports[0]["latest"], newest
 
 
 def choose_step(reports: Dict[str, Dict[str, List[str]]], nodes: NodeMap
@@ -140,11 +150,11 @@ def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: Optional
     gather it in step 1 (``found`` gets it). Returns what was done; a ``step`` of ``None`` means:
     restore ``persistent`` instead (every client gets the same answer)."""
     rank = coordinator.rank
-    nodes, by_node, latest = report(tier, coordinator, nodes, timeout=timeout, persistent=persistent)
+    nodes, by_node, latest, newest = report(tier, coordinator, nodes, timeout=timeout, persistent=persistent)
     if found is not None:
         found(nodes)
     persistent_step = number_of(latest)
-    done = functools.partial(_done, tier, latest)
+    done = functools.partial(_done, tier, latest, newest, rank == 0, functools.partial(_missing, by_node, nodes))
     me = nodes.node_of_rank[rank]
     leader = nodes.leader(me) == rank
     step, holders = choose_step(by_node, nodes)
@@ -318,10 +328,29 @@ def _failures(results: List[Dict[str, Any]]) -> List[str]:
     return [f"rank {r}: {res['error']}" for r, res in enumerate(results) if not res["ok"]]
 
 
-def _done(tier: LocalTier, latest: Optional[str], outcome: TierRestore) -> TierRestore:
-    outcome = dataclasses.replace(outcome, persistent=latest)
+def _done(tier: LocalTier, latest: Optional[str], newest: Optional[int], warn: bool, missing: Callable[[int], str],
+          outcome: TierRestore) -> TierRestore:
+    """Record the outcome as the tier's ``last_restore``; on client 0 (``warn``), a warning when a newer
+    step than the one restored was saved (``newest``)."""
+    outcome = dataclasses.replace(outcome, persistent=latest, newest_saved=newest)
     tier.last_restore = outcome
+    restored = outcome.step if outcome.step is not None else number_of(latest)
+    if warn and newest is not None and (restored is None or newest > restored):
+        what = f"local step {restored}" if outcome.step is not None else \
+            (f"the persistent checkpoint {latest}" if latest is not None else "nothing")
+        why = outcome.reason if outcome.step is None and outcome.reason else missing(newest)
+        _log.warning("restoring %s: the local tiers hold a newer step, %s, that cannot be restored (%s)",
+                     what, newest, why)
     return outcome
+
+
+def _missing(by_node: Dict[str, Dict[str, List[str]]], nodes: NodeMap, step: int) -> str:
+    """Why ``step`` is not complete across the tiers of this job's nodes."""
+    lacking = [owner for owner in nodes.nodes if not any(owner in held.get(str(step), []) for held in by_node.values())]
+    if not lacking:
+        return f"step {step} is whole but a newer complete step was not found"
+    return "no tier holds whole " + ", ".join(f"node {owner}'s bundle" for owner in lacking) + \
+        f" of step {step} (lost, damaged, or written by a job of other nodes)"
 
 
 def number_of(path: Optional[str]) -> Optional[int]:

@@ -109,6 +109,18 @@ class LocalTier:
                     out.setdefault(step, []).append(owner)
         return out
 
+    def newest_marked(self, node: str) -> Optional[int]:
+        """The newest step of which ``node``'s tier has any marker (a save committed it there), whole or not."""
+        newest: Optional[int] = None
+        root = self.root(node)
+        for sub in os.listdir(root) if os.path.isdir(root) else []:
+            folder = os.path.join(root, sub)
+            if sub.startswith("node-") and os.path.isdir(folder):
+                for m in map(_BUNDLE_FILE.match, os.listdir(folder)):
+                    if m is not None and m.group(2) == MARKER:
+                        newest = max(int(m.group(1)), -1 if newest is None else newest)
+        return newest
+
     def steps_on_disk(self, node: str) -> Dict[str, List[int]]:
         """Owner -> every step with any file (committed or not) in ``node``'s tier."""
         out: Dict[str, List[int]] = {}
