@@ -364,3 +364,37 @@ def _restore_every(tmp_path, persist_every):
                                           local=shardckpt.LocalTier(str(tmp_path / "tier" / "{node}")),
                                           persist_every=persist_every)
     return manager.restore_or_initialize(), value.numpy(), manager.local.last_restore
+
+
+def test_a_merged_view_reads_every_node_s_pieces_once_and_links_instead_of_copying(tmp_path):
+    """Two nodes' bundles of one step: each holds its own rows of a sliced tensor, the same replicated
+    slice and the same whole value; the view reads all of it, each shared entry from the first bundle."""
+    from shardckpt.format.bundle_reader import BundleReader
+    from shardckpt.format.bundle_writer import BundleWriter
+    from shardckpt.storage.location import Location
+    from shardckpt.tiers.merged import merged_view, remove_view
+
+    tier = shardckpt.LocalTier(str(tmp_path / "tier" / "{node}"))
+    full = np.arange(32, dtype=np.float32).reshape(4, 8)
+    for owner, rows in (("0", "0,2"), ("1", "2,2")):
+        writer = BundleWriter(Location.of(tier.prefix("0", owner, 6)))
+        writer.add_slice("t", (4, 8), f"{rows}:-", full[int(rows[0]):int(rows[0]) + 2])
+        writer.add_slice("r", (2, 3), "-:0,2", np.full((2, 2), 7, np.int32))  # saved by both nodes
+        writer.add("w", np.full(3, int(owner) + 1.0))  # whole: node 0's wins
+        writer.finish()
+    view = merged_view(tier, "0", ["0", "1"], 6, rank=3)
+    assert os.path.dirname(view) == str(tmp_path / "tier" / "0" / ".merged-6-3")
+    reader = BundleReader(Location.of(view))
+    try:
+        assert np.array_equal(reader.read("t"), full)
+        assert np.array_equal(reader.read_region("r", ((0, 2), (0, 2))), np.full((2, 2), 7, np.int32))
+        assert np.array_equal(reader.read("w"), np.full(3, 1.0))
+        assert len(reader.piece_boxes("r")) == 1  # the replicated slice once, not twice
+    finally:
+        reader.close()
+    linked = sorted(p for p in os.listdir(os.path.dirname(view)) if ".data-" in p)
+    assert linked == ["ckpt-6.data-00000-of-00002", "ckpt-6.data-00001-of-00002"]
+    assert os.stat(os.path.join(os.path.dirname(view), linked[0])).st_nlink == 2  # a link, not a copy
+    remove_view(view)
+    assert not os.path.exists(os.path.dirname(view))
+    assert tier.committed("0") == {}  # a view never counts as a bundle

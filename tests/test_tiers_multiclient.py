@@ -91,6 +91,17 @@ def test_nothing_wiped_restores_step_6_without_cross_node_bytes(job):
         assert got["persistent_opens"] == 0 and got["persistent_bytes"] == 0, got
 
 
+def test_another_layout_restores_step_6_from_both_nodes_bundles_without_persistent_reads(job):
+    for rank in range(NPROC):
+        got = _phase(job, rank, "restore_other_layout")
+        _exact(got)
+        assert got["step"] == 6 and got["save_counter"] == 6, got
+        assert got["persistent_opens"] == 0 and got["persistent_bytes"] == 0, got
+        assert got["sent"] == 0 and got["bytes_received"] == 0, got  # each node holds both bundles already
+    files = _phase(job, 0, "restore_other_layout")["files"]
+    assert not [folder for folder in files if ".merged-" in folder], files  # the views are gone after the restore
+
+
 def test_node_1_wiped_restores_step_6_from_the_replica_without_persistent_reads(job):
     got = {rank: _phase(job, rank, "restore_node1_wiped") for rank in range(NPROC)}
     for value in got.values():

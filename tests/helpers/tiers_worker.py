@@ -11,6 +11,9 @@ manager_worker.py (DVariables of every layout of ``dtensor_worker.VARS`` on
 
 * ``save1`` .. ``save6``: generation ``g`` saved by save ``g``;
 * ``restore_nothing_wiped``: a new model and manager run ``restore_or_initialize`` (step 6);
+* ``restore_other_layout``: every variable in another layout (``dtensor_worker.OTHER_24``): a client's
+  new pieces were saved partly by the other node; each node holds both bundles (its own and the
+  replica), so every client restores step 6 from a merged view of them;
 * ``restore_node1_wiped``: node 1's leader (client 2) removes node 1's whole tier first (after a
   barrier); then the same restore (step 6, node 1's bundle from node 0's replica; behind it node
   1's tier gets its own bundle and the replica it held of node 0's back);
@@ -48,6 +51,8 @@ import shutil
 import sys
 import threading
 from typing import Any, Dict
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dtensor_worker as W  # noqa: E402  (tests/helpers)
@@ -122,6 +127,28 @@ def restore_phase(mesh, data: str, expected: int) -> Dict[str, Any]:
     return out
 
 
+def restore_other_layout(mesh, data: str, expected: int) -> Dict[str, Any]:
+    """A model of every variable in another layout (``W.OTHER_24``) restored through the tiers."""
+    import shardckpt
+
+    model = shardckpt.Module()
+    variables = W.zero_dvariables(mesh, W.OTHER_24)
+    for name, var in variables.items():
+        setattr(model, name, var)
+    model.plain = shardckpt.Variable(np.zeros((3, 4), np.float32))
+    manager = manager_for(model, data)
+    before = dict(COUNTS)
+    returned = manager.restore_or_initialize()
+    last = manager.local.last_restore
+    out = {"returned": returned, "step": last.step, "reason": last.reason, "bytes_received": last.bytes_received,
+           "bytes_sent": last.bytes_sent, "save_counter": int(manager.checkpoint.save_counter.numpy())}
+    out.update(M.check_values(model, variables, expected))
+    manager.sync()
+    out.update({k: COUNTS[k] - before[k] for k in COUNTS})
+    out["files"] = tier_files(data) if W.result["coordinator"].rank == 0 else None
+    return out
+
+
 def tier_files(data: str) -> Dict[str, list]:
     root = os.path.join(data, "tier")
     out: Dict[str, list] = {}
@@ -145,6 +172,7 @@ def run(data: str) -> None:
     coord.barrier("saved")
     W.phase("files_after_saves", lambda: tier_files(data) if rank == 0 else None)
     W.phase("restore_nothing_wiped", lambda: restore_phase(mesh, data, SAVES))
+    W.phase("restore_other_layout", lambda: restore_other_layout(mesh, data, SAVES))
 
     coord.barrier("wipe node 1")
     if rank == 2:

@@ -25,8 +25,14 @@ same order. Steps::
     5 read     all  each client restores from its own node's bundle of S through the one
                     restore engine (a BundleSource over a local file: no byte from another
                     node or from persistent storage); all-gather of the outcome: if any
-                    client failed (another layout, pieces its node does not hold), every
-                    client says so and the caller restores the persistent checkpoint
+                    client failed, every client says so and the caller restores the
+                    persistent checkpoint; unless each failure is of pieces its node did
+                    not save (a restore onto another mesh or layout):
+    5b merged  all  every node gets the bundles of S it lacks (as in step 3; none with two
+                    nodes and a replica each); each client that failed restores from a
+                    merged view of all of them (:mod:`.merged`: hard links and one merged
+                    index, removed after); all-gather of the outcome (a failure: the
+                    persistent checkpoint)
     6 restock  all  behind the restore (on the checkpoint's saver thread, over the
                     background coordinator): every replica of S that the placement puts on a
                     node lacking it (what a lost node held for others) is sent from the
@@ -45,10 +51,13 @@ import dataclasses
 import functools
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..distributed.coordinator import Coordinator
+from ..errors import NotFoundError
+from .merged import merged_view, remove_view, stale_views
 from .nodes import NodeMap, checked_node_id
 from .peer import PeerFileSystem, PeerSource, peer_pairs, serve_bundle
 from .save import describe_error
@@ -112,6 +121,9 @@ def report(tier: LocalTier, coordinator: Coordinator, nodes: Optional[NodeMap], 
     tier has a marker of (:meth:`LocalTier.newest_marked`)."""
     me = checked_node_id(coordinator) if nodes is None else nodes.node_of_rank[coordinator.rank]
     leads = nodes is None or nodes.leader(me) == coordinator.rank
+    if leads:  # merged views a killed restore left (no client of this node makes one before the round)
+        for folder in stale_views(tier, me):
+            shutil.rmtree(folder, ignore_errors=True)
     held = _holdings(tier, me) if leads else None
     marked = tier.newest_marked(me) if leads else None
     latest = persistent() if coordinator.rank == 0 else None
@@ -176,6 +188,7 @@ def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: Optional
         sent, received = moved.sent, moved.received
     if not failed:
         error = None
+        elsewhere = False
         try:
             _mark(tier, nodes, me, step, got)
             if leader:  # 4 drop newer steps
@@ -183,7 +196,14 @@ def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: Optional
             read(tier.prefix(me, me, step))  # 5 read
         except Exception as exc:  # noqa: BLE001
             error = describe_error(exc)
-        failed = _failures(coordinator.all_gather({"ok": error is None, "error": error or ""}, timeout=timeout))
+            elsewhere = isinstance(exc, NotFoundError)  # pieces (a key) its node did not save: another layout
+        results = coordinator.all_gather({"ok": error is None, "error": error or "", "elsewhere": elsewhere},
+                                         timeout=timeout)
+        failed = _failures(results)
+        if failed and all(r["ok"] or r["elsewhere"] for r in results):  # 5b read all nodes' bundles, merged
+            failed, more_sent, more_received = _read_merged(tier, coordinator, nodes, step, by_node, moves,
+                                                            read if error is not None else None, timeout)
+            sent, received = sent + more_sent, received + more_received
     if failed:
         return done(TierRestore(None, None, sent, received,
                                 reason=f"restoring local step {step} failed: " + "; ".join(failed)))
@@ -264,6 +284,43 @@ def _from_peers(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step:
                            reason=f"restoring local step {step} failed: " + "; ".join(failed))
     behind(functools.partial(_repopulate_behind, tier, nodes, step, moves, timeout))
     return TierRestore(step, tier.prefix(me, me, step), sent, received)
+
+
+def _read_merged(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step: int,
+                 by_node: Dict[str, Dict[str, List[str]]], moved: List[Tuple[str, str, str]],
+                 read: Optional[Callable[[Any], Any]], timeout: Optional[float]) -> Tuple[List[str], int, int]:
+    """Step 5b (collective), when some client's node did not save pieces it restores now (another mesh or
+    layout): every node gets the bundles of ``step`` it lacks (as step 3, from the first holder; with
+    two nodes and a replica each, none), then every client whose step 5 failed restores from a merged
+    view of all of them (:mod:`.merged`: its own node's first; ``read`` ``None``: this client's step 5
+    restored it all). Returns the failures (every client's answer) and this client's bytes sent and
+    received."""
+    rank = coordinator.rank
+    me = nodes.node_of_rank[rank]
+    holders = {owner: [n for n in nodes.nodes if owner in by_node[n].get(str(step), [])] for owner in nodes.nodes}
+    here = {node: set(by_node[node].get(str(step), [])) | {o for _, t, o in moved if t == node} for node in nodes.nodes}
+    gather = [(holders[owner][0], node, owner) for node in nodes.nodes for owner in nodes.nodes
+              if owner not in here[node]]
+    sent = received = 0
+    if gather:
+        failed, done = _repopulate(tier, coordinator, nodes, step, gather, timeout)
+        sent, received = done.sent, done.received
+        if failed:
+            return failed, sent, received
+    error: Optional[str] = None
+    try:
+        if gather:
+            _mark(tier, nodes, me, step, [o for _, t, o in gather if t == me] if nodes.leader(me) == rank else [])
+        if read is not None:
+            view = merged_view(tier, me, [me] + [n for n in nodes.nodes if n != me], step, rank)
+            try:
+                read(view)
+            finally:
+                remove_view(view)
+    except Exception as exc:  # noqa: BLE001
+        error = describe_error(exc)
+    return _failures(coordinator.all_gather({"ok": error is None, "error": error or ""}, timeout=timeout)), \
+        sent, received
 
 
 def _repopulate(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step: int,
