@@ -5,6 +5,8 @@ tests/helpers/tier_reshard_worker.py saves a row-sharded ``DVariable`` twice int
 it sharded by columns, which needs pieces every node saved: each node gets the bundle it lacks,
 then every client restores step 2 exactly from a merged view of the three (tiers/merged.py), with
 nothing persistent to fall back on. The saved layout again restores from each node's own bundle.
+Then a job of two clients (node 2 gone) restores that step 2 from the tiers of nodes 0 and 1, which
+hold every bundle of it between them, and its own next save restores from its own bundles.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ NPROC = 3
 @pytest.fixture(scope="module", params=["torch", "mpi"])
 def job(request, tmp_path_factory) -> Dict[str, Any]:
     tmp = tmp_path_factory.mktemp(f"reshard-{request.param}")
-    return {"results": run_job(request.param, NPROC, WORKER, tmp / "out", tmp / "data", timeout=300),
-            "data": tmp / "data"}
+    results = run_job(request.param, NPROC, WORKER, tmp / "out", tmp / "data", timeout=300)
+    shrunk = run_job(request.param, NPROC - 1, WORKER, tmp / "out-shrunk", tmp / "data", args=["shrink"],
+                     timeout=300)  # node 2 gone: the next job runs on nodes 0 and 1
+    return {"results": results, "shrunk": shrunk, "data": tmp / "data"}
 
 
 def _phase(job: Dict[str, Any], rank: int, name: str) -> Dict[str, Any]:
@@ -58,3 +62,18 @@ def test_the_saved_layout_reads_each_node_s_own_bundle(job):
         got = _phase(job, rank, "restore_rows")
         assert got["step"] == 2 and got["mismatches"] == [], got
         assert got["bytes_received"] == 0 and got["bytes_sent"] == 0, got
+
+
+def test_a_job_on_fewer_nodes_restores_the_step_the_larger_job_saved_from_the_tiers(job):
+    got = {rank: job["shrunk"][rank]["phases"]["restore_shrunk"] for rank in range(NPROC - 1)}
+    for rank, entry in got.items():
+        assert entry["ok"], entry
+        value = entry["value"]
+        assert value["step"] == 2 and value["mismatches"] == [] and value["plain"] == [2.0, 2.0, 2.0], value
+        assert value["bytes_received"] > 0, value  # node 0 lacked node 1's bundle, node 1 lacked node 2's
+        assert value["tier"] == ["node-0", "node-1", "node-2"], value
+    for rank in range(NPROC - 1):
+        entry = job["shrunk"][rank]["phases"]["restore_own"]
+        assert entry["ok"], entry
+        assert entry["value"]["step"] == 3 and entry["value"]["mismatches"] == [], entry
+        assert entry["value"]["bytes_received"] == 0, entry  # this job's own bundles

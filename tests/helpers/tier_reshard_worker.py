@@ -13,12 +13,22 @@ persistent. Phases:
   new piece (every row, two columns) was saved by all three nodes. The restore must give step 2
   exactly from the tiers (there is nothing else): each node first gets the bundle it lacks
   (``last_restore.bytes_received``), then restores from a merged view of the three;
-* ``restore_rows``: the saved layout again: step 2 from each node's own bundle, no byte moved.
+* ``restore_rows``: the saved layout again: step 2 from each node's own bundle, no byte moved;
+  then each node drops the bundle ``restore_columns`` brought it (back to what the saves left).
+
+``tier_reshard_worker.py shrink OUTDIR DATADIR`` (2 clients, nodes 0 and 1: node 2 is gone), on the
+same DATADIR afterwards:
+
+* ``restore_shrunk``: the variable sharded by rows over ``("x", 2)``: step 2, saved by the job of
+  nodes 0, 1, 2, is whole between nodes 0 (its own bundle, node 2's replica) and 1 (its own,
+  node 0's replica): each gets what it lacks, then restores from a merged view;
+* ``save3`` and ``restore_own``: generation 3 saved by this job, then restored from its own tiers.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from typing import Any, Dict
 
@@ -54,14 +64,14 @@ def manager_for(model, data: str):
                                        max_to_keep=2, local=tier, persist_every=5)
 
 
-def restore(mesh, data: str, spec) -> Dict[str, Any]:
+def restore(mesh, data: str, spec, generation: int = 2) -> Dict[str, Any]:
     model = model_of(mesh, spec, 0)
     manager = manager_for(model, data)
     returned = manager.restore_or_initialize()
     last = manager.local.last_restore
     out = {"returned": returned, "step": last.step, "reason": last.reason, "bytes_received": last.bytes_received,
            "bytes_sent": last.bytes_sent,
-           "mismatches": W.mismatches(model.w, full(2)),
+           "mismatches": W.mismatches(model.w, full(generation)),
            "plain": model.plain.numpy().tolist()}
     manager.sync()
     coord = W.result["coordinator"]
@@ -83,7 +93,27 @@ def run(data: str) -> None:
     manager.sync()
     W.phase("restore_columns", lambda: restore(mesh, data, ["unsharded", "x"]))
     W.phase("restore_rows", lambda: restore(mesh, data, ["x", "unsharded"]))
+    coord = W.result["coordinator"]
+    coord.barrier("restored")
+    lacked = (coord.rank + 1) % 3  # each node back to what the saves left: its own bundle and node k-1's
+    shutil.rmtree(os.path.join(data, "tier", str(coord.rank), f"node-{lacked}"))
+    coord.barrier("as saved")
+
+
+def shrink(data: str) -> None:
+    from shardckpt import dtensor as dt
+
+    mesh = dt.create_distributed_mesh([("x", 2)])
+    W.phase("restore_shrunk", lambda: restore(mesh, data, ["x", "unsharded"]))
+    model = model_of(mesh, ["x", "unsharded"], 3)
+    manager = manager_for(model, data)
+    W.phase("save3", lambda: str(manager.save(checkpoint_number=3)))
+    manager.sync()
+    W.phase("restore_own", lambda: restore(mesh, data, ["x", "unsharded"], 3))
 
 
 if __name__ == "__main__":
-    W.launched(run, node_of_rank=lambda rank: rank, register=True)
+    shrunk = len(sys.argv) > 3 and sys.argv[1] == "shrink"
+    if shrunk:
+        del sys.argv[1]
+    W.launched(shrink if shrunk else run, node_of_rank=lambda rank: rank, register=True)

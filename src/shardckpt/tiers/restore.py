@@ -4,14 +4,17 @@ Every client runs :func:`restore_from_tier` (the manager's ``restore_or_initiali
 same order. Steps::
 
     1 report   all  each leader lists the bundles its node's tier holds whole (marker present,
-                    every file it names there with its size, written by a job of the same
-                    nodes); all-gather (which also gathers every client's node id when the
+                    every file it names there with its size) with the nodes of the job that
+                    saved each; all-gather (which also gathers every client's node id when the
                     node map is not known yet: every client lists, the leaders' lists count)
     2 choose   all  the newest step S for which every node's bundle is held by some node
                     (its own or a replica holder); if the newest persistent checkpoint
                     (client 0's, gathered in step 1) is newer, or no step is complete,
                     nothing here: the caller restores the persistent checkpoint (never a
-                    mix of steps)
+                    mix of steps). A newer step that a job on other nodes saved, held whole
+                    between this job's nodes, goes first (:func:`_from_other_job`: every
+                    node gets the bundles of it that it lacks, as in step 3, then every
+                    client reads a merged view, as in step 5b)
     3 repopulate    for each node that lacks its own bundle of S: its leader removes what
                     a save that died left of it (all-gather of the outcome); the first
                     holder (in node order) streams it to that node, every client of both
@@ -64,7 +67,7 @@ from .save import describe_error
 from .tier import LocalTier, bundle_files, read_marker, remove_bundle, write_marker
 from .transfer import Moved, move_bundles
 
-__all__ = ["TierRestore", "restore_from_tier", "choose_step", "replica_moves"]
+__all__ = ["TierRestore", "Reports", "restore_from_tier", "choose_step", "choose_other_job", "replica_moves"]
 
 _log = logging.getLogger("shardckpt")
 
@@ -112,13 +115,26 @@ def _of_this_job(held: Dict[str, List[Any]], nodes: NodeMap) -> Dict[str, List[s
     return out
 
 
+@dataclass(frozen=True)
+class Reports:
+    """What step 1 gathered: the job's node map; per node, step -> owners held whole there that this job
+    wrote (``by_node``) and step -> ``(owner, the nodes of the job that wrote it)`` of every bundle held
+    whole there (``held``); client 0's persistent latest checkpoint; the newest step any tier has a marker
+    of."""
+
+    nodes: NodeMap
+    by_node: Dict[str, Dict[str, List[str]]]
+    held: Dict[str, Dict[str, List[Any]]]
+    latest: Optional[str]
+    newest: Optional[int]
+
+
 def report(tier: LocalTier, coordinator: Coordinator, nodes: Optional[NodeMap], timeout: Optional[float] = None,
-           persistent: Callable[[], Optional[str]] = lambda: None
-           ) -> Tuple[NodeMap, Dict[str, Dict[str, List[str]]], Optional[str], Optional[int]]:
+           persistent: Callable[[], Optional[str]] = lambda: None) -> Reports:
     """Step 1 (collective, one all-gather): the job's node map (gathered here when ``nodes`` is ``None``),
-    per node, step -> owners held whole there (its leader's listing), client 0's
-    ``persistent()`` (the persistent latest checkpoint every client goes by) and the newest step any
-    tier has a marker of (:meth:`LocalTier.newest_marked`)."""
+    what each node holds whole (its leader's listing), client 0's ``persistent()`` (the persistent
+    latest checkpoint every client goes by) and the newest step any tier has a marker of
+    (:meth:`LocalTier.newest_marked`)."""
     me = checked_node_id(coordinator) if nodes is None else nodes.node_of_rank[coordinator.rank]
     leads = nodes is None or nodes.leader(me) == coordinator.rank
     if leads:  # merged views a killed restore left (no client of this node makes one before the round)
@@ -131,10 +147,31 @@ def report(tier: LocalTier, coordinator: Coordinator, nodes: Optional[NodeMap], 
                                      timeout=timeout)
     if nodes is None:
         nodes = NodeMap.of([str(r["node"]) for r in reports])
-    by_node = {node: _of_this_job(reports[nodes.leader(node)]["held"], nodes) for node in nodes.nodes}
+    held_by = {node: reports[nodes.leader(node)]["held"] for node in nodes.nodes}
+    by_node = {node: _of_this_job(held_by[node], nodes) for node in nodes.nodes}
     newest = max((int(reports[nodes.leader(node)]["marked"]) for node in nodes.nodes
                   if reports[nodes.leader(node)]["marked"] is not None), default=None)
-    return nodes, by_node, reports[0]["latest"], newest
+    return Reports(nodes, by_node, held_by, reports[0]["latest"], newest)
+
+
+def choose_other_job(held: Dict[str, Dict[str, List[Any]]], nodes: NodeMap
+                     ) -> Tuple[Optional[int], List[str], Dict[str, List[str]]]:
+    """The newest step that a job on *other* nodes saved and this job's nodes hold whole between them:
+    ``(step, that job's nodes, owner -> holders among this job's nodes)``; ``(None, [], {})`` when none.
+    ``held[node]``: step -> ``(owner, writer's nodes)`` (:class:`Reports`)."""
+    candidates = []
+    for node, steps in held.items():
+        for step, owners in steps.items():
+            for _, writer in owners:
+                if isinstance(writer, list) and writer != list(nodes.nodes):
+                    candidates.append((int(step), tuple(str(w) for w in writer)))
+    for step, writer in sorted(set(candidates), reverse=True):
+        holders = {owner: [n for n in nodes.nodes
+                           if [owner, list(writer)] in [[str(o), w] for o, w in held[n].get(str(step), [])]]
+                   for owner in writer}
+        if all(holders.values()):
+            return step, list(writer), holders
+    return None, [], {}
 
 
 def choose_step(reports: Dict[str, Dict[str, List[str]]], nodes: NodeMap
@@ -162,7 +199,8 @@ def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: Optional
     gather it in step 1 (``found`` gets it). Returns what was done; a ``step`` of ``None`` means:
     restore ``persistent`` instead (every client gets the same answer)."""
     rank = coordinator.rank
-    nodes, by_node, latest, newest = report(tier, coordinator, nodes, timeout=timeout, persistent=persistent)
+    gathered = report(tier, coordinator, nodes, timeout=timeout, persistent=persistent)
+    nodes, by_node, latest, newest = gathered.nodes, gathered.by_node, gathered.latest, gathered.newest
     if found is not None:
         found(nodes)
     persistent_step = number_of(latest)
@@ -170,6 +208,12 @@ def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: Optional
     me = nodes.node_of_rank[rank]
     leader = nodes.leader(me) == rank
     step, holders = choose_step(by_node, nodes)
+    other, writer, other_holders = choose_other_job(gathered.held, nodes)
+    if other is not None and (step is None or other > step):  # saved by a job on other nodes
+        if persistent_step is not None and persistent_step > other:
+            return done(TierRestore(None, None, reason=f"the persistent step {persistent_step} is newer than "
+                                                               f"the newest complete local step {other}"))
+        return done(_from_other_job(tier, coordinator, nodes, other, writer, other_holders, read, timeout))
     if step is None:
         return done(TierRestore(None, None, reason="no local step is complete across the nodes"))
     if persistent_step is not None and persistent_step > step:
@@ -323,6 +367,48 @@ def _read_merged(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step
         sent, received
 
 
+def _from_other_job(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step: int, writer: List[str],
+                    holders: Dict[str, List[str]], read: Callable[[Any], Any],
+                    timeout: Optional[float]) -> TierRestore:
+    """Steps 3-5 for a step a job on other nodes (``writer``) saved, which this job's nodes hold whole between
+    them (``holders``: owner -> holders): every node gets the bundles of it that it lacks (as step 3;
+    their markers keep naming ``writer``), then every client restores from a merged view of them
+    (:mod:`.merged`, as step 5b); one all-gather of the outcome."""
+    rank = coordinator.rank
+    me = nodes.node_of_rank[rank]
+    leader = nodes.leader(me) == rank
+    gather = [(holders[owner][0], node, owner) for node in nodes.nodes for owner in writer
+              if node not in holders[owner]]
+    sent = received = 0
+    error: Optional[str] = None
+    try:
+        if leader:  # 4 drop newer steps
+            _drop_newer(tier, me, step)
+    except Exception as exc:  # noqa: BLE001 - told to every client by the round below
+        error = describe_error(exc)
+    failed: List[str] = []
+    if gather:
+        failed, moved = _repopulate(tier, coordinator, nodes, step, gather, timeout)
+        sent, received = moved.sent, moved.received
+    if not failed:
+        try:
+            if error is None:
+                _mark(tier, nodes, me, step, [o for _, t, o in gather if t == me] if leader else [], writer=writer)
+                view = merged_view(tier, me, ([me] if me in writer else []) + [o for o in writer if o != me], step,
+                                   rank)
+                try:
+                    read(view)
+                finally:
+                    remove_view(view)
+        except Exception as exc:  # noqa: BLE001
+            error = describe_error(exc)
+        failed = _failures(coordinator.all_gather({"ok": error is None, "error": error or ""}, timeout=timeout))
+    if failed:
+        return TierRestore(None, None, sent, received, reason=f"restoring local step {step} (saved by a job on "
+                                                              f"nodes {writer}) failed: " + "; ".join(failed))
+    return TierRestore(step, tier.prefix(me, me if me in writer else writer[0], step), sent, received)
+
+
 def _repopulate(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step: int,
                 moves: List[Tuple[str, str, str]], timeout: Optional[float]) -> Tuple[List[str], Moved]:
     """Each node of ``moves`` that lacks its own bundle of ``step``: its leader removes what a save that died
@@ -368,10 +454,13 @@ def _repopulate_behind(tier: LocalTier, nodes: NodeMap, step: int, moves: List[T
         _log.warning("%s", tier.last_save_error)
 
 
-def _mark(tier: LocalTier, nodes: NodeMap, me: str, step: int, owners: List[str]) -> None:
+def _mark(tier: LocalTier, nodes: NodeMap, me: str, step: int, owners: List[str],
+          writer: Optional[List[str]] = None) -> None:
+    """Markers of ``owners``' bundles of ``step`` in ``me``'s tier, naming the nodes of the job that saved
+    them (``writer``; default this job's)."""
     for owner in owners:
         prefix = tier.prefix(me, owner, step)
-        write_marker(prefix, {"step": step, "owner": owner, "nodes": list(nodes.nodes),
+        write_marker(prefix, {"step": step, "owner": owner, "nodes": list(writer or nodes.nodes),
                               "files": bundle_files(prefix)})
 
 
