@@ -112,8 +112,18 @@ def manager_for(model, data: str):
                                        max_to_keep=3, local=tier, persist_every=PERSIST_EVERY)
 
 
-def restore_phase(mesh, data: str, expected: int) -> Dict[str, Any]:
-    model, variables = M.build_model(mesh, 0)
+def restore_phase(mesh, data: str, expected: int, layouts: Any = None) -> Dict[str, Any]:
+    """A new model (every variable in ``layouts`` when given, e.g. ``W.OTHER_24``) restored through the
+    tiers: what the restore did and the values it gave."""
+    import shardckpt
+
+    if layouts is None:
+        model, variables = M.build_model(mesh, 0)
+    else:
+        model, variables = shardckpt.Module(), W.zero_dvariables(mesh, layouts)
+        for name, var in variables.items():
+            setattr(model, name, var)
+        model.plain = shardckpt.Variable(np.zeros((3, 4), np.float32))
     manager = manager_for(model, data)
     before = dict(COUNTS)
     returned = manager.restore_or_initialize()
@@ -124,29 +134,21 @@ def restore_phase(mesh, data: str, expected: int) -> Dict[str, Any]:
     manager.sync()  # what runs behind the restore (a lost node's tier repopulated) ends here
     out.update({k: COUNTS[k] - before[k] for k in COUNTS})
     out["error_behind"] = manager.local.last_save_error
-    return out
-
-
-def restore_other_layout(mesh, data: str, expected: int) -> Dict[str, Any]:
-    """A model of every variable in another layout (``W.OTHER_24``) restored through the tiers."""
-    import shardckpt
-
-    model = shardckpt.Module()
-    variables = W.zero_dvariables(mesh, W.OTHER_24)
-    for name, var in variables.items():
-        setattr(model, name, var)
-    model.plain = shardckpt.Variable(np.zeros((3, 4), np.float32))
-    manager = manager_for(model, data)
-    before = dict(COUNTS)
-    returned = manager.restore_or_initialize()
-    last = manager.local.last_restore
-    out = {"returned": returned, "step": last.step, "reason": last.reason, "bytes_received": last.bytes_received,
-           "bytes_sent": last.bytes_sent, "save_counter": int(manager.checkpoint.save_counter.numpy())}
-    out.update(M.check_values(model, variables, expected))
-    manager.sync()
-    out.update({k: COUNTS[k] - before[k] for k in COUNTS})
     out["files"] = tier_files(data) if W.result["coordinator"].rank == 0 else None
     return out
+
+
+def lose_node(mesh, data: str, node: int, phase: str, files_phase: str) -> None:
+    """Node ``node``'s whole tier removed by its leader; then a restore (``phase``), then the tiers' files once
+    what runs behind it is done (``files_phase``)."""
+    coord = W.result["coordinator"]
+    coord.barrier(f"wipe node {node}")
+    if coord.rank == 2 * node:
+        shutil.rmtree(os.path.join(data, "tier", str(node)))
+    coord.barrier(f"wiped node {node}")
+    W.phase(phase, lambda: restore_phase(mesh, data, SAVES))
+    coord.barrier(f"repopulated node {node}")
+    W.phase(files_phase, lambda: tier_files(data) if coord.rank == 0 else None)
 
 
 def tier_files(data: str) -> Dict[str, list]:
@@ -172,23 +174,10 @@ def run(data: str) -> None:
     coord.barrier("saved")
     W.phase("files_after_saves", lambda: tier_files(data) if rank == 0 else None)
     W.phase("restore_nothing_wiped", lambda: restore_phase(mesh, data, SAVES))
-    W.phase("restore_other_layout", lambda: restore_other_layout(mesh, data, SAVES))
+    W.phase("restore_other_layout", lambda: restore_phase(mesh, data, SAVES, W.OTHER_24))
 
-    coord.barrier("wipe node 1")
-    if rank == 2:
-        shutil.rmtree(os.path.join(data, "tier", "1"))
-    coord.barrier("wiped node 1")
-    W.phase("restore_node1_wiped", lambda: restore_phase(mesh, data, SAVES))
-    coord.barrier("repopulated")
-    W.phase("files_after_repopulation", lambda: tier_files(data) if rank == 0 else None)
-
-    coord.barrier("wipe node 0")  # a second node lost, with no save since the first loss
-    if rank == 0:
-        shutil.rmtree(os.path.join(data, "tier", "0"))
-    coord.barrier("wiped node 0")
-    W.phase("restore_node0_wiped_next", lambda: restore_phase(mesh, data, SAVES))
-    coord.barrier("repopulated node 0")
-    W.phase("files_after_second_loss", lambda: tier_files(data) if rank == 0 else None)
+    lose_node(mesh, data, 1, "restore_node1_wiped", "files_after_repopulation")
+    lose_node(mesh, data, 0, "restore_node0_wiped_next", "files_after_second_loss")  # no save since the first
 
     model7, variables7 = M.build_model(mesh, 0)
     manager7 = manager_for(model7, data)

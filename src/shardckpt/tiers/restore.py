@@ -339,24 +339,34 @@ def _read_merged(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step
     view of all of them (:mod:`.merged`: its own node's first; ``read`` ``None``: this client's step 5
     restored it all). Returns the failures (every client's answer) and this client's bytes sent and
     received."""
-    rank = coordinator.rank
-    me = nodes.node_of_rank[rank]
     holders = {owner: [n for n in nodes.nodes if owner in by_node[n].get(str(step), [])] for owner in nodes.nodes}
     here = {node: set(by_node[node].get(str(step), [])) | {o for _, t, o in moved if t == node} for node in nodes.nodes}
     gather = [(holders[owner][0], node, owner) for node in nodes.nodes for owner in nodes.nodes
               if owner not in here[node]]
+    return _gather_and_read(tier, coordinator, nodes, step, list(nodes.nodes), gather, read, None, timeout)
+
+
+def _gather_and_read(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step: int, owners: List[str],
+                     gather: List[Tuple[str, str, str]], read: Optional[Callable[[Any], Any]], error: Optional[str],
+                     timeout: Optional[float], writer: Optional[List[str]] = None) -> Tuple[List[str], int, int]:
+    """The moves ``gather`` (as step 3: every client, with their rounds), their markers (naming ``writer``'s
+    nodes, default this job's), then ``read`` of a merged view of ``owners``' bundles of ``step`` (this
+    node's first; ``None``: no read here) and an all-gather of the outcome (``error``: this client's
+    failure so far). Returns the failures (every client's answer) and this client's bytes moved."""
+    rank = coordinator.rank
+    me = nodes.node_of_rank[rank]
     sent = received = 0
     if gather:
-        failed, done = _repopulate(tier, coordinator, nodes, step, gather, timeout)
-        sent, received = done.sent, done.received
+        failed, moved = _repopulate(tier, coordinator, nodes, step, gather, timeout)
+        sent, received = moved.sent, moved.received
         if failed:
             return failed, sent, received
-    error: Optional[str] = None
     try:
-        if gather:
-            _mark(tier, nodes, me, step, [o for _, t, o in gather if t == me] if nodes.leader(me) == rank else [])
-        if read is not None:
-            view = merged_view(tier, me, [me] + [n for n in nodes.nodes if n != me], step, rank)
+        if error is None:
+            _mark(tier, nodes, me, step, [o for _, t, o in gather if t == me] if nodes.leader(me) == rank else [],
+                  writer=writer)
+        if error is None and read is not None:
+            view = merged_view(tier, me, ([me] if me in owners else []) + [o for o in owners if o != me], step, rank)
             try:
                 read(view)
             finally:
@@ -374,35 +384,17 @@ def _from_other_job(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, s
     them (``holders``: owner -> holders): every node gets the bundles of it that it lacks (as step 3;
     their markers keep naming ``writer``), then every client restores from a merged view of them
     (:mod:`.merged`, as step 5b); one all-gather of the outcome."""
-    rank = coordinator.rank
-    me = nodes.node_of_rank[rank]
-    leader = nodes.leader(me) == rank
+    me = nodes.node_of_rank[coordinator.rank]
     gather = [(holders[owner][0], node, owner) for node in nodes.nodes for owner in writer
               if node not in holders[owner]]
-    sent = received = 0
     error: Optional[str] = None
     try:
-        if leader:  # 4 drop newer steps
+        if nodes.leader(me) == coordinator.rank:  # 4 drop newer steps
             _drop_newer(tier, me, step)
-    except Exception as exc:  # noqa: BLE001 - told to every client by the round below
+    except Exception as exc:  # noqa: BLE001 - told to every client by the outcome round
         error = describe_error(exc)
-    failed: List[str] = []
-    if gather:
-        failed, moved = _repopulate(tier, coordinator, nodes, step, gather, timeout)
-        sent, received = moved.sent, moved.received
-    if not failed:
-        try:
-            if error is None:
-                _mark(tier, nodes, me, step, [o for _, t, o in gather if t == me] if leader else [], writer=writer)
-                view = merged_view(tier, me, ([me] if me in writer else []) + [o for o in writer if o != me], step,
-                                   rank)
-                try:
-                    read(view)
-                finally:
-                    remove_view(view)
-        except Exception as exc:  # noqa: BLE001
-            error = describe_error(exc)
-        failed = _failures(coordinator.all_gather({"ok": error is None, "error": error or ""}, timeout=timeout))
+    failed, sent, received = _gather_and_read(tier, coordinator, nodes, step, writer, gather, read, error, timeout,
+                                              writer=writer)
     if failed:
         return TierRestore(None, None, sent, received, reason=f"restoring local step {step} (saved by a job on "
                                                               f"nodes {writer}) failed: " + "; ".join(failed))
