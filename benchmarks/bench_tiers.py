@@ -26,7 +26,11 @@ slowest client's call:
 * ``recovery``: node 1's tier removed, then ``restore_or_initialize()``: node 1's clients restore
   from node 0's replica over gloo; the bytes read from the persistent folder are counted (0).
   Node 1's tier is repopulated behind it, timed apart until committed (``sync()``: "recovery:
-  tier repopulated behind it"; a revision that repopulates first shows ~0 there).
+  tier repopulated behind it"; a revision that repopulates first shows ~0 there);
+* ``another layout``: ``restore_or_initialize()`` of a state laid out ``[unsharded, "x"]`` (each
+  client a quarter of the columns: pieces both nodes saved): each client's read of its own node's
+  bundle fails at planning, then it reads a merged view of both bundles its node holds (its own and
+  the replica; tiers/merged.py); 0 bytes between nodes or from the persistent folder.
 
 A first round runs every phase untimed (what a process pays once: pools, buffers, connections).
 Before each phase the page cache's dirty pages are written back (``os.sync()``, untimed), so
@@ -89,10 +93,10 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool, pri
 
     LocalFileSystem.pread_into = counting  # type: ignore[method-assign]
 
-    def variables(generation: int) -> Dict[str, Any]:
+    def variables(generation: int, spec: Any = ("x", "unsharded")) -> Dict[str, Any]:
         return {f"w{i:03d}": dt.DVariable.from_global(
             np.full((rows, COLS), i + generation, np.float32) + np.arange(rows, dtype=np.float32)[:, None],
-            dt.Layout(["x", "unsharded"], mesh)) for i in range(TENSORS)}
+            dt.Layout(list(spec), mesh)) for i in range(TENSORS)}
 
     def components(vs: Dict[str, Any]) -> List[Any]:
         return [c for v in vs.values() for c in v.value().components.values()]
@@ -170,9 +174,9 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool, pri
             manager.sync()
             saved += 1
         latest = manager.latest_checkpoint
-        phases = ["tier restore", "cold persistent restore", "recovery"]
-        for name in phases[r % 3:] + phases[:r % 3]:
-            target = variables(-1)
+        phases = ["tier restore", "cold persistent restore", "recovery", "another layout"]
+        for name in phases[r % 4:] + phases[:r % 4]:
+            target = variables(-1, ("unsharded", "x") if name == "another layout" else ("x", "unsharded"))
             for c in components(target):
                 c.fill(-7)
             if name == "cold persistent restore":
@@ -261,7 +265,9 @@ def main() -> None:
               "persistent save (tiered manager) / save without a tier": med["persistent save"]
               / med["save without a tier"],
               "cold persistent restore / tier restore": med["cold persistent restore"] / med["tier restore"],
-              "cold persistent restore / recovery (1 node wiped)": med["cold persistent restore"] / med["recovery"]}
+              "cold persistent restore / recovery (1 node wiped)": med["cold persistent restore"] / med["recovery"],
+              "cold persistent restore / another layout from the tiers": med["cold persistent restore"]
+              / med["another layout"]}
     for name, value in ratios.items():
         print(f"{name:<56} {value:>8.2f}")
     for name, value in r["counts"].items():
