@@ -8,6 +8,8 @@ replicas it holds; :mod:`.restore` moves over what it lacks), :func:`merged_view
 TF-format checkpoint of them, in a folder of its own beside the node folders::
 
     <tier root>/.merged-<step>-<rank>/ckpt-<step>.data-<i>-of-<n>   hard links to the bundles' data files
+                                                                   (symbolic ones where the file
+                                                                   system has none)
     <tier root>/.merged-<step>-<rank>/ckpt-<step>.index             the bundles' entries, merged
 
 Nothing is copied: the data files are linked (the same file system), and the merged index
@@ -79,7 +81,11 @@ def merged_view(tier: LocalTier, node: str, owners: Sequence[str], step: int, ra
     plan = plan_merge(_deduplicated([tier.prefix(node, owner, step) for owner in owners]))
     prefix = os.path.join(folder, f"{NAME}-{int(step)}")
     for i, source in enumerate(plan.sources):
-        os.link(source, data_filename(prefix, i, plan.count))
+        target = data_filename(prefix, i, plan.count)
+        try:
+            os.link(source, target)
+        except OSError:  # a file system without hard links: a symbolic link reads the same
+            os.symlink(os.path.abspath(source), target)
     with open(index_filename(prefix), "wb") as f:
         f.write(plan.index(plan.count))
     return prefix
