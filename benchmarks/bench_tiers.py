@@ -30,7 +30,10 @@ slowest client's call:
 * ``another layout``: ``restore_or_initialize()`` of a state laid out ``[unsharded, "x"]`` (each
   client a quarter of the columns: pieces both nodes saved): each client's read of its own node's
   bundle fails at planning, then it reads a merged view of both bundles its node holds (its own and
-  the replica; tiers/merged.py); 0 bytes between nodes or from the persistent folder.
+  the replica; tiers/merged.py); 0 bytes between nodes or from the persistent folder. Every client
+  reads each row block whole and cuts its columns out, as any restore onto this layout does:
+  ``another layout, cold persistent`` is the same restore from the persistent checkpoint after the
+  page cache was dropped.
 
 A first round runs every phase untimed (what a process pays once: pools, buffers, connections).
 Before each phase the page cache's dirty pages are written back (``os.sync()``, untimed), so
@@ -51,6 +54,7 @@ after timing. Medians; the ratios are what to read.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -114,6 +118,7 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool, pri
     counts: Dict[str, int] = {}
 
     def timed(name: str, fn: Any, primed: bool = True) -> Any:
+        gc.collect()  # earlier phases' models (reference cycles) freed now, not by a collection in this one
         if rank == 0:
             os.sync()  # no earlier save's write-back left to slow this phase's fsyncs
         # memory untouched for seconds goes back to the host here (common.warm): the state, the
@@ -174,12 +179,15 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool, pri
             manager.sync()
             saved += 1
         latest = manager.latest_checkpoint
-        phases = ["tier restore", "cold persistent restore", "recovery", "another layout"]
-        for name in phases[r % 4:] + phases[:r % 4]:
-            target = variables(-1, ("unsharded", "x") if name == "another layout" else ("x", "unsharded"))
+        phases = ["tier restore", "cold persistent restore", "recovery", "another layout",
+                  "another layout, cold persistent"]
+        for name in phases[r % 5:] + phases[:r % 5]:
+            target = fresh = None  # the previous phase's model freed before this one's is made
+            gc.collect()
+            target = variables(-1, ("unsharded", "x") if name.startswith("another") else ("x", "unsharded"))
             for c in components(target):
                 c.fill(-7)
-            if name == "cold persistent restore":
+            if name.startswith("cold persistent restore") or name.endswith("cold persistent"):
                 coord.barrier("drop")
                 if rank == 0 and cold:
                     C.drop_page_cache()
@@ -266,7 +274,7 @@ def main() -> None:
               / med["save without a tier"],
               "cold persistent restore / tier restore": med["cold persistent restore"] / med["tier restore"],
               "cold persistent restore / recovery (1 node wiped)": med["cold persistent restore"] / med["recovery"],
-              "cold persistent restore / another layout from the tiers": med["cold persistent restore"]
+              "another layout: cold persistent / from the tiers": med["another layout, cold persistent"]
               / med["another layout"]}
     for name, value in ratios.items():
         print(f"{name:<56} {value:>8.2f}")

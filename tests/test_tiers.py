@@ -398,3 +398,18 @@ def test_a_merged_view_reads_every_node_s_pieces_once_and_links_instead_of_copyi
     remove_view(view)
     assert not os.path.exists(os.path.dirname(view))
     assert tier.committed("0") == {}  # a view never counts as a bundle
+
+
+def test_missing_from_names_what_a_bundle_does_not_hold_from_its_index(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    _saves(tmp_path, count=1)
+    prefix = str(tmp_path / "tier" / "n0" / "node-n0" / "ckpt-1")
+    same = shardckpt.CheckpointManager(shardckpt.Checkpoint(v=shardckpt.Variable(np.zeros(5, np.float32))),
+                                       str(tmp_path / "p2"), max_to_keep=1, local=shardckpt.LocalTier(str(tmp_path / "t2")),
+                                       persist_every=5)
+    assert same._tiered.missing_from(prefix) is None
+    more = shardckpt.CheckpointManager(shardckpt.Checkpoint(v=shardckpt.Variable(np.zeros(5, np.float32)),
+                                                            u=shardckpt.Variable(np.zeros(2, np.float32))),
+                                       str(tmp_path / "p3"), max_to_keep=1, local=shardckpt.LocalTier(str(tmp_path / "t3")),
+                                       persist_every=5)
+    assert more._tiered.missing_from(prefix) == "u/.ATTRIBUTES/VARIABLE_VALUE"

@@ -184,6 +184,33 @@ class Tiered:
         self._buffers = buffers
         return out
 
+    def missing_from(self, prefix: str) -> Optional[str]:
+        """The first value or region this client restores that the bundle at ``prefix`` does not hold
+        (``None``: it holds them all): its index only, no data read. A restore onto the layout of the
+        save finds nothing missing; onto another mesh or layout, its node may not have saved a
+        client's new pieces (then :mod:`.restore` reads a merged view of every node's bundle)."""
+        from ..checkpoint.graph import build_graph
+        from ..format.bundle_reader import BundleReader
+        from ..format.tensor_slice import boxes_tile, intersect
+        from ..storage.location import Location
+
+        root, extra = self._checkpoint._graph_root()
+        with BundleReader(Location.of(prefix)) as reader:
+            for t in build_graph(root, extra).tensors:
+                if t.key not in reader:
+                    return t.key
+                layout = getattr(t.value, "layout", None)
+                if layout is None or not hasattr(layout, "distinct_boxes"):
+                    continue  # a whole value: present
+                stored = reader.piece_boxes(t.key)
+                shape = tuple(int(d) for d in t.value.shape)
+                for device in layout.mesh.local_device_ids():
+                    box = layout.box(device, shape)
+                    parts = [c for c in (intersect(b, box) for b in stored) if c is not None]
+                    if boxes_tile(parts, box) is not None:
+                        return f"{t.key} {[list(b) for b in box]}"
+        return None
+
     def restore(self, persistent: Callable[[], Optional[str]], timeout: Optional[float] = None) -> TierRestore:
         """Restore the newest complete local step unless the persistent latest (``persistent()``, asked on client 0)
         is newer (collective); a result whose ``step`` is ``None`` leaves the restore of its ``persistent``
@@ -209,7 +236,7 @@ class Tiered:
             checkpoint._background().then(lambda: work(background), name="repopulating the tiers")
 
         return restore_from_tier(self.tier, coordinator, self._nodes, persistent, read, timeout=timeout,
-                                 found=found, behind=behind)
+                                 found=found, behind=behind, missing=self.missing_from)
 
 
 class TierCopy:

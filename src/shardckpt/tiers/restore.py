@@ -27,10 +27,12 @@ same order. Steps::
                     first), so that later saves of those numbers never meet them
     5 read     all  each client restores from its own node's bundle of S through the one
                     restore engine (a BundleSource over a local file: no byte from another
-                    node or from persistent storage); all-gather of the outcome: if any
-                    client failed, every client says so and the caller restores the
-                    persistent checkpoint; unless each failure is of pieces its node did
-                    not save (a restore onto another mesh or layout):
+                    node or from persistent storage), once its index shows every value
+                    and region the client restores (``missing``; else a NotFoundError
+                    before any read); all-gather of the outcome: if any client failed,
+                    every client says so and the caller restores the persistent
+                    checkpoint; unless each failure is of pieces its node did not save (a
+                    restore onto another mesh or layout):
     5b merged  all  every node gets the bundles of S it lacks (as in step 3; none with two
                     nodes and a replica each); each client that failed restores from a
                     merged view of all of them (:mod:`.merged`: hard links and one merged
@@ -190,14 +192,16 @@ def choose_step(reports: Dict[str, Dict[str, List[str]]], nodes: NodeMap
 def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: Optional[NodeMap],
                       persistent: Callable[[], Optional[str]], read: Callable[[str], Any],
                       timeout: Optional[float] = None, found: Optional[Callable[[NodeMap], None]] = None,
-                      behind: Optional[Behind] = None) -> TierRestore:
+                      behind: Optional[Behind] = None,
+                      missing: Optional[Callable[[str], Optional[str]]] = None) -> TierRestore:
     """This client's part of a restore through the tiers (see the module docstring). Collective.
 
     ``persistent()`` (called on client 0 only) is the newest persistent checkpoint's path (``None``:
     none); every client gets client 0's answer as the result's ``persistent``. ``read(prefix)``
     restores this client's values from a bundle. ``nodes``: the job's node map, or ``None`` to
-    gather it in step 1 (``found`` gets it). Returns what was done; a ``step`` of ``None`` means:
-    restore ``persistent`` instead (every client gets the same answer)."""
+    gather it in step 1 (``found`` gets it). ``missing(prefix)``: what this client restores that the
+    bundle does not hold (``None``: nothing), asked before step 5 reads it. Returns what was done; a
+    ``step`` of ``None`` means: restore ``persistent`` instead (every client gets the same answer)."""
     rank = coordinator.rank
     gathered = report(tier, coordinator, nodes, timeout=timeout, persistent=persistent)
     nodes, by_node, latest, newest = gathered.nodes, gathered.by_node, gathered.latest, gathered.newest
@@ -237,7 +241,11 @@ def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: Optional
             _mark(tier, nodes, me, step, got)
             if leader:  # 4 drop newer steps
                 _drop_newer(tier, me, step)
-            read(tier.prefix(me, me, step))  # 5 read
+            own = tier.prefix(me, me, step)
+            gap = missing(own) if missing is not None else None  # the index only: no byte read in vain
+            if gap is not None:
+                raise NotFoundError(f"{gap}: not saved by this node (another mesh or layout)", path=own)
+            read(own)  # 5 read
         except Exception as exc:  # noqa: BLE001
             error = describe_error(exc)
             elsewhere = isinstance(exc, NotFoundError)  # pieces (a key) its node did not save: another layout
