@@ -44,22 +44,23 @@ VIEW_PREFIX = ".merged-"
 
 
 def _deduplicated(prefixes: Sequence[str]) -> Iterator[MergeInput]:
-    """Each bundle's header and entries, less what an earlier bundle holds (see the module docstring)."""
+    """Each bundle's header and entries, less what an earlier bundle holds (see the module docstring).
+    An entry is parsed only when a later bundle holds its key too."""
     fs = LocalFileSystem()
-    seen: Set[bytes] = set()
-    slices: Dict[bytes, Set[bytes]] = {}
+    first: Dict[bytes, bytes] = {}  # key -> the entry taken
+    slices: Dict[bytes, Set[bytes]] = {}  # key of a sliced tensor held twice -> its slices taken so far
     for prefix in prefixes:
         header, items = read_index(prefix, fs)
         kept: List[Tuple[bytes, bytes]] = []
         for key, value in items:
-            if key not in seen:
-                seen.add(key)
+            taken = first.get(key)
+            if taken is None:
+                first[key] = value
                 kept.append((key, value))
-                entry = pb.BundleEntryProto.FromString(value)
-                if entry.slices:
-                    slices[key] = {s.SerializeToString() for s in entry.slices}
                 continue
             if key not in slices:
+                slices[key] = {s.SerializeToString() for s in pb.BundleEntryProto.FromString(taken).slices}
+            if not slices[key]:
                 continue  # held whole (or as this very slice) by an earlier bundle
             entry = pb.BundleEntryProto.FromString(value)
             fresh = [s for s in entry.slices if s.SerializeToString() not in slices[key]]

@@ -161,16 +161,11 @@ def choose_other_job(held: Dict[str, Dict[str, List[Any]]], nodes: NodeMap
     """The newest step that a job on *other* nodes saved and this job's nodes hold whole between them:
     ``(step, that job's nodes, owner -> holders among this job's nodes)``; ``(None, [], {})`` when none.
     ``held[node]``: step -> ``(owner, writer's nodes)`` (:class:`Reports`)."""
-    candidates = []
-    for node, steps in held.items():
-        for step, owners in steps.items():
-            for _, writer in owners:
-                if isinstance(writer, list) and writer != list(nodes.nodes):
-                    candidates.append((int(step), tuple(str(w) for w in writer)))
-    for step, writer in sorted(set(candidates), reverse=True):
-        holders = {owner: [n for n in nodes.nodes
-                           if [owner, list(writer)] in [[str(o), w] for o, w in held[n].get(str(step), [])]]
-                   for owner in writer}
+    bundles = {(int(step), str(owner), tuple(map(str, writer)), node)
+               for node, steps in held.items() for step, owners in steps.items() for owner, writer in owners
+               if isinstance(writer, list) and writer != list(nodes.nodes)}
+    for step, writer in sorted({(step, writer) for step, _, writer, _ in bundles}, reverse=True):
+        holders = {owner: [n for n in nodes.nodes if (step, owner, writer, n) in bundles] for owner in writer}
         if all(holders.values()):
             return step, list(writer), holders
     return None, [], {}
@@ -253,7 +248,7 @@ def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: Optional
                                          timeout=timeout)
         failed = _failures(results)
         if failed and all(r["ok"] or r["elsewhere"] for r in results):  # 5b read all nodes' bundles, merged
-            failed, more_sent, more_received = _read_merged(tier, coordinator, nodes, step, by_node, moves,
+            failed, more_sent, more_received = _read_merged(tier, coordinator, nodes, step, holders, moves,
                                                             read if error is not None else None, timeout)
             sent, received = sent + more_sent, received + more_received
     if failed:
@@ -339,18 +334,16 @@ def _from_peers(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step:
 
 
 def _read_merged(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step: int,
-                 by_node: Dict[str, Dict[str, List[str]]], moved: List[Tuple[str, str, str]],
+                 holders: Dict[str, List[str]], moved: List[Tuple[str, str, str]],
                  read: Optional[Callable[[Any], Any]], timeout: Optional[float]) -> Tuple[List[str], int, int]:
     """Step 5b (collective), when some client's node did not save pieces it restores now (another mesh or
     layout): every node gets the bundles of ``step`` it lacks (as step 3, from the first holder; with
     two nodes and a replica each, none), then every client whose step 5 failed restores from a merged
     view of all of them (:mod:`.merged`: its own node's first; ``read`` ``None``: this client's step 5
-    restored it all). Returns the failures (every client's answer) and this client's bytes sent and
-    received."""
-    holders = {owner: [n for n in nodes.nodes if owner in by_node[n].get(str(step), [])] for owner in nodes.nodes}
-    here = {node: set(by_node[node].get(str(step), [])) | {o for _, t, o in moved if t == node} for node in nodes.nodes}
+    restored it all). ``holders``: owner -> nodes holding its bundle (:func:`choose_step`); ``moved``: step
+    3's moves. Returns the failures (every client's answer) and this client's bytes sent and received."""
     gather = [(holders[owner][0], node, owner) for node in nodes.nodes for owner in nodes.nodes
-              if owner not in here[node]]
+              if node not in holders[owner] and (holders[owner][0], node, owner) not in moved]
     return _gather_and_read(tier, coordinator, nodes, step, list(nodes.nodes), gather, read, None, timeout)
 
 
