@@ -413,3 +413,22 @@ def test_missing_from_names_what_a_bundle_does_not_hold_from_its_index(tmp_path,
                                        str(tmp_path / "p3"), max_to_keep=1, local=shardckpt.LocalTier(str(tmp_path / "t3")),
                                        persist_every=5)
     assert more._tiered.missing_from(prefix) == "u/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def test_a_merged_view_of_a_truncated_index_fails_with_an_error_naming_the_file(tmp_path):
+    from shardckpt.errors import ShardckptError
+    from shardckpt.format.bundle_writer import BundleWriter
+    from shardckpt.storage.location import Location
+    from shardckpt.tiers.merged import merged_view
+
+    tier = shardckpt.LocalTier(str(tmp_path / "tier" / "{node}"))
+    for owner in ("0", "1"):
+        writer = BundleWriter(Location.of(tier.prefix("0", owner, 6)))
+        writer.add(f"w{owner}", np.arange(4.0))
+        writer.finish()
+    index = tier.prefix("0", "1", 6) + ".index"
+    with open(index, "r+b") as f:
+        f.truncate(os.path.getsize(index) // 2)
+    with pytest.raises(ShardckptError) as caught:
+        merged_view(tier, "0", ["0", "1"], 6, rank=0)
+    assert index in str(caught.value), caught.value
