@@ -66,7 +66,7 @@ def test_the_saved_layout_reads_each_node_s_own_bundle(job):
 
 def test_a_job_on_fewer_nodes_restores_the_step_the_larger_job_saved_from_the_tiers(job):
     got = {rank: job["shrunk"][rank]["phases"]["restore_shrunk"] for rank in range(NPROC - 1)}
-    for rank, entry in got.items():
+    for entry in got.values():
         assert entry["ok"], entry
         value = entry["value"]
         assert value["step"] == 2 and value["mismatches"] == [] and value["plain"] == [2.0, 2.0, 2.0], value

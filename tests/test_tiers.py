@@ -405,13 +405,13 @@ def test_missing_from_names_what_a_bundle_does_not_hold_from_its_index(tmp_path,
     _saves(tmp_path, count=1)
     prefix = str(tmp_path / "tier" / "n0" / "node-n0" / "ckpt-1")
     same = shardckpt.CheckpointManager(shardckpt.Checkpoint(v=shardckpt.Variable(np.zeros(5, np.float32))),
-                                       str(tmp_path / "p2"), max_to_keep=1, local=shardckpt.LocalTier(str(tmp_path / "t2")),
-                                       persist_every=5)
+                                       str(tmp_path / "p2"), max_to_keep=1,
+                                       local=shardckpt.LocalTier(str(tmp_path / "t2")), persist_every=5)
     assert same._tiered.missing_from(prefix) is None
     more = shardckpt.CheckpointManager(shardckpt.Checkpoint(v=shardckpt.Variable(np.zeros(5, np.float32)),
                                                             u=shardckpt.Variable(np.zeros(2, np.float32))),
-                                       str(tmp_path / "p3"), max_to_keep=1, local=shardckpt.LocalTier(str(tmp_path / "t3")),
-                                       persist_every=5)
+                                       str(tmp_path / "p3"), max_to_keep=1,
+                                       local=shardckpt.LocalTier(str(tmp_path / "t3")), persist_every=5)
     assert more._tiered.missing_from(prefix) == "u/.ATTRIBUTES/VARIABLE_VALUE"
 
 
