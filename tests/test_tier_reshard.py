@@ -5,6 +5,7 @@ tests/helpers/tier_reshard_worker.py saves a row-sharded ``DVariable`` twice int
 it sharded by columns, which needs pieces every node saved: each node gets the bundle it lacks,
 then every client restores step 2 exactly from a merged view of the three (tiers/merged.py), with
 nothing persistent to fall back on. The saved layout again restores from each node's own bundle.
+With node 1's tier wiped, the columns again restore step 2 from the tiers (node 1 gets all three).
 Then a job of two clients (node 2 gone) restores that step 2 from the tiers of nodes 0 and 1, which
 hold every bundle of it between them, and its own next save restores from its own bundles.
 """
@@ -55,6 +56,16 @@ def test_another_layout_gathers_the_missing_bundle_and_restores_step_2_from_the_
     assert sum(g["bytes_sent"] for g in moved) == sum(g["bytes_received"] for g in moved)
     assert not (job["data"] / "persistent").exists() or not any(
         p.name.startswith("ckpt-") for p in (job["data"] / "persistent").iterdir())
+
+
+def test_a_lost_node_and_another_layout_together_restore_step_2_from_the_tiers(job):
+    got = [_phase(job, rank, "restore_columns_lost") for rank in range(NPROC)]
+    for value in got:
+        assert value["step"] == 2, value
+        assert value["mismatches"] == [] and value["plain"] == [2.0, 2.0, 2.0], value
+        assert value["tier"] == ["node-0", "node-1", "node-2"], value
+    assert got[1]["bytes_received"] > 0, got[1]  # node 1 lost everything: it got all three bundles
+    assert sum(g["bytes_sent"] for g in got) == sum(g["bytes_received"] for g in got)
 
 
 def test_the_saved_layout_reads_each_node_s_own_bundle(job):

@@ -14,7 +14,11 @@ persistent. Phases:
   exactly from the tiers (there is nothing else): each node first gets the bundle it lacks
   (``last_restore.bytes_received``), then restores from a merged view of the three;
 * ``restore_rows``: the saved layout again: step 2 from each node's own bundle, no byte moved;
-  then each node drops the bundle ``restore_columns`` brought it (back to what the saves left).
+  then each node drops the bundle ``restore_columns`` brought it (back to what the saves left);
+* ``restore_columns_lost``: node 1's tier wiped, then the columns again: node 1's client finds,
+  from its replica's index on node 2, that it restores pieces that bundle lacks; every node gets
+  the bundles it lacks (node 1 all three), then restores step 2 from a merged view; then back to
+  what the saves left.
 
 ``tier_reshard_worker.py shrink OUTDIR DATADIR`` (2 clients, nodes 0 and 1: node 2 is gone), on the
 same DATADIR afterwards:
@@ -76,7 +80,7 @@ def restore(mesh, data: str, spec, generation: int = 2) -> Dict[str, Any]:
     manager.sync()
     coord = W.result["coordinator"]
     root = os.path.join(data, "tier", str(coord.rank))
-    out["tier"] = sorted(os.listdir(root))
+    out["tier"] = sorted(os.listdir(root)) if os.path.isdir(root) else []
     return out
 
 
@@ -94,9 +98,19 @@ def run(data: str) -> None:
     W.phase("restore_columns", lambda: restore(mesh, data, ["unsharded", "x"]))
     W.phase("restore_rows", lambda: restore(mesh, data, ["x", "unsharded"]))
     coord = W.result["coordinator"]
+    as_saved(coord, data)
+    if coord.rank == 1:  # node 1 lost: its tier gone
+        shutil.rmtree(os.path.join(data, "tier", "1"))
+    coord.barrier("node 1 lost")
+    W.phase("restore_columns_lost", lambda: restore(mesh, data, ["unsharded", "x"]))
+    as_saved(coord, data)
+
+
+def as_saved(coord, data: str) -> None:
+    """Each node back to what the saves left: its own bundle and node k-1's (a restore brought it the third)."""
     coord.barrier("restored")
-    lacked = (coord.rank + 1) % 3  # each node back to what the saves left: its own bundle and node k-1's
-    shutil.rmtree(os.path.join(data, "tier", str(coord.rank), f"node-{lacked}"))
+    lacked = (coord.rank + 1) % 3
+    shutil.rmtree(os.path.join(data, "tier", str(coord.rank), f"node-{lacked}"), ignore_errors=True)
     coord.barrier("as saved")
 
 

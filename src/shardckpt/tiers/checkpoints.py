@@ -23,7 +23,9 @@ An asynchronous save of a step that goes to the tiers only
 (``CheckpointOptions(enable_async=True)``) blocks for the host copy of this client's pieces
 only (into buffers reused from save to save); the tiered save (write, merge, replicas,
 markers) runs on the checkpoint's ``AsyncSaver`` thread over a clone of the
-coordinator, one save at a time, with the checkpoint's ``sync()`` semantics: the next save,
+coordinator, one save at a time, starting once every client's host copy is made (a
+barrier there: a client done first would slow the others' copies, which their callers
+wait for), with the checkpoint's ``sync()`` semantics: the next save,
 ``sync()`` or exit waits for it and raises its error (its number given back).
 """
 
@@ -114,6 +116,9 @@ class Tiered:
         background = default_context().background(coordinator)
 
         def write(_plan: SavePlan) -> None:
+            # the clients of a node share its memory bandwidth: the writes start once every client's host copy
+            # is made, so that a client done first never slows the copy another one's training waits for
+            background.barrier(f"tier save of step {step}: every host copy made", timeout=timeout)
             save_to_tier(self.tier, step, staged, background, nodes, timeout=timeout)
 
         saver.submit(self.tier.prefix(me, me, step), SavePlan.empty(), write, on_failure)
@@ -184,18 +189,21 @@ class Tiered:
         self._buffers = buffers
         return out
 
-    def missing_from(self, prefix: str) -> Optional[str]:
-        """The first value or region this client restores that the bundle at ``prefix`` does not hold
-        (``None``: it holds them all): its index only, no data read. A restore onto the layout of the
-        save finds nothing missing; onto another mesh or layout, its node may not have saved a
-        client's new pieces (then :mod:`.restore` reads a merged view of every node's bundle)."""
+    def missing_from(self, bundle: Any) -> Optional[str]:
+        """The first value or region this client restores that ``bundle`` (a local bundle's prefix, or an
+        open ``BundleReader``: a peer's replica) does not hold (``None``: it holds them all): its index
+        only, no data read. A restore onto the layout of the save finds nothing missing; onto another
+        mesh or layout, its node may not have saved a client's new pieces (then :mod:`.restore` reads a
+        merged view of every node's bundle)."""
         from ..checkpoint.graph import build_graph
         from ..format.bundle_reader import BundleReader
         from ..format.tensor_slice import boxes_tile, intersect
         from ..storage.location import Location
 
         root, extra = self._checkpoint._graph_root()
-        with BundleReader(Location.of(prefix)) as reader:
+        opened = isinstance(bundle, str)
+        reader = BundleReader(Location.of(bundle)) if opened else bundle
+        try:
             for t in build_graph(root, extra).tensors:
                 if t.key not in reader:
                     return t.key
@@ -209,6 +217,9 @@ class Tiered:
                     parts = [c for c in (intersect(b, box) for b in stored) if c is not None]
                     if boxes_tile(parts, box) is not None:
                         return f"{t.key} {[list(b) for b in box]}"
+        finally:
+            if opened:
+                reader.close()
         return None
 
     def restore(self, persistent: Callable[[], Optional[str]], timeout: Optional[float] = None) -> TierRestore:

@@ -222,7 +222,8 @@ def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: Optional
     moves = [(holders[owner][0], owner, owner) for owner in nodes.nodes if owner not in holders[owner]]
     restock = replica_moves(by_node, holders, nodes, step, tier.replicas) if behind is not None else []
     if moves and behind is not None and not {s for s, _, _ in moves} & {t for _, t, _ in moves}:
-        return done(_from_peers(tier, coordinator, nodes, step, moves + restock, read, behind, timeout))
+        return done(_from_peers(tier, coordinator, nodes, step, holders, moves + restock, read, behind, timeout,
+                                missing))
     got = [owner for _, target, owner in moves if target == me] if leader else []
     sent = received = 0
     failed: List[str] = []
@@ -237,9 +238,7 @@ def restore_from_tier(tier: LocalTier, coordinator: Coordinator, nodes: Optional
             if leader:  # 4 drop newer steps
                 _drop_newer(tier, me, step)
             own = tier.prefix(me, me, step)
-            gap = missing(own) if missing is not None else None  # the index only: no byte read in vain
-            if gap is not None:
-                raise NotFoundError(f"{gap}: not saved by this node (another mesh or layout)", path=own)
+            _covered(missing, own, own)  # the index only: no byte read in vain
             read(own)  # 5 read
         except Exception as exc:  # noqa: BLE001
             error = describe_error(exc)
@@ -275,14 +274,25 @@ def replica_moves(reports: Dict[str, Dict[str, List[str]]], holders: Dict[str, L
     return out
 
 
-def _from_peers(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step: int,
+def _covered(missing: Optional[Callable[[Any], Optional[str]]], bundle: Any, path: str) -> None:
+    """Raise :class:`NotFoundError` when ``bundle`` (a prefix, or a peer's reader) lacks a value or region this
+    client restores (``missing``; its index only): pieces its node did not save (another mesh or layout)."""
+    gap = missing(bundle) if missing is not None else None
+    if gap is not None:
+        raise NotFoundError(f"{gap}: not saved by this node (another mesh or layout)", path=path)
+
+
+def _from_peers(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step: int, holders: Dict[str, List[str]],
                 moves: List[Tuple[str, str, str]], read: Callable[[Any], Any], behind: Behind,
-                timeout: Optional[float]) -> TierRestore:
+                timeout: Optional[float], missing: Optional[Callable[[Any], Optional[str]]] = None) -> TierRestore:
     """Steps 3-6 when the nodes that lost their bundle hold none that others lack: each client of such a
     node restores straight from the holder's replica (:mod:`.peer`); the others serve first (holders),
     then restore from their own tier; the lost bundles (``moves`` with ``target == owner``) and the
     replicas to restock (the others) are moved into their nodes' tiers behind the restore, once every
-    client restored (``behind``)."""
+    client restored (``behind``). When every failure is of pieces a bundle does not hold (``missing``,
+    asked before any read: another mesh or layout), step 5b runs instead: every node gets every bundle
+    of ``step`` it lacks (``holders``: owner -> nodes holding it), the lost ones included, then reads a
+    merged view; nothing is left to restock."""
     from ..format.bundle_reader import BundleReader
 
     rank = coordinator.rank
@@ -311,21 +321,35 @@ def _from_peers(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step:
         sent += served
         error = error or (None if problem is None else f"serving {owner}'s bundle of step {step}: {problem}")
     mine = [p for p in pairs if p[1] == rank]
+    elsewhere = False
     try:
         if mine:  # 5 read, from the peer
             server, _, source, _, owner = mine[0]
             fs = PeerFileSystem(coordinator, server, tier.folder(source, owner), timeout=timeout)
             try:
-                with PeerSource(BundleReader(tier.prefix(source, owner, step), fs=fs), fs) as peer:
+                prefix = tier.prefix(source, owner, step)
+                reader = BundleReader(prefix, fs=fs)
+                with PeerSource(reader, fs) as peer:
+                    _covered(missing, reader, prefix)
                     read(peer)
             finally:
                 received = fs.received
                 fs.done()
         elif error is None:  # 5 read, locally
-            read(tier.prefix(me, me, step))
+            own = tier.prefix(me, me, step)
+            _covered(missing, own, own)
+            read(own)
     except Exception as exc:  # noqa: BLE001
+        elsewhere = error is None and isinstance(exc, NotFoundError)
         error = error or describe_error(exc)
-    failed = _failures(coordinator.all_gather({"ok": error is None, "error": error or ""}, timeout=timeout))
+    results = coordinator.all_gather({"ok": error is None, "error": error or "", "elsewhere": elsewhere},
+                                     timeout=timeout)
+    failed = _failures(results)
+    if failed and all(r["ok"] or r["elsewhere"] for r in results):  # 5b: every bundle on every node, merged
+        failed, more_sent, more_received = _read_merged(tier, coordinator, nodes, step, holders, [],
+                                                        read if error is not None else None, timeout)
+        if not failed:
+            return TierRestore(step, tier.prefix(me, me, step), sent + more_sent, received + more_received)
     if failed:
         return TierRestore(None, None, sent, received,
                            reason=f"restoring local step {step} failed: " + "; ".join(failed))
