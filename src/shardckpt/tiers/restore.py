@@ -37,7 +37,10 @@ same order. Steps::
                     nodes and a replica each); each client that failed restores from a
                     merged view of all of them (:mod:`.merged`: hard links and one merged
                     index, removed after); all-gather of the outcome (a failure: the
-                    persistent checkpoint)
+                    persistent checkpoint). A node lost *and* another layout: the lost
+                    node's clients check their replica's index on the peer before reading
+                    it (:func:`_from_peers`); then every node gets every bundle it lacks,
+                    the lost node all of them, and nothing is left to restock
     6 restock  all  behind the restore (on the checkpoint's saver thread, over the
                     background coordinator): every replica of S that the placement puts on a
                     node lacking it (what a lost node held for others) is sent from the
