@@ -60,6 +60,7 @@ import functools
 import logging
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -289,8 +290,8 @@ def _from_peers(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step:
                 moves: List[Tuple[str, str, str]], read: Callable[[Any], Any], behind: Behind,
                 timeout: Optional[float], missing: Optional[Callable[[Any], Optional[str]]] = None) -> TierRestore:
     """Steps 3-6 when the nodes that lost their bundle hold none that others lack: each client of such a
-    node restores straight from the holder's replica (:mod:`.peer`); the others serve first (holders),
-    then restore from their own tier; the lost bundles (``moves`` with ``target == owner``) and the
+    node restores straight from the holder's replica (:mod:`.peer`); the others restore from their own
+    tier, the holders serving meanwhile (on a thread); the lost bundles (``moves`` with ``target == owner``) and the
     replicas to restock (the others) are moved into their nodes' tiers behind the restore, once every
     client restored (``behind``). When every failure is of pieces a bundle does not hold (``missing``,
     asked before any read: another mesh or layout), step 5b runs instead: every node gets every bundle
@@ -308,21 +309,35 @@ def _from_peers(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step:
             _drop_newer(tier, me, step)
     except Exception as exc:  # noqa: BLE001 - told to every client by the round below
         error = describe_error(exc)
-    for server, client, source, _target, owner in pairs:  # holders serve first, in the pairs' order
-        if rank != server:
-            continue
-        prefix = tier.prefix(source, owner, step)
-        try:
-            files = bundle_files(prefix)
-        except Exception as exc:  # noqa: BLE001 - its client gets an empty manifest, and fails
-            files, error = [], error or f"{prefix}: {describe_error(exc)}"
-        try:
-            served, problem = serve_bundle(coordinator, client, os.path.dirname(prefix), files, tier.chunk_bytes,
-                                           timeout=timeout)
-        except Exception as exc:  # noqa: BLE001 - told to every client by the round below
-            served, problem = 0, describe_error(exc)
-        sent += served
-        error = error or (None if problem is None else f"serving {owner}'s bundle of step {step}: {problem}")
+    served: List[Tuple[int, Optional[str]]] = []  # (bytes sent, first error) of this client's serving
+
+    def serve() -> None:  # the pairs this client serves, in the pairs' order
+        out, problem = 0, None
+        for server, client, source, _target, owner in pairs:
+            if rank != server:
+                continue
+            prefix = tier.prefix(source, owner, step)
+            try:
+                files = bundle_files(prefix)
+            except Exception as exc:  # noqa: BLE001 - its client gets an empty manifest, and fails
+                files, problem = [], problem or f"{prefix}: {describe_error(exc)}"
+            try:
+                done, unserved = serve_bundle(coordinator, client, os.path.dirname(prefix), files, tier.chunk_bytes,
+                                              timeout=timeout)
+            except Exception as exc:  # noqa: BLE001 - told to every client by the round below
+                done, unserved = 0, describe_error(exc)
+            out += done
+            problem = problem or (None if unserved is None else f"serving {owner}'s bundle of step {step}: {unserved}")
+        served.append((out, problem))
+
+    # a holder serves on a thread of its own while it reads its own bundle (a local read, which uses no
+    # coordinator): the read overlaps the transfer instead of following it
+    serving: Optional[threading.Thread] = None
+    if any(server == rank for server, *_ in pairs):
+        serving = threading.Thread(target=serve, name="shardckpt-tier-serve", daemon=True)
+        serving.start()
+    else:
+        served.append((0, None))
     mine = [p for p in pairs if p[1] == rank]
     elsewhere = False
     try:
@@ -345,6 +360,11 @@ def _from_peers(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step:
     except Exception as exc:  # noqa: BLE001
         elsewhere = error is None and isinstance(exc, NotFoundError)
         error = error or describe_error(exc)
+    if serving is not None:
+        serving.join()
+    sent, problem = served[0] if served else (0, "serving ended without a result")
+    if problem is not None:
+        elsewhere, error = False, error or problem
     results = coordinator.all_gather({"ok": error is None, "error": error or "", "elsewhere": elsewhere},
                                      timeout=timeout)
     failed = _failures(results)
