@@ -173,22 +173,6 @@ def _scrub_figures() -> Dict[str, float]:
     return {"scrub_bytes": float(scrubber.bytes_read), "scrub_s": scrubber.seconds}
 
 
-def _drop_file_cache(folder: str) -> None:
-    """Drop the (clean, after ``os.sync``) page cache of every file under ``folder``."""
-    for root, _, files in os.walk(folder):
-        for name in files:
-            try:
-                fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-
-
 def _remove_checkpoint(prefix: str) -> None:
     """Delete the checkpoint at ``prefix`` (its files ``<prefix>.*``; a DCP checkpoint is a folder)."""
     if os.path.isdir(prefix):
@@ -217,7 +201,7 @@ def settle(folder: str, stale: List[str], prime_bytes: int) -> None:
     stale.clear()
     gc.collect()
     os.sync()
-    _drop_file_cache(folder)
+    C.uncache(folder)
     C.prime_free_memory(prime_bytes)
 
 

@@ -21,8 +21,11 @@ slowest client's call:
 * ``save without a tier``: today's ``CheckpointManager`` (no ``local=``) saving the same state
   into a folder of its own;
 * ``tier restore``: ``restore_or_initialize()`` from the tiers (nothing lost);
-* ``cold persistent restore``: ``Checkpoint.restore`` of the persistent checkpoint after the
-  page cache was dropped (root; ``--no-cold`` or a smoke run: warm);
+* ``cold persistent restore``: ``Checkpoint.restore`` of the persistent checkpoint after its
+  files were dropped from the page cache (``common.uncache``: ``POSIX_FADV_DONTNEED``; not the
+  whole page cache: freeing gigabytes at once makes this VM hand them back to the host for
+  seconds on its own cores, which slowed the next phases, a recovery right after one by half;
+  ``--no-cold`` or a smoke run: warm);
 * ``recovery``: node 1's tier removed, then ``restore_or_initialize()``: node 1's clients restore
   from node 0's replica over gloo; the bytes read from the persistent folder are counted (0).
   Node 1's tier is repopulated behind it, timed apart until committed (``sync()``: "recovery:
@@ -32,8 +35,8 @@ slowest client's call:
   bundle fails at planning, then it reads a merged view of both bundles its node holds (its own and
   the replica; tiers/merged.py); 0 bytes between nodes or from the persistent folder. Every client
   reads each row block whole and cuts its columns out, as any restore onto this layout does:
-  ``another layout, cold persistent`` is the same restore from the persistent checkpoint after the
-  page cache was dropped.
+  ``another layout, cold persistent`` is the same restore from the persistent checkpoint after its
+  files were dropped from the page cache.
 
 A first round runs every phase untimed (what a process pays once: pools, buffers, connections).
 Before each phase the page cache's dirty pages are written back (``os.sync()``, untimed), so
@@ -190,7 +193,7 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool, pri
             if name.startswith("cold persistent restore") or name.endswith("cold persistent"):
                 coord.barrier("drop")
                 if rank == 0 and cold:
-                    C.drop_page_cache()
+                    C.uncache(persistent)
                 timed(name, lambda target=target, latest=latest: shardckpt.Checkpoint(**target).restore(latest))
             else:
                 if name == "recovery":
@@ -227,7 +230,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=tempfile.gettempdir(), help="scratch folder (the persistent directory)")
     p.add_argument("--tier", default="/dev/shm", help="where the simulated nodes' tier folders go")
-    p.add_argument("--no-cold", action="store_true", help="do not drop the page cache before persistent restores")
+    p.add_argument("--no-cold", action="store_true",
+                   help="do not drop the persistent files' page cache before persistent restores")
     p.add_argument("--prime", type=float, default=2.0,
                    help="free memory each client primes before each phase, in multiples of its share of the state")
     p.add_argument("--src", default=os.path.join(REPO, "src"),

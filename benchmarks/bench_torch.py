@@ -186,18 +186,6 @@ def _release_staging(system: str) -> None:
     gc.collect()
 
 
-def _uncache(folder: Path) -> None:
-    """Drop the page-cache copies of the (written, synced) files under ``folder`` (``POSIX_FADV_DONTNEED``)."""
-    for path in folder.rglob("*"):
-        if path.is_file() and hasattr(os, "posix_fadvise"):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def _raw_write(sd: Dict[str, Any], path: Path, coordinator: bool) -> None:
     """What the disk allows a durable save: this rank's local bytes written to one file (16 MiB
     writes straight from the tensors' memory), fsynced; the coordinator fsyncs the folder."""
@@ -322,7 +310,7 @@ def worker(phase: str, folder: Path, size: int, repeats: int) -> None:
             _release_staging(system)  # the next system starts with the memory this one started with ...
             if rank == 0:
                 os.replace(folder / system / f"rep{repeats - 1}", folder / system / "final")
-                _uncache(folder / system)  # ... and the page cache (launch 2 reads the files in again, untimed)
+                C.uncache(folder / system)  # ... and the page cache (launch 2 reads the files in again, untimed)
             dist.barrier()
             result[system] = {"save_s": saves, "load_s": loads, "async_block_s": blocks, "async_again_s": again,
                               "load_peak_extra": peaks, "load_device_bytes": disk}

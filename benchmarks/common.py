@@ -178,6 +178,27 @@ def drop_page_cache() -> bool:
         return False
 
 
+def uncache(folder: "str | Path") -> None:
+    """Drop the page cache of every file under ``folder`` only (``POSIX_FADV_DONTNEED`` after an fsync of
+    each): a cold read of those files, without :func:`drop_page_cache`'s side effect on this VM: dropping
+    the whole page cache frees gigabytes at once, which the VM then hands back to the host for seconds
+    on its own cores (free page reporting), slowing whatever runs next (a restore from a peer over
+    loopback: 0.32 s right after priming, 0.47 s within 10 ms of a whole drop, 0.41 s 3 s after)."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+
 def cache_files(folder: Path) -> None:
     """Read the files under ``folder`` into the page cache where memory pressure pushed parts out (at
     4 GiB of state on a 24 GiB machine, the files a save just wrote do not always stay cached)."""
