@@ -37,8 +37,9 @@ manager_worker.py (DVariables of every layout of ``dtensor_worker.VARS`` on
 
 Each restore phase records what ``restore_or_initialize`` returned, the tier's
 ``last_restore``, the bytes this client passed to ``send_bytes`` / ``send_many`` during the call
-on the calling thread (every byte that crossed between clients outside the collectives) and on
-the threads behind it (``sent_behind``: a lost node's tier repopulated, until ``sync()``), the reads
+(on its thread or a holder's serving thread: every byte that crossed between clients outside the
+collectives) and on the checkpoint's saver thread behind it (``sent_behind``: a lost node's tier
+repopulated, until ``sync()``), the reads
 of files under the persistent directory (opens and bytes), the mismatches against the expected
 generation and the tier's ``last_save_error`` after ``sync()``.
 Results go to ``OUTDIR/rank<R>.json``.
@@ -70,8 +71,9 @@ def count(coordinator, persistent: str) -> None:
     send, send_many = type(coordinator).send_bytes, type(coordinator).send_many
     depth = [0]  # send_many may send through send_bytes: its bytes counted once
 
-    def counter() -> str:  # the caller's thread, or the work behind it (the checkpoint's saver thread)
-        return "sent" if threading.current_thread() is threading.main_thread() else "sent_behind"
+    def counter() -> str:  # the call (its thread, or a holder's serving thread), or the work behind it
+        behind = threading.current_thread().name.startswith("shardckpt-async-save")  # the checkpoint's saver thread
+        return "sent_behind" if behind else "sent"
 
     def sending(self, data, dst, tag=0):
         if not depth[0]:
