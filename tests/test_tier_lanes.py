@@ -72,6 +72,7 @@ def test_a_peer_serves_a_bundle_to_a_restore_refusing_what_is_not_in_it(job):
     assert cut == [[1.0] * 4, [2.0] * 4, [3.0] * 4]  # a region cutting every piece, served at once
     assert client["whole"] == [[1.0] * 5, [2.0] * 5, [3.0] * 5]
     assert server["sent"] == client["received"] > 50000 * 4
+    assert server["streaming"] == 1  # told once that a request's bulk streams (a piece of 200000 bytes > 64 KiB)
 
 
 def test_a_damaged_replica_fails_its_checksum_when_read_from_a_peer(job):

@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import numpy as np
 
@@ -61,9 +61,10 @@ def peer(coord, tier, owner: str, damaged) -> Dict[str, Any]:
 
     prefix = tier.prefix("a", owner, 1)
     if coord.rank == 0:
+        streamed: List[int] = []  # streaming(): once, before the first request of more than chunk_bytes
         sent, error = serve_bundle(coord, 2, os.path.dirname(prefix), bundle_files(prefix), tier.chunk_bytes,
-                                   timeout=120)
-        return {"sent": sent, "error": error}
+                                   timeout=120, streaming=lambda: streamed.append(1))
+        return {"sent": sent, "error": error, "streaming": len(streamed)}
     if coord.rank != 2:
         return {}
     fs = PeerFileSystem(coord, 0, os.path.dirname(prefix), timeout=120)

@@ -83,10 +83,13 @@ def _recv_head(coordinator: Coordinator, src: int, timeout: Optional[float]) -> 
 
 
 def serve_bundle(coordinator: Coordinator, client: int, folder: str, files: Sequence[Tuple[str, int]], chunk: int,
-                 timeout: Optional[float] = None) -> Tuple[int, Optional[str]]:
+                 timeout: Optional[float] = None, streaming: Optional[Callable[[], None]] = None
+                 ) -> Tuple[int, Optional[str]]:
     """Serve ``files`` (``(name, size)`` in ``folder``: a bundle this node holds whole) to rank ``client``
     until it is done (see the module docstring); return ``(bytes sent, first error)``, never raise for
-    what the files or the requests hold (a failed transport raises, as any collective)."""
+    what the files or the requests hold (a failed transport raises, as any collective). ``streaming()``
+    runs before the bytes of the first request of more than ``chunk`` bytes are sent (the client's
+    planning reads are over: its destinations' bytes follow)."""
     manifest = json.dumps({"files": [[n, int(z)] for n, z in files], "chunk": int(chunk)}).encode("utf-8")
     _send_head(coordinator, client, len(manifest))
     coordinator.send_bytes(memoryview(manifest), client, tag=TAG)
@@ -111,6 +114,9 @@ def serve_bundle(coordinator: Coordinator, client: int, folder: str, files: Sequ
                 coordinator.send_bytes(memoryview(text), client, tag=TAG)
                 continue
             _send_head(coordinator, client, 0)
+            if streaming is not None and sum(len(view) for view in views) > chunk:
+                streaming()
+                streaming = None
             sent += _send_ranges(coordinator, client, views, chunk)
             views.clear()
     finally:

@@ -313,31 +313,38 @@ def _from_peers(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step:
 
     def serve() -> None:  # the pairs this client serves, in the pairs' order
         out, problem = 0, None
-        for server, client, source, _target, owner in pairs:
-            if rank != server:
-                continue
-            prefix = tier.prefix(source, owner, step)
-            try:
-                files = bundle_files(prefix)
-            except Exception as exc:  # noqa: BLE001 - its client gets an empty manifest, and fails
-                files, problem = [], problem or f"{prefix}: {describe_error(exc)}"
-            try:
-                done, unserved = serve_bundle(coordinator, client, os.path.dirname(prefix), files, tier.chunk_bytes,
-                                              timeout=timeout)
-            except Exception as exc:  # noqa: BLE001 - told to every client by the round below
-                done, unserved = 0, describe_error(exc)
-            out += done
-            problem = problem or (None if unserved is None else f"serving {owner}'s bundle of step {step}: {unserved}")
-        served.append((out, problem))
+        try:
+            for server, client, source, _target, owner in pairs:
+                if rank != server:
+                    continue
+                prefix = tier.prefix(source, owner, step)
+                try:
+                    files = bundle_files(prefix)
+                except Exception as exc:  # noqa: BLE001 - its client gets an empty manifest, and fails
+                    files, problem = [], problem or f"{prefix}: {describe_error(exc)}"
+                try:
+                    done, unserved = serve_bundle(coordinator, client, os.path.dirname(prefix), files,
+                                                  tier.chunk_bytes, timeout=timeout, streaming=streaming.set)
+                except Exception as exc:  # noqa: BLE001 - told to every client by the round below
+                    done, unserved = 0, describe_error(exc)
+                out += done
+                problem = problem or (None if unserved is None else
+                                      f"serving {owner}'s bundle of step {step}: {unserved}")
+            served.append((out, problem))
+        finally:
+            streaming.set()
 
-    # a holder serves on a thread of its own while it reads its own bundle (a local read, which uses no
-    # coordinator): the read overlaps the transfer instead of following it
+    # a holder serves on a thread of its own and reads its own bundle (a local read, which uses no
+    # coordinator) once the bulk of a client's pieces streams: the read overlaps the transfer instead
+    # of following it, and never delays the client's planning reads (the index, small values)
+    streaming = threading.Event()
     serving: Optional[threading.Thread] = None
     if any(server == rank for server, *_ in pairs):
         serving = threading.Thread(target=serve, name="shardckpt-tier-serve", daemon=True)
         serving.start()
     else:
         served.append((0, None))
+        streaming.set()
     mine = [p for p in pairs if p[1] == rank]
     elsewhere = False
     try:
@@ -356,6 +363,7 @@ def _from_peers(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step:
         elif error is None:  # 5 read, locally
             own = tier.prefix(me, me, step)
             _covered(missing, own, own)
+            streaming.wait()
             read(own)
     except Exception as exc:  # noqa: BLE001
         elsewhere = error is None and isinstance(exc, NotFoundError)
