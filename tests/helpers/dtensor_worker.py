@@ -18,7 +18,9 @@
   - ``async``: a training loop whose every step runs ``all_reduce`` on the user's default
     group / ``COMM_WORLD``, with ``DTensorCheckpoint.save(..., enable_async=True)`` every
     second step at ``DATADIR/async/ck``, the values clobbered right after each return,
-    then ``sync()``;
+    then ``sync()``; each save's background writes are held at the first until the next
+    step's first collective ran (so a save is in flight beside collectives on every run, not
+    only when the machine is slow enough), then write, merge and agree beside the others;
   - ``fault``: a new save into ``DATADIR/ck`` on a coordinator with a short timeout
     (:data:`FAULT_TIMEOUT`) while client :data:`VICTIM` fails after writing its parts,
     before the barrier: under torch it SIGKILLs itself; under MPI (where one dying process
@@ -374,6 +376,21 @@ def run_save4(data: str) -> None:
     phase("restore4", restore4)
 
     def train_with_async_saves():
+        import threading
+
+        from shardckpt.storage.local import LocalFileSystem
+        from shardckpt.storage.registry import mounted
+        from shardckpt.storage.wrappers import FileSystemWrapper
+
+        gate = threading.Event()  # the background writes of a save wait for it: opened after the next collective
+        gate.set()
+
+        class Held(FileSystemWrapper):
+            def write_all(self, handle, buf, path=""):
+                if threading.current_thread() is not threading.main_thread() and not gate.wait(120):
+                    raise TimeoutError("the test's gate never opened")
+                self.inner.write_all(handle, buf, path)
+
         allreduce = user_allreduce(backend)
         variables = dvariables(mesh, 100)
         plain = shardckpt.Variable(value(PLAIN, 100))
@@ -381,19 +398,23 @@ def run_save4(data: str) -> None:
         options = CheckpointOptions(enable_async=True)
         saves, sums_ok, overlapped = [], True, 0
         saver = None
-        for step in range(1, ASYNC_STEPS + 1):
-            set_generation(variables, plain, 100 + step)  # the "training step" updates the values
-            for k in range(10):  # the user's collectives, while the previous save may still be writing
-                sums_ok &= allreduce(rank * step + k) == step * sum(range(size)) + k * size
-                saver = saver or ck.__dict__.get("_shardckpt_saver")
-                overlapped += int(saver is not None and saver.pending)
-            if step % 2 == 0:
-                t0 = time.monotonic()
-                path = ck.save(os.path.join(data, "async", "ck"), options=options)
-                saves.append({"path": path, "generation": 100 + step, "returned_s": time.monotonic() - t0,
-                              "counter": int(ck.save_counter.numpy())})
-                set_generation(variables, plain, CLOBBER_GEN)  # after the return: must not be in the checkpoint
-        ck.sync()
+        with mounted(Held(LocalFileSystem())):
+            for step in range(1, ASYNC_STEPS + 1):
+                set_generation(variables, plain, 100 + step)  # the "training step" updates the values
+                for k in range(10):  # the user's collectives, while the previous save is in flight
+                    sums_ok &= allreduce(rank * step + k) == step * sum(range(size)) + k * size
+                    saver = saver or ck.__dict__.get("_shardckpt_saver")
+                    overlapped += int(saver is not None and saver.pending)
+                    gate.set()  # the save writes, merges and agrees beside the next collectives
+                if step % 2 == 0:
+                    gate.clear()  # held at its first write until this client's next collective ran
+                    t0 = time.monotonic()
+                    path = ck.save(os.path.join(data, "async", "ck"), options=options)
+                    saves.append({"path": path, "generation": 100 + step, "returned_s": time.monotonic() - t0,
+                                  "counter": int(ck.save_counter.numpy())})
+                    set_generation(variables, plain, CLOBBER_GEN)  # after the return: must not be in the checkpoint
+            gate.set()
+            ck.sync()
         return {"saves": saves, "sums_ok": bool(sums_ok), "overlapped": overlapped,
                 "latest": shardckpt.latest_checkpoint(os.path.join(data, "async"))}
 
