@@ -115,6 +115,23 @@ def test_an_unmarked_bundle_never_counts_and_is_dropped(tmp_path, monkeypatch):
     assert not [p for p in own.iterdir() if p.name.startswith("ckpt-7")]
 
 
+def test_what_a_killed_merge_leaves_is_removed_with_its_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    _saves(tmp_path)
+    own = tmp_path / "tier" / "n0" / "node-n0"
+    (own / "ckpt-7.index.tempstate2760640828696044702").write_bytes(b"x" * 1105)  # a merge of step 7 killed
+    (own / "ckpt-3.index.tempstate17").write_bytes(b"x")  # an older step's, which retention (keep=2) drops
+    value = shardckpt.Variable(np.zeros(5, np.float32))
+    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(v=value), str(tmp_path / "persistent"), max_to_keep=3,
+                                          local=shardckpt.LocalTier(str(tmp_path / "tier" / "{node}")),
+                                          persist_every=5)
+    assert manager.restore_or_initialize() == str(own / "ckpt-6")
+    assert not [p.name for p in own.iterdir() if p.name.startswith("ckpt-7")]  # newer than the step restored
+    manager.save()
+    manager.sync()
+    assert sorted({p.name.split(".")[0] for p in own.iterdir()}) == ["ckpt-6", "ckpt-7"]
+
+
 def test_a_damaged_bundle_does_not_count_and_passing_it_over_is_logged(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SHARDCKPT_NODE", "n0")
     _saves(tmp_path)

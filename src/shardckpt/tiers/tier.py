@@ -38,7 +38,9 @@ __all__ = ["LocalTier", "MARKER", "NAME"]
 
 NAME = "ckpt"
 MARKER = ".committed"
-_BUNDLE_FILE = re.compile(r"^" + NAME + r"-(\d+)(\.index|\.data-\d+-of-\d+|" + re.escape(MARKER) + r"|_parts)$")
+#: a bundle's files, with what a merge killed before its renames leaves (``.tempstate<digits>``: rename.py)
+_BUNDLE_FILE = re.compile(r"^" + NAME + r"-(\d+)((?:\.index|\.data-\d+-of-\d+)(?:\.tempstate\d+)?|"
+                          + re.escape(MARKER) + r"|_parts)$")
 
 
 @dataclass
@@ -185,8 +187,9 @@ def fsync_dir(folder: str) -> None:
 
 
 def remove_bundle(prefix: str, parts: bool = True) -> None:
-    """Remove the bundle at ``prefix``: its marker first (it stops counting), then its index, its data files
-    and (``parts``) its parts folder."""
+    """Remove the bundle at ``prefix``: its marker first (it stops counting), then its index, its data files,
+    what a killed merge or marker write left of it (``.tempstate<digits>``, ``.committed.tmp-<digits>``) and
+    (``parts``) its parts folder."""
     import shutil
 
     folder, base = os.path.split(prefix)
@@ -194,7 +197,8 @@ def remove_bundle(prefix: str, parts: bool = True) -> None:
         return
     for name in [base + MARKER, base + ".index"] + sorted(os.listdir(folder)):
         if name == base + MARKER or name == base + ".index" or re.fullmatch(
-                re.escape(base) + r"(\.data-\d+-of-\d+|\.committed\.tmp-\d+)", name):
+                re.escape(base) + r"(\.data-\d+-of-\d+|\.committed\.tmp-\d+|(\.index|\.data-\d+-of-\d+)\.tempstate\d+)",
+                name):
             try:
                 os.remove(os.path.join(folder, name))
             except FileNotFoundError:
