@@ -38,9 +38,10 @@ __all__ = ["LocalTier", "MARKER", "NAME"]
 
 NAME = "ckpt"
 MARKER = ".committed"
-#: a bundle's files, with what a merge killed before its renames leaves (``.tempstate<digits>``: rename.py)
-_BUNDLE_FILE = re.compile(r"^" + NAME + r"-(\d+)((?:\.index|\.data-\d+-of-\d+)(?:\.tempstate\d+)?|"
-                          + re.escape(MARKER) + r"|_parts)$")
+#: a bundle's index and data files, with what a merge killed before its renames leaves of them
+#: (``.tempstate<digits>``: saving/commit/rename.py)
+_DATA_SUFFIX = r"(?:\.index|\.data-\d+-of-\d+)(?:\.tempstate\d+)?"
+_BUNDLE_FILE = re.compile(r"^" + NAME + r"-(\d+)(" + _DATA_SUFFIX + "|" + re.escape(MARKER) + r"|_parts)$")
 
 
 @dataclass
@@ -197,8 +198,7 @@ def remove_bundle(prefix: str, parts: bool = True) -> None:
         return
     for name in [base + MARKER, base + ".index"] + sorted(os.listdir(folder)):
         if name == base + MARKER or name == base + ".index" or re.fullmatch(
-                re.escape(base) + r"(\.data-\d+-of-\d+|\.committed\.tmp-\d+|(\.index|\.data-\d+-of-\d+)\.tempstate\d+)",
-                name):
+                re.escape(base) + "(" + _DATA_SUFFIX + r"|\.committed\.tmp-\d+)", name):
             try:
                 os.remove(os.path.join(folder, name))
             except FileNotFoundError:
