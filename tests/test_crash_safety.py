@@ -128,15 +128,18 @@ def _start_helper(prefix: str, generation: int) -> subprocess.Popen:
     return proc
 
 
-def _run_helper_to_end(prefix: str, generation: int) -> float:
-    """Save ``generation`` in a helper process; return seconds from READY to exit."""
+def _run_helper_to_end(prefix: str, generation: int) -> "tuple[float, float]":
+    """Save ``generation`` in a helper process; return seconds from READY to ``SAVED``, and to exit."""
     proc = _start_helper(prefix, generation)
+    assert proc.stdout is not None
     started = time.perf_counter()
+    line = proc.stdout.readline()
+    saved = time.perf_counter() - started
     out, err = proc.communicate(timeout=60)
-    elapsed = time.perf_counter() - started
+    ended = time.perf_counter() - started
     assert proc.returncode == 0, err
-    assert f"SAVED {generation}" in out
-    return elapsed
+    assert line.strip() == f"SAVED {generation}", (line, out, err)
+    return saved, ended
 
 
 def test_sigkill_at_random_moments_leaves_exactly_one_complete_generation(tmp_path: Path) -> None:
@@ -152,14 +155,18 @@ def test_sigkill_at_random_moments_leaves_exactly_one_complete_generation(tmp_pa
     assert _committed_generation(prefix) == 0
     _assert_clean(prefix)
 
-    # Calibration: how long a save takes (after the helper's start-up), per size of generation.
-    durations: Dict[int, float] = {}
+    # Calibration, per size of generation: how long a save takes after the helper's
+    # start-up (to its "SAVED" line), and how long until the helper ends (it stays
+    # alive HOLD_AFTER_SAVES seconds after its save, as a training process would).
+    saved_after: Dict[int, float] = {}
+    ended_after: Dict[int, float] = {}
     generation = 0
-    while set(durations) != set(save_loop.SCALES):
+    while set(ended_after) != set(save_loop.SCALES):
         generation += 1
-        elapsed = _run_helper_to_end(prefix, generation)
+        saved, ended = _run_helper_to_end(prefix, generation)
         scale = save_loop.scale_of(generation)
-        durations[scale] = max(durations.get(scale, 0.0), elapsed)
+        saved_after[scale] = max(saved_after.get(scale, 0.0), saved)
+        ended_after[scale] = max(ended_after.get(scale, 0.0), ended)
         assert _committed_generation(prefix) == generation
         _assert_clean(prefix)
     committed = generation
@@ -168,11 +175,17 @@ def test_sigkill_at_random_moments_leaves_exactly_one_complete_generation(tmp_pa
     killed_before = killed_after = completed = 0
     new_data_visible_before_commit = leftovers_after_commit = 0
     shard_counts: List[int] = []
-    for _ in range(trials):
+    for trial in range(trials):
         generation += 1
-        # Uniform over the whole save and a bit past it: some kills land before the
-        # commit, some between the commit and the process's end, some too late.
-        delay = rng.uniform(0.0, 1.25 * durations[save_loop.scale_of(generation)])
+        scale = save_loop.scale_of(generation)
+        if trial % 5 == 4:
+            # One trial in five aims at the end of the save and the time after it: the
+            # commit, the clean-up, and the process living on with the new generation.
+            delay = rng.uniform(0.9 * saved_after[scale], ended_after[scale] - 0.1 * save_loop.HOLD_AFTER_SAVES)
+        else:
+            # Uniform over the whole life of the helper and a bit past it: most kills land
+            # before the commit, some after it, some too late.
+            delay = rng.uniform(0.0, 1.15 * ended_after[scale])
         proc = _start_helper(prefix, generation)
         time.sleep(delay)
         proc.kill()  # SIGKILL
@@ -210,7 +223,7 @@ def test_sigkill_at_random_moments_leaves_exactly_one_complete_generation(tmp_pa
           f"(with new data files already renamed: {new_data_visible_before_commit}); "
           f"killed after commit: {killed_after} (before cleanup finished: {leftovers_after_commit}); "
           f"finished before the kill: {completed}; shard counts seen: {sorted(set(shard_counts))}; "
-          f"save durations by scale: { {s: round(d, 3) for s, d in sorted(durations.items())} }; "
+          f"save durations by scale: { {s: round(d, 3) for s, d in sorted(saved_after.items())} }; "
           f"{runtime:.1f} s")
     assert killed_before >= 1, "no kill landed before the commit: widen or move the random window"
     assert killed_after >= 1, "no kill landed after the commit: widen or move the random window"

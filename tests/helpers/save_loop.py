@@ -7,8 +7,10 @@ Usage::
 Builds the tensors of each generation (:func:`make_tensors`), prints ``READY`` once
 they are in memory, then saves them one generation after the other with
 ``shardckpt.save_tensors`` and a ``MaxShardSizePolicy(8 MiB)``, printing
-``SAVED <G>`` after each. The crash tests SIGKILL this process at random moments
-and check that the prefix always holds exactly one complete generation.
+``SAVED <G>`` after each, and then keeps running for :data:`HOLD_AFTER_SAVES`
+seconds, as a training process goes on after its save. The crash tests SIGKILL this
+process at random moments and check that the prefix always holds exactly one
+complete generation.
 
 Each generation's values are distinct per (generation, tensor, element), and the
 sizes (so the shard count) change with the generation, repeating for some
@@ -19,11 +21,15 @@ checkpoint" path of the commit runs too.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Dict, List, Optional
 
 import numpy as np
 
 MAX_SHARD_SIZE = 8 << 20
+# Seconds the process stays alive after its last save: kills that land there find the
+# new generation committed (and its clean-up done or cut short).
+HOLD_AFTER_SAVES = 0.3
 # Size factor per generation (cycled): equal neighbours give the same shard count.
 SCALES = (3, 3, 5, 7, 7, 4, 6, 4, 4, 5)
 _INT_BASE = tuple(60_000 + 13_000 * i for i in range(8))  # int64 elements per unit of scale
@@ -66,6 +72,7 @@ def main(argv: List[str]) -> int:
     for g, tensors in zip(generations, all_tensors):
         save(prefix, g, tensors)
         print(f"SAVED {g}", flush=True)
+    time.sleep(HOLD_AFTER_SAVES)
     return 0
 
 
