@@ -120,6 +120,14 @@ def test_send_recv_ring(run):
         assert value["equal"] and value["into_out"] and value["small"], (r, value)
 
 
+def test_send_many_recv_many_ring(run):
+    """Streams of messages (an empty one among them) arrive whole and in order, each reported as it lands."""
+    _, results = run
+    for r, value in enumerate(_ok(results, "stream")):
+        assert value["order"] == list(range(9)), (r, value)
+        assert all(value["complete_when_landed"]) and all(value["equal"]), (r, value)
+
+
 def test_agree(run):
     _, results = run
     _ok(results, "agree_ok")
@@ -206,6 +214,21 @@ def test_recv_timeout_mpi(mpi_run):
     assert not step["ok"] and step["type"] == "CoordinationTimeout" and step["missing"] == [1], step
     assert 0.9 <= step["elapsed"] <= 1.0 + SLACK
     _ok(mpi_run, "final_barrier")  # the cancelled receive left the coordinator usable
+
+
+def test_stream_timeout_mpi(mpi_run):
+    """A stream that never starts times out naming its source and leaves the coordinator usable; one that
+    stops midway times out naming it too, and its coordinator refuses further calls (messages of it may
+    still come)."""
+    step = _step(mpi_run, 0, "stream_timeout_before")
+    assert not step["ok"] and step["type"] == "CoordinationTimeout" and step["missing"] == [1], step
+    assert 0.9 <= step["elapsed"] <= 1.0 + SLACK
+    step = _step(mpi_run, 0, "stream_stops")
+    assert not step["ok"] and step["type"] == "CoordinationTimeout" and step["missing"] == [1], step
+    assert "rank 1 stopped within 1 s" in step["message"], step
+    after = _step(mpi_run, 0, "after_stream_stops")
+    assert not after["ok"] and after["type"] == "CoordinationError" and "mid-stream" in after["message"], after
+    assert all(_step(mpi_run, r, "stream_stops")["ok"] for r in range(1, NPROC))
 
 
 def test_exited_rank_torch(torch_run):

@@ -148,6 +148,35 @@ def main():
                 "small": bytes(got2) == bytes([src]) * 1000, "seconds": time.monotonic() - t0}
 
     record("ring", ring)
+
+    def stream():
+        # send_many / recv_many around the ring: messages of several sizes (an empty one among them),
+        # each landing in order, the landed callback called once per message as it is in.
+        sizes = [5 * 1024 * 1024 + 3, 0, 1, 4 * 1024 * 1024, 777, 2 * 1024 * 1024, 64, 3 * 1024 * 1024 + 1, 9]
+        src, dst = (rank - 1) % size, (rank + 1) % size
+
+        def message(sender, i, n):
+            return np.random.default_rng([sender, i]).integers(0, 256, n, dtype=np.uint8)
+
+        mine = [memoryview(message(rank, i, n)) for i, n in enumerate(sizes)]
+        outs = [np.zeros(n, dtype=np.uint8) for n in sizes]
+        order = []
+        complete_when_landed = []
+
+        def landed(i):
+            order.append(i)
+            complete_when_landed.append(bool(np.array_equal(outs[i], message(src, i, sizes[i]))))
+
+        if rank % 2 == 0:
+            coord.send_many(mine, dst, tag=9)
+            coord.recv_many(src, [memoryview(o) for o in outs], tag=9, timeout=LONG, landed=landed)
+        else:
+            coord.recv_many(src, [memoryview(o) for o in outs], tag=9, timeout=LONG, landed=landed)
+            coord.send_many(mine, dst, tag=9)
+        return {"order": order, "complete_when_landed": complete_when_landed,
+                "equal": [bool(np.array_equal(o, message(src, i, n))) for i, (o, n) in enumerate(zip(outs, sizes))]}
+
+    record("stream", stream)
     record("agree_ok", lambda: coord.agree(True, timeout=LONG))
     record("agree_fail", lambda: coord.agree(rank != 1, "" if rank != 1 else "disk full on rank one", timeout=LONG))
 
@@ -251,8 +280,14 @@ def main():
         if rank == 0:
             coord.recv_bytes(1, 10, tag=99, timeout=1.0)
 
+    def stream_timeout_before():
+        # Nobody sends: the stream times out naming its source; nothing arrived, the coordinator stays usable.
+        if rank == 0:
+            coord.recv_many(1, [memoryview(bytearray(10)) for _ in range(6)], tag=97, timeout=1.0)
+
     if coord.backend == "mpi":
         record("recv_timeout", recv_timeout)
+        record("stream_timeout_before", stream_timeout_before)
     record("final_barrier", lambda: coord.barrier("final", timeout=LONG))
 
     # A collective that times out (on a second coordinator: it is unusable afterwards).
@@ -271,6 +306,22 @@ def main():
     record("after_gather_timeout", lambda: second.broadcast(1, timeout=LONG))
     record("first_still_usable", lambda: coord.barrier("still", timeout=LONG))
     record("close_failed", second.close)
+
+    if coord.backend == "mpi":
+        # A stream that stops midway (rank 1 sends 2 of the 4 messages rank 0 waits for): the receive times
+        # out naming rank 1, and since part of it had arrived, that coordinator is unusable afterwards.
+        third = Backend(timeout=LONG)
+
+        def stream_stops():
+            if rank == 1:
+                third.send_many([memoryview(bytes([i]) * 10) for i in range(2)], 0, tag=96)
+            elif rank == 0:
+                third.recv_many(1, [memoryview(bytearray(10)) for _ in range(4)], tag=96, timeout=1.0)
+
+        record("stream_stops", stream_stops)
+        if rank == 0:
+            record("after_stream_stops", lambda: third.barrier("after", timeout=LONG))
+        third.close()
 
     if coord.backend == "torch":
         # A rank that is gone for good: the others' barrier names it. (Under mpiexec a process that exits

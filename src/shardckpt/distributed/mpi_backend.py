@@ -17,6 +17,11 @@ methods are used: the lower-case ones pickle.
   (no copy), in chunks of at most 1 GiB (MPI counts are C ints). A receive
   that times out is cancelled (``MPI_Cancel``) and the coordinator stays
   usable, unless part of a chunked message had already arrived.
+* ``send_many`` / ``recv_many``: the same messages, up to four posted at once
+  (``Isend`` / ``Irecv``; MPI matches the receives in the order they are posted),
+  so that a stream of messages does not pay a round trip for each one. A
+  ``recv_many`` that times out cancels what it posted; the coordinator stays
+  usable when nothing of the call had arrived yet.
 * ``barrier``: MPI has no barrier with a timeout, so the arrival protocol of
   :mod:`.barrier`, its notices carried as JSON bytes (with the barrier's sequence
   number) by ``Isend`` on the barrier communicator, one tag; the sends are never
@@ -30,7 +35,8 @@ methods are used: the lower-case ones pickle.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -42,6 +48,7 @@ from .engine import EngineCoordinator
 __all__ = ["MPICoordinator"]
 
 _CHUNK = 1 << 30  # bytes per MPI message (MPI counts are C ints)
+_IN_FLIGHT = 4  # messages kept posted by send_many / recv_many
 _TAG_BARRIER = 1  # the barrier communicator's one tag
 _LEFTOVERS: List[Tuple[Any, Any]] = []
 
@@ -288,6 +295,90 @@ class MPICoordinator(EngineCoordinator):
                 raise CoordinationError(f"rank {self._rank}: rank {src} sent {got} bytes where "
                                         f"{piece.nbytes} were expected (tag {tag})")
         return mv
+
+    def send_many(self, buffers: Sequence[memoryview], dst: int, tag: int = 0) -> None:
+        """Up to :data:`_IN_FLIGHT` messages posted at once (``Isend``), in order."""
+        self._check()
+        self._check_peer(dst, "send destination")
+        self._check_tag(tag)
+        MPI = self._MPI
+        posted: Deque[Any] = deque()
+        try:
+            for buffer in buffers:
+                mv = _byte_view(buffer)
+                for start in range(0, mv.nbytes, _CHUNK):
+                    posted.append(self._comm.Isend([mv[start:start + _CHUNK], MPI.BYTE], dst, tag))
+                    if len(posted) >= _IN_FLIGHT:
+                        posted.popleft().Wait()
+            while posted:
+                posted.popleft().Wait()
+        except MPI.Exception as e:
+            self._failed = f"send to rank {dst} failed"
+            raise CoordinationError(f"rank {self._rank}: sending to rank {dst} failed: {e}") from e
+
+    def recv_many(self, src: int, outs: Sequence[memoryview], tag: int = 0, timeout: Optional[float] = None,
+                  landed: Optional[Callable[[int], None]] = None) -> None:
+        """Up to :data:`_IN_FLIGHT` receives posted ahead (``Irecv``); ``landed(i)`` as message ``i`` completes."""
+        self._check()
+        self._check_peer(src, "receive source")
+        self._check_tag(tag)
+        MPI = self._MPI
+        deadline = self._deadline(timeout)
+        pieces: List[Tuple[int, memoryview, bool]] = []  # (message, piece, last piece of the message)
+        for i, out in enumerate(outs):
+            mv = _byte_view(out)
+            if mv.readonly:
+                raise InvalidArgumentError(f"receive buffer {i} is read-only")
+            starts = range(0, mv.nbytes, _CHUNK) or range(1)  # an empty message: nothing travels
+            pieces.extend((i, mv[start:start + _CHUNK], start == starts[-1]) for start in starts)
+        posted: Deque[Tuple[int, memoryview, bool, Any, Any]] = deque()
+        arrived = 0  # pieces of this call that completed
+
+        def give_up() -> None:
+            nonlocal arrived
+            for _, _, _, req, status in posted:
+                if req is None:
+                    continue
+                req.Cancel()
+                req.Wait(status)
+                if not status.Is_cancelled():
+                    arrived += 1
+            if arrived:
+                self._failed = f"receive from rank {src} timed out mid-stream"
+            shown = self._timeout if timeout is None else timeout
+            raise CoordinationTimeout(f"rank {self._rank}: the stream of {len(outs)} messages (tag {tag}) from "
+                                      f"rank {src} stopped within {shown:g} s", missing=[src])
+
+        def complete() -> None:
+            nonlocal arrived
+            i, piece, last, req, status = posted[0]
+            if req is not None:
+                if not self._poll(req, deadline, status):
+                    give_up()
+                got = status.Get_count(MPI.BYTE)
+                arrived += 1
+                if got != piece.nbytes:
+                    self._failed = f"short message from rank {src}"
+                    raise CoordinationError(f"rank {self._rank}: rank {src} sent {got} bytes where "
+                                            f"{piece.nbytes} were expected (message {i}, tag {tag})")
+            posted.popleft()
+            if last and landed is not None:
+                landed(i)
+
+        try:
+            for i, piece, last in pieces:
+                if piece.nbytes:
+                    status = MPI.Status()
+                    posted.append((i, piece, last, self._comm.Irecv([piece, MPI.BYTE], src, tag), status))
+                else:
+                    posted.append((i, piece, last, None, None))
+                if len(posted) >= _IN_FLIGHT:
+                    complete()
+            while posted:
+                complete()
+        except MPI.Exception as e:
+            self._failed = f"receive from rank {src} failed"
+            raise CoordinationError(f"rank {self._rank}: receiving from rank {src} failed: {e}") from e
 
     # -- barrier transport (the protocol is in .barrier) ------------------------------------------------------
 

@@ -238,6 +238,8 @@ class TorchCoordinator(EngineCoordinator):
             mv = mv.cast("B")
         if writable and mv.readonly:
             raise InvalidArgumentError("receive buffer is read-only")
+        if mv.nbytes == 0:  # frombuffer refuses an empty buffer; nothing travels for it
+            return mv, self._torch.empty(0, dtype=self._torch.uint8)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # frombuffer warns on read-only buffers; gloo only reads a send's
             return mv, self._torch.frombuffer(mv, dtype=self._torch.uint8)
