@@ -38,6 +38,17 @@ slowest client's call:
   ``another layout, cold persistent`` is the same restore from the persistent checkpoint after its
   files were dropped from the page cache.
 
+* the floors, what the hardware allows these restores at best, on the same bytes (each client's
+  share, in a file of its own on the tier's RAM disk), with nothing of shardckpt but its CRC32C:
+  ``floor: read + CRC``: each client reads its share (``preadv`` of 16 MiB chunks into a buffer in
+  use), each chunk's CRC right behind its read (what a tier restore must do at least);
+  ``floor: between nodes + CRC``: node 0's clients send their share (mapped pages, 16 MiB messages,
+  ``send_many``) to node 1's, which CRC each message as it lands; ``floor: node 0's read + CRC``:
+  node 0's clients alone read theirs (what a recovery adds on a machine where the transfer and the
+  holders' reads share two cores). The ratios to them say how far a restore is from the machine's
+  limit; ``cold persistent restore / floor: read + CRC`` is the most that "cold / tier restore" can
+  reach on this machine.
+
 A first round runs every phase untimed (what a process pays once: pools, buffers, connections).
 Before each phase the page cache's dirty pages are written back (``os.sync()``, untimed), so
 that no phase pays for an earlier one's write-back, and each client primes ``--prime`` (2) times
@@ -75,6 +86,51 @@ sys.path.insert(0, HERE)
 import common as C  # noqa: E402
 
 TENSORS, COLS, CLIENTS = 64, 1024, 4
+
+
+def floor_phases(coord: Any, path: str, buffer: Any, chunk: int = 16 << 20) -> List[Any]:
+    """The floor phases (module docstring), as ``(name, fn)``: ``path`` holds this client's share,
+    ``buffer`` (as large) receives it; clients ``2k`` and ``2k + 1`` are node ``k``."""
+    import mmap
+
+    from shardckpt.format import crc
+
+    rank, size = coord.rank, len(buffer)
+    view = memoryview(buffer)
+    chunks = [(at, min(chunk, size - at)) for at in range(0, size, chunk)]
+
+    def read_and_crc() -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for at, length in chunks:
+                got = 0
+                while got < length:
+                    got += os.preadv(fd, [view[at + got:at + length]], at + got)
+                crc.value(view[at:at + length])
+        finally:
+            os.close(fd)
+
+    def between_nodes() -> None:
+        if rank < 2:
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as pages:
+                mapped = memoryview(pages)
+                coord.send_many([mapped[at:at + length] for at, length in chunks], rank + 2, tag=5)
+                mapped.release()
+        elif rank < 4:
+            pool = crc.shared_executor()
+            checks: List[Any] = []
+            coord.recv_many(rank - 2, [view[at:at + length] for at, length in chunks], tag=5,
+                            landed=lambda i: checks.append(pool.submit(crc.value, view[chunks[i][0]:
+                                                                                      sum(chunks[i])])))
+            for check in checks:
+                check.result()
+
+    def node0_read() -> None:
+        if rank < 2:
+            read_and_crc()
+
+    return [("floor: read + CRC", read_and_crc), ("floor: between nodes + CRC", between_nodes),
+            ("floor: node 0's read + CRC", node0_read)]
 
 
 def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool, prime: float) -> None:
@@ -151,6 +207,12 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool, pri
                     return
 
     sources = components(state)
+    share = TENSORS * rows * COLS * 4 // n
+    floor_file = os.path.join(tier_root, f"floor-{rank}")  # this client's share, on the tier's RAM disk
+    with open(floor_file, "wb") as f:
+        f.write(np.random.default_rng(rank).integers(0, 256, share, np.uint8).data)
+    floor_buffer = np.ones(share, np.uint8)
+    floors = floor_phases(coord, floor_file, floor_buffer)
     prime_bytes = int(prime * size / n)  # of fresh memory, primed by each client before each phase
     copies = [np.empty_like(c) for c in sources]
     C.warm(copies)
@@ -211,6 +273,10 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool, pri
                 if fresh.local.last_restore.step is None:
                     wrong.append(f"{name}: not restored from the tiers ({fresh.local.last_restore.reason})")
             check(name, target, 1)
+        for name, fn in floors:
+            C.warm([floor_buffer])
+            timed(name, fn)
+    os.remove(floor_file)
     gathered = coord.all_gather({"wrong": wrong, "counts": counts})
     if rank == 0:
         total_counts: Dict[str, int] = {}
@@ -267,10 +333,10 @@ def main() -> None:
     print(f"src {args.src}: {r['clients']} clients as 2 nodes, {C.fmt_size(r['bytes'])}, cold={r['cold']}, "
           f"prime={args.prime}, medians of "
           f"{args.repeats}, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    print(f"{'phase':<26} {'s':>8}")
+    print(f"{'phase':<40} {'s':>8}")
     for name, t in med.items():
-        print(f"{name:<26} {t:>8.3f}")
-    print(f"{'ratio':<56} {'value':>8}")
+        print(f"{name:<40} {t:>8.3f}")
+    print(f"{'ratio':<80} {'value':>8}")
     ratios = {"async tier save blocking / memcpy": med["async tier save (blocking)"] / med["memcpy"],
               "tier save (sync) / memcpy": med["tier save"] / med["memcpy"],
               "persistent save / tier save": med["persistent save"] / med["tier save"],
@@ -279,11 +345,18 @@ def main() -> None:
               "cold persistent restore / tier restore": med["cold persistent restore"] / med["tier restore"],
               "cold persistent restore / recovery (1 node wiped)": med["cold persistent restore"] / med["recovery"],
               "another layout: cold persistent / from the tiers": med["another layout, cold persistent"]
-              / med["another layout"]}
+              / med["another layout"],
+              "tier restore / floor: read + CRC": med["tier restore"] / med["floor: read + CRC"],
+              "recovery / floor: between nodes + CRC, then node 0's read + CRC": med["recovery"]
+              / (med["floor: between nodes + CRC"] + med["floor: node 0's read + CRC"]),
+              "cold persistent restore / floor: read + CRC (the most cold / tier restore can be)":
+              med["cold persistent restore"] / med["floor: read + CRC"],
+              "cold persistent restore / the recovery floor (the most cold / recovery can be)":
+              med["cold persistent restore"] / (med["floor: between nodes + CRC"] + med["floor: node 0's read + CRC"])}
     for name, value in ratios.items():
-        print(f"{name:<56} {value:>8.2f}")
+        print(f"{name:<80} {value:>8.2f}")
     for name, value in r["counts"].items():
-        print(f"{name:<56} {value:>8}")
+        print(f"{name:<80} {value:>8}")
     C.write_results("tiers", dict(r, repeats=args.repeats, prime=args.prime, ratios=ratios, load=load))
     failed = [k for k, v in r["counts"].items() if k.endswith("bytes from persistent") and v]
     C.finish(wrong=r["wrong"], failed=[f"{k}: {r['counts'][k]} bytes" for k in failed])
