@@ -17,6 +17,7 @@ import shardckpt
 from shardckpt.errors import InvalidArgumentError
 from shardckpt.tiers import NodeMap, node_id, replica_targets
 from shardckpt.tiers.checkpoints import Tiered
+from shardckpt.tiers.peer import peer_pairs
 from shardckpt.tiers.restore import choose_step, replica_moves
 
 
@@ -64,6 +65,25 @@ def test_the_replicas_a_lost_node_held_are_restocked_from_another_holder():
     reports = {"0": {"6": ["1", "2"]}, "1": {"6": ["0", "1", "2"]}, "2": {"6": ["0", "1", "2"]}}
     step, holders = choose_step(reports, nodes)
     assert replica_moves(reports, holders, nodes, 6, 2) == []
+
+
+def test_a_lost_node_s_clients_are_spread_over_every_holder_of_its_bundle():
+    # nodes 0 and 2 (ranks 2 and 3) hold node 1's bundle (ranks 0 and 1): one client served by each
+    nodes = NodeMap(("1", "1", "0", "2"), ("0", "1", "2"))
+    assert peer_pairs(nodes, [("0", "1", "1")], {"1": ["0", "2"]}) == [(2, 0, "0", "1", "1"), (3, 1, "2", "1", "1")]
+    assert peer_pairs(nodes, [("0", "1", "1")]) == [(2, 0, "0", "1", "1"), (2, 1, "0", "1", "1")]  # one holder
+    # one holder of 2 clients, a lost node of 3: client k served by the holder's client k mod 2
+    nodes = NodeMap(("0", "0", "1", "1", "1"), ("0", "1"))
+    assert [(server, client) for server, client, *_ in peer_pairs(nodes, [("0", "1", "1")], {"1": ["0"]})] == [
+        (0, 2), (1, 3), (0, 4)]
+    # two lost nodes, two holders of both bundles, two clients each: every holder's client serves one client
+    nodes = NodeMap(("0", "0", "1", "1", "2", "2", "3", "3"), ("0", "1", "2", "3"))
+    pairs = peer_pairs(nodes, [("2", "0", "0"), ("2", "1", "1")], {"0": ["2", "3"], "1": ["2", "3"]})
+    assert sorted(server for server, *_ in pairs) == [4, 5, 6, 7]
+    assert [(client, source) for _, client, source, *_ in pairs] == [(0, "2"), (1, "3"), (2, "2"), (3, "3")]
+    # a holder that is itself a move's target never serves
+    assert {source for _, _, source, *_ in peer_pairs(nodes, [("2", "0", "0"), ("2", "1", "1")],
+                                                      {"0": ["1", "2"], "1": ["2"]})} == {"2"}
 
 
 def _saves(tmp_path, count=6):

@@ -9,9 +9,11 @@ straight into the reader's buffers: whole pieces land in their destinations and 
 against the index's CRC32C as from a local file. Nothing is written on either side: the lost
 node's tier is repopulated afterwards, behind the restore (:mod:`.restore`).
 
-Pairs: the ``k``-th client of the lost node is served by client ``k mod s`` of the holder (``s``
-clients there); a server serves its clients one after another, in the order of the moves
-and of ``k`` (:func:`peer_pairs`), each until that client says it is done. On the wire of a
+Pairs (:func:`peer_pairs`): the clients of a lost node spread over the nodes holding its bundle
+and over their clients, the least loaded first: with one holder of ``s`` clients, the ``k``-th
+client of the lost node is served by the holder's client ``k mod s``; with two holders (``replicas=2``),
+every other client by each. A server serves its clients one after another, in the order of the
+moves and of ``k``, each until that client says it is done. On the wire of a
 pair, on :data:`TAG`::
 
     server -> client   8 bytes L, then L bytes of JSON: {"files": [[name, size], ...],
@@ -63,14 +65,28 @@ TAG = 29
 _HEAD = struct.Struct("<Q")
 
 
-def peer_pairs(nodes: "NodeMap", moves: Sequence[Tuple[str, str, str]]) -> List[Tuple[int, int, str, str, str]]:
+def peer_pairs(nodes: "NodeMap", moves: Sequence[Tuple[str, str, str]],
+               holders: Optional[Dict[str, List[str]]] = None) -> List[Tuple[int, int, str, str, str]]:
     """``(server rank, client rank, source node, target node, owner)`` for each client of each move's target,
-    in the order servers serve them (the moves' order, then the target's clients')."""
+    in the order servers serve them (the moves' order, then the target's clients').
+
+    The ``k``-th client of a target is served by a client of one of the nodes holding the owner's bundle
+    (``holders[owner]``, in node order, less every move's target; without ``holders``: the move's
+    source): the least loaded of them so far, the holders tried from the ``k``-th on (round the list),
+    each holder's clients in order. So a lost node's clients spread over every node holding its
+    bundle (with ``replicas=2``, half of them read from each), and with one holder of ``s`` clients,
+    client ``k`` is served by the holder's client ``k mod s``. Every client computes the same pairs."""
+    targets = {target for _, target, _ in moves}
+    load: Dict[int, int] = {}
     out: List[Tuple[int, int, str, str, str]] = []
     for source, target, owner in moves:
-        servers = nodes.ranks_of(source)
+        sources = [node for node in (holders or {}).get(owner, [source]) if node not in targets] or [source]
         for k, client in enumerate(nodes.ranks_of(target)):
-            out.append((servers[k % len(servers)], client, source, target, owner))
+            turn = k % len(sources)
+            candidates = [(node, rank) for node in sources[turn:] + sources[:turn] for rank in nodes.ranks_of(node)]
+            node, server = min(candidates, key=lambda candidate: load.get(candidate[1], 0))  # the first least loaded
+            load[server] = load.get(server, 0) + 1
+            out.append((server, client, node, target, owner))
     return out
 
 

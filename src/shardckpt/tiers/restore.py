@@ -301,7 +301,7 @@ def _from_peers(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step:
 
     rank = coordinator.rank
     me = nodes.node_of_rank[rank]
-    pairs = peer_pairs(nodes, [move for move in moves if move[1] == move[2]])
+    pairs = peer_pairs(nodes, [move for move in moves if move[1] == move[2]], holders)
     sent = received = 0
     error: Optional[str] = None
     try:
