@@ -360,3 +360,36 @@ def test_a_fully_replicated_restore_shares_one_host_buffer_on_cpu(tmp_path: Path
         for leaf in got.values():
             pointers = {shard.data.unsafe_buffer_pointer() for shard in leaf.addressable_shards}
             assert len(leaf.addressable_shards) == 8 and len(pointers) == 1, pointers
+
+
+def test_tiered_checkpoints_of_a_pytree_save_each_piece_once_and_restore_onto_any_layout(tmp_path: Path) -> None:
+    """``CheckpointManager(PyTreeCheckpoint(state), ..., local=LocalTier(...))``: every save into the node's tier,
+    every fifth also persistent; the tier bundle holds each distinct region once (a replicated array whole)
+    and the pytree's metadata; restores come from the tier, onto the saved layout or another one."""
+    state = model_state()
+    tier = shardckpt.LocalTier(str(tmp_path / "tier" / "{node}"), keep=2)
+    ckpt = sj.PyTreeCheckpoint(state)
+    manager = shardckpt.CheckpointManager(ckpt, str(tmp_path / "persistent"), max_to_keep=2, local=tier,
+                                          persist_every=5)
+    for step in range(1, 7):
+        ckpt.state = dict(state, step=step)
+        manager.save(options=shardckpt.CheckpointOptions(enable_async=step == 3))
+    manager.sync()
+    assert shardckpt.latest_checkpoint(str(tmp_path / "persistent")) == str(tmp_path / "persistent" / "ckpt-5")
+    (bundle,) = (tmp_path / "tier").glob("*/node-*/ckpt-6.index")
+    with BundleReader(Location.of(str(bundle)[: -len(".index")])) as reader:
+        assert len(reader.pieces("params/dense/kernel")) == 8  # P("x", "y") on (2, 4): 8 distinct regions
+        assert len(reader.pieces("params/embed")) == 2  # P(None, "x"): 2 regions, each on 4 devices, once
+        assert len(reader.pieces("params/norm")) == 1  # replicated: whole, once
+        assert reader.read("step") == 6
+    assert cli_main(["verify", str(bundle.parent.parent)]) == 0  # the node's tier folder
+    for layout in ("(2,4) as saved", "(8,) first dim", "single device"):
+        shardings = LAYOUTS.get(layout, lambda x: x.sharding)
+        target = dict(as_target(state, shardings), step=0)
+        fresh = sj.PyTreeCheckpoint(target)
+        again = shardckpt.CheckpointManager(fresh, str(tmp_path / "persistent"), max_to_keep=2, local=tier,
+                                            persist_every=5)
+        again.restore_or_initialize()
+        assert again.local.last_restore.step == 6, (layout, again.local.last_restore)
+        assert fresh.state["step"] == 6 and int(fresh.save_counter.array) == 6
+        assert_same(fresh.state, dict(state, step=6), target)

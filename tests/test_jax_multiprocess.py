@@ -150,3 +150,27 @@ def test_a_replicated_leaf_not_every_process_holds_fails_the_save_on_every_proce
     assert all(r["outcomes"]["good"]["ok"] and r["latest"] == good for r in results), results
     with BundleReader(Location.of(good)) as reader:
         assert reader.read("params/extra").tolist() == (np.arange(12, dtype=np.float32) / 4).tolist()
+
+
+def test_tiered_checkpoints_of_a_pytree_across_two_processes_as_two_nodes(tmp_path: Path) -> None:
+    """``CheckpointManager(PyTreeCheckpoint(state), ..., local=LocalTier(...))`` under JAX's runtime: each
+    process a node (``jax.process_index()``); six saves with ``persist_every=5`` (see the worker)."""
+    results = launch("tiered", 2, tmp_path, timeout=240)
+    assert all(r.get("ok") and r["returncode"] == 0 for r in results), results
+    for rank, r in enumerate(results):
+        phases = r["phases"]
+        # nothing lost: step 6 (in the tiers only), from each node's own bundle
+        assert phases["intact"]["step"] == phases["intact"]["tier_step"] == 6, (rank, phases)
+        assert phases["intact"]["exact"] and phases["intact"]["counter"] == 6, (rank, phases)
+        assert phases["intact"]["received"] == phases["intact"]["sent"] == 0, (rank, phases)
+        # node 1's tier lost: step 6 again, node 1's process reading node 0's replica over the runtime
+        lost = phases["lost"]
+        assert lost["step"] == lost["tier_step"] == 6 and lost["exact"] and lost["counter"] == 6, (rank, lost)
+        assert (lost["received"] > 0) == (rank == 1) and (lost["sent"] > 0) == (rank == 0), (rank, lost)
+        assert lost["node1"] == ["node-0", "node-1"], (rank, lost)  # repopulated and restocked behind it
+        # another mesh and layout: step 6 from a merged view of both nodes' bundles
+        assert phases["resharded"]["step"] == phases["resharded"]["tier_step"] == 6, (rank, phases)
+        assert phases["resharded"]["exact"], (rank, phases)
+        # both tiers lost: the persistent step 5
+        both = phases["both_lost"]
+        assert both["tier_step"] is None and both["step"] == 5 and both["exact"] and both["counter"] == 5, (rank, both)

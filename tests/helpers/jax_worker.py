@@ -21,6 +21,14 @@
   in ``DIR/mgr`` (cases ``only0``, ``only1``: only that process holds it; ``renamed``:
   process 1 names it ``params/extra2``), after a ``good`` save where everyone holds it; each
   outcome, and what the state file names as latest afterwards, go to the result.
+* ``tiered`` (2 processes, each a node of its own: ``jax.process_index()``): six saves of the
+  state (values times the step; the third asynchronous) through a ``CheckpointManager`` over a
+  ``PyTreeCheckpoint`` with ``local=LocalTier(DIR/tier/{node}, replicas=1, keep=2)`` and
+  ``persist_every=5``, then restores onto zeroed targets: ``intact`` (nothing lost), ``lost``
+  (process 1 removes node 1's tier first), ``resharded`` (the restore mode's specs on a
+  one-axis mesh), ``both_lost`` (both tiers removed); each phase's step, bytes between nodes,
+  save counter, whether every addressable shard holds the step's values, and node 1's tier
+  afterwards go to the result.
 
 Each process writes ``DIR/result-<rank>.json``.
 """
@@ -81,6 +89,73 @@ def save_state() -> dict:
 def write(result: dict) -> None:
     with open(os.path.join(DIR, f"result-{RANK}.json"), "w") as f:
         json.dump(result, f)
+
+
+def tiered() -> dict:
+    import shutil
+
+    from shardckpt.jax import default_coordinator
+
+    coord = default_coordinator()
+    values = global_values()
+    restore_specs = {"params/w": P("d", None), "params/b": P(), "params/r": P(None, "d"), "opt/mu": P("d", None)}
+
+    def state_at(step: int, specs: dict = SAVE_SPECS, one_axis: bool = False) -> dict:
+        n = len(jax.devices())
+        mesh = jax.make_mesh((n,), ("d",)) if one_axis else jax.make_mesh((2, n // 2), ("x", "y"))
+        out: dict = {"params": {}, "opt": {}, "step": step, "name": f"run{step}"}
+        for name, spec in specs.items():
+            group, leaf = name.split("/")
+            value = values[name] * step
+            out[group][leaf] = jax.make_array_from_callback(value.shape, NamedSharding(mesh, spec),
+                                                            lambda index, v=value: v[index])
+        return out
+
+    def manager_of(ckpt):
+        tier = shardckpt.LocalTier(os.path.join(DIR, "tier", "{node}"), replicas=1, keep=2)
+        return shardckpt.CheckpointManager(ckpt, os.path.join(DIR, "persistent"), max_to_keep=2, local=tier,
+                                           persist_every=5)
+
+    ckpt = sj.PyTreeCheckpoint(state_at(1))
+    manager = manager_of(ckpt)
+    for step in range(1, 7):
+        ckpt.state = state_at(step)
+        asynchronous = shardckpt.CheckpointOptions(enable_async=True) if step == 3 else None
+        manager.save(options=asynchronous)
+    manager.sync()
+
+    def restore(specs: dict = SAVE_SPECS, one_axis: bool = False) -> dict:
+        ckpt = sj.PyTreeCheckpoint(jax.tree_util.tree_map(lambda a: a * 0 if hasattr(a, "sharding") else a,
+                                                          state_at(1, specs, one_axis)))
+        fresh = manager_of(ckpt)
+        fresh.restore_or_initialize()
+        last = fresh.local.last_restore
+        step = int(ckpt.state["step"])
+        exact = ckpt.state["name"] == f"run{step}"
+        for name in specs:
+            group, leaf = name.split("/")
+            array = ckpt.state[group][leaf]
+            for shard in array.addressable_shards:
+                exact = exact and bool(np.array_equal(np.asarray(shard.data), (values[name] * step)[shard.index]))
+        fresh.sync()
+        coord.barrier("synced")
+        node1 = os.path.join(DIR, "tier", "1")
+        return {"step": step, "tier_step": last.step, "received": last.bytes_received, "sent": last.bytes_sent,
+                "counter": int(ckpt.save_counter.array), "exact": exact,
+                "node1": sorted(os.listdir(node1)) if os.path.isdir(node1) else []}
+
+    phases = {"intact": restore()}
+    coord.barrier("before loss")
+    if RANK == 1:
+        shutil.rmtree(os.path.join(DIR, "tier", "1"))
+    coord.barrier("node 1 lost")
+    phases["lost"] = restore()
+    phases["resharded"] = restore(restore_specs, one_axis=True)
+    coord.barrier("before both lost")
+    shutil.rmtree(os.path.join(DIR, "tier", str(RANK)))
+    coord.barrier("both lost")
+    phases["both_lost"] = restore()
+    return phases
 
 
 def main() -> None:
@@ -170,6 +245,8 @@ def main() -> None:
                 result.update(ok=False, error=str(e), missing=list(e.missing),
                               seconds=time.monotonic() - started)
             result["latest"] = shardckpt.latest_checkpoint(DIR)
+    elif MODE == "tiered":
+        result.update(ok=True, phases=tiered())
     elif MODE == "replicated":
         extra = np.arange(12, dtype=np.float32) / 4
 

@@ -8,13 +8,23 @@ exactly as for a :class:`~shardckpt.Checkpoint`. The saved object is
 onto the current ``state`` (its shardings) and replaces it. The save counter travels
 in the pytree metadata (field ``save_counter``), so a manager re-created after a
 restart continues the numbering once it has restored.
+
+With ``local=LocalTier(...)`` the manager saves the pytree into each node's tier too (see
+:mod:`shardckpt.tiers`): each process writes its node's pieces of the arrays
+(:mod:`._tier`), and a restore reads them back onto the current ``state``, from its node's
+tier, from a peer's replica (the one restore engine over a collective source), or from a
+merged view of every node's bundle (another mesh or layout). Several processes share one
+coordinator (:func:`~shardckpt.jax.default_coordinator`: JAX's distributed runtime, unless
+one is given), which the manager uses too: the state file is read and written by process 0.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
+import jax
 import numpy as np
 
 from ..checkpoint.checkpoint import _update_state
@@ -22,12 +32,18 @@ from ..checkpoint.reader import resolve_prefix
 from ..checkpoint.trackable import Variable
 from ..distributed.coordinator import Coordinator
 from ..format.bundle_reader import BundleReader
+from ..restoring import collective_call
 from ..saving.async_save import AsyncSaver
 from ..saving.options import CheckpointOptions
 from ..storage.location import Location
-from ._restore import KeyMap, restore
-from ._save import save_pytree
+from ._restore import KeyMap, restore, restore_through
+from ._save import default_coordinator, save_pytree
+from ._tier import tier_missing, tier_pieces
 from ._tree import METADATA_KEY, decode_metadata
+
+if TYPE_CHECKING:
+    from ..tiers.nodes import NodeMap
+    from ..tiers.save import TierPiece
 
 __all__ = ["PyTreeCheckpoint"]
 
@@ -90,11 +106,55 @@ class PyTreeCheckpoint:
         prefix = resolve_prefix(os.fspath(save_path))
         self.state = restore(prefix, self.state, key_map=self._key_map)
         with BundleReader(Location.of(prefix)) as reader:
-            if METADATA_KEY in reader:
-                counter = decode_metadata(reader.read(METADATA_KEY), prefix).get("save_counter")
-                if counter is not None:
-                    self._save_counter.assign(int(counter))
+            self._restore_counter(reader.read(METADATA_KEY) if METADATA_KEY in reader else None, prefix)
         return self.state
+
+    def _restore_through(self, source: Any) -> Any:
+        """``restore`` through an open source (a tiered restore's peer replica: a collective source whose
+        bytes move when the call ends); the caller closes it."""
+        self._wait_for_pending()
+        reader = source.reader
+        with collective_call(source):
+            build = restore_through(source, reader, self.state, self._key_map)
+            raw = reader.read(METADATA_KEY) if METADATA_KEY in reader else None
+        self.state = build()
+        self._restore_counter(raw, reader.prefix)
+        return self.state
+
+    def _restore_counter(self, raw: Any, prefix: str) -> None:
+        if raw is not None:
+            counter = decode_metadata(raw, prefix).get("save_counter")
+            if counter is not None:
+                self._save_counter.assign(int(counter))
+
+    # -- what a CheckpointManager asks of the object it manages ------------------------------------
+    def _collective(self) -> Optional[Any]:
+        """The processes' coordinator (``.coordinator``) when the job has several (``None``: one)."""
+        if self._coordinator is None and jax.process_count() == 1:
+            return None
+        return SimpleNamespace(coordinator=self._coordinator or default_coordinator())
+
+    def _async_saver(self, options: CheckpointOptions) -> Optional[AsyncSaver]:
+        if options.enable_async and self._saver is None:
+            self._saver = AsyncSaver(options.async_staging_bytes)
+        elif options.enable_async and self._saver is not None:
+            self._saver.set_budget(options.async_staging_bytes)
+        return self._saver
+
+    def _background(self) -> AsyncSaver:
+        """The checkpoint's saver (made when it has none yet): its thread runs the work that follows a save."""
+        if self._saver is None:
+            self._saver = AsyncSaver()
+        return self._saver
+
+    def _tier_pieces(self, nodes: "NodeMap", rank: int, leader: bool) -> List["TierPiece"]:
+        """This process's pieces of ``state`` for its node's tier bundle (:func:`._tier.tier_pieces`)."""
+        extra: Dict[str, Any] = {"save_counter": int(self._save_counter.array)}
+        return tier_pieces(self.state, extra, nodes, rank, leader)
+
+    def _tier_missing(self, reader: Any) -> Optional[str]:
+        """What of ``state`` (on this process's devices) ``reader``'s bundle lacks (:func:`._tier.tier_missing`)."""
+        return tier_missing(self.state, self._key_map, reader)
 
     def _wait_for_pending(self) -> None:
         if self._saver is not None:

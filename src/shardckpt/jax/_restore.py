@@ -43,7 +43,7 @@ from ..checkpoint.reader import open_bundle
 from ..errors import InvalidArgumentError, NotFoundError, ShardckptError
 from ..format.bundle_reader import BundleReader
 from ..format.dtypes import as_dtype
-from ..restoring import BundleSource, Read, ReadGroup, RestorePlan, run
+from ..restoring import BundleSource, PieceSource, Read, ReadGroup, RestorePlan, run
 from ..storage.base import FileSystem
 from ._tree import METADATA_KEY, decode_metadata, leaves_with_keys, python_value, rebuild
 from ._values import array_reads
@@ -170,6 +170,14 @@ def _restore_saved_structure(reader: BundleReader) -> Any:
 
 def _restore_onto(reader: BundleReader, target: Any, key_map: KeyMap, budget: int,
                   max_workers: Optional[int]) -> Any:
+    return restore_through(BundleSource(reader, owned=False), reader, target, key_map, budget, max_workers)()
+
+
+def restore_through(source: PieceSource, reader: BundleReader, target: Any, key_map: KeyMap,
+                    budget: int = DEFAULT_MEMORY_BUDGET, max_workers: Optional[int] = None) -> Callable[[], Any]:
+    """Read ``target``'s leaves through ``source`` (the engine's source over ``reader``, whose index the
+    plan reads); returns what builds the restored pytree once the reads are in: at once for a file's
+    source, when the restore call ends for a collective one (``collective_call``: a peer's replica)."""
     leaves = leaves_with_keys(target)
     treedef = jax.tree_util.tree_structure(target)
     values: List[Any] = [None] * len(leaves)
@@ -193,9 +201,8 @@ def _restore_onto(reader: BundleReader, target: Any, key_map: KeyMap, budget: in
             small.append(ReadGroup((Read(key),), _setter(values, i, _scalar_of(reader, key, kind))))
     # 2. the small ones, then 3. the arrays, read ahead within the budget, each made as soon as its regions are in
     workers = max_workers or max(2, min(16, 2 * (os.cpu_count() or 1)))
-    run(RestorePlan.of(BundleSource(reader, owned=False), small + arrays, workers=workers, budget=budget,
-                       defer=False))
-    return jax.tree_util.tree_unflatten(treedef, values)
+    run(RestorePlan.of(source, small + arrays, workers=workers, budget=budget, defer=False))
+    return lambda: jax.tree_util.tree_unflatten(treedef, values)
 
 
 def _setter(values: List[Any], i: int, convert: Callable[[Any], Any] = lambda value: value) -> Callable[[Any], None]:

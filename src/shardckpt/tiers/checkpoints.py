@@ -87,6 +87,9 @@ class Tiered:
         coordinator = self._setup()
         nodes = self.nodes
         leader = nodes.leader(nodes.node_of_rank[coordinator.rank]) == coordinator.rank
+        own = getattr(self._checkpoint, "_tier_pieces", None)  # a checkpoint of its own kind (a JAX pytree)
+        if own is not None:
+            return own(nodes, coordinator.rank, leader)  # type: ignore[no-any-return]
         root, extra = self._checkpoint._graph_root()
         graph = build_graph(root, extra)
         out: List[TierPiece] = []
@@ -200,10 +203,13 @@ class Tiered:
         from ..format.tensor_slice import boxes_tile, intersect
         from ..storage.location import Location
 
-        root, extra = self._checkpoint._graph_root()
         opened = isinstance(bundle, str)
         reader = BundleReader(Location.of(bundle)) if opened else bundle
         try:
+            own = getattr(self._checkpoint, "_tier_missing", None)  # a checkpoint of its own kind (a JAX pytree)
+            if own is not None:
+                return own(reader)  # type: ignore[no-any-return]
+            root, extra = self._checkpoint._graph_root()
             for t in build_graph(root, extra).tensors:
                 if t.key not in reader:
                     return t.key
