@@ -4,7 +4,8 @@ tests/helpers/tier_spread_worker.py: four real clients as three simulated nodes 
 clients, nodes 0 and 2 one each), every node's bundle on both other nodes. Node 1's tier is
 wiped; its two clients restore step 2 exactly, one served by node 0's client and one by node 2's
 (each holder sends one client's share, not one holder both), nothing persistent exists, and
-node 1's tier is whole again afterwards.
+node 1's tier is whole again afterwards. With ``replicas=1`` node 2's one client serves both of
+node 1's clients, at once.
 """
 
 from __future__ import annotations
@@ -50,3 +51,12 @@ def test_the_lost_node_s_clients_read_from_both_holders_at_once(job):
     assert got[2]["bytes_sent"] + got[3]["bytes_sent"] == got[0]["bytes_received"] + got[1]["bytes_received"]
     # node 1's tier holds its own bundle again, and the replicas of nodes 0 and 2 it held
     assert got[0]["node1_tier"] == ["node-0", "node-1", "node-2"], got[0]
+
+
+def test_one_holder_client_serves_both_clients_of_the_lost_node(job):
+    got = {rank: _phase(job, rank, "one_server") for rank in range(NPROC)}
+    for rank, value in got.items():
+        assert value["step"] == 2 and value["mismatches"] == [] and value["plain"] == [2.0, 2.0, 2.0], (rank, value)
+    assert got[0]["bytes_received"] > 0 and got[1]["bytes_received"] > 0, got
+    assert got[2]["bytes_sent"] == 0 and got[3]["bytes_sent"] == got[0]["bytes_received"] + got[1]["bytes_received"]
+    assert got[0]["node1_tier"] == ["node-0", "node-1"], got[0]  # its own bundle, and node 0's replica

@@ -10,6 +10,9 @@ persistent. Phase ``recover``: node 1's tier wiped, then a new model restores: n
 read its bundle from its two holders at once, one from node 0's client and one from node 2's
 (``last_restore.bytes_sent`` / ``bytes_received``), step 2 exactly; after ``sync()`` node 1's tier
 holds its own bundle again and the replicas it held.
+
+Phase ``one_server``: the same with ``replicas=1`` in ``DATADIR/tier1``: node 1's bundle is held by
+node 2 alone, whose one client (rank 3) serves both of node 1's clients at once.
 """
 
 from __future__ import annotations
@@ -44,17 +47,18 @@ def model_of(mesh, generation: int):
     return model
 
 
-def manager_for(model, data: str):
+def manager_for(model, data: str, replicas: int = 2):
     import shardckpt
 
-    tier = shardckpt.LocalTier(os.path.join(data, "tier", "{node}"), replicas=2, keep=1)
+    tier = shardckpt.LocalTier(os.path.join(data, "tier" if replicas == 2 else f"tier{replicas}", "{node}"),
+                               replicas=replicas, keep=1)
     return shardckpt.CheckpointManager(shardckpt.Checkpoint(root=model), os.path.join(data, "persistent"),
                                        max_to_keep=2, local=tier, persist_every=5)
 
 
-def recover(mesh, data: str) -> Dict[str, Any]:
+def recover(mesh, data: str, replicas: int = 2) -> Dict[str, Any]:
     model = model_of(mesh, 0)
-    manager = manager_for(model, data)
+    manager = manager_for(model, data, replicas)
     returned = manager.restore_or_initialize()
     last = manager.local.last_restore
     out = {"returned": returned, "step": last.step, "reason": last.reason, "bytes_received": last.bytes_received,
@@ -62,7 +66,7 @@ def recover(mesh, data: str) -> Dict[str, Any]:
            "plain": model.plain.numpy().tolist()}
     manager.sync()  # node 1's tier repopulated behind the restore
     W.result["coordinator"].barrier("repopulated")
-    root = os.path.join(data, "tier", "1")
+    root = os.path.join(data, "tier" if replicas == 2 else f"tier{replicas}", "1")
     out["node1_tier"] = sorted(os.listdir(root)) if os.path.isdir(root) else []
     return out
 
@@ -72,18 +76,19 @@ def run(data: str) -> None:
 
     coord = W.result["coordinator"]
     mesh = dt.create_distributed_mesh([("x", 4)])
-    model = model_of(mesh, 1)
-    manager = manager_for(model, data)
-    W.phase("save1", lambda: str(manager.save()))
-    model.w.assign(dt.from_global(full(2), model.w.layout))
-    model.plain.assign(np.full(3, 2.0, np.float32))
-    W.phase("save2", lambda: str(manager.save()))
-    manager.sync()
-    coord.barrier("saved")
-    if coord.rank == 0:  # node 1 lost: its tier gone
-        shutil.rmtree(os.path.join(data, "tier", "1"))
-    coord.barrier("node 1 lost")
-    W.phase("recover", lambda: recover(mesh, data))
+    for replicas, phase in ((2, "recover"), (1, "one_server")):
+        model = model_of(mesh, 1)
+        manager = manager_for(model, data, replicas)
+        W.phase(f"save1 {phase}", lambda manager=manager: str(manager.save()))
+        model.w.assign(dt.from_global(full(2), model.w.layout))
+        model.plain.assign(np.full(3, 2.0, np.float32))
+        W.phase(f"save2 {phase}", lambda manager=manager: str(manager.save()))
+        manager.sync()
+        coord.barrier("saved")
+        if coord.rank == 0:  # node 1 lost: its tier gone
+            shutil.rmtree(os.path.join(data, "tier" if replicas == 2 else f"tier{replicas}", "1"))
+        coord.barrier("node 1 lost")
+        W.phase(phase, lambda replicas=replicas: recover(mesh, data, replicas))
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ node's tier is repopulated afterwards, behind the restore (:mod:`.restore`).
 Pairs (:func:`peer_pairs`): the clients of a lost node spread over the nodes holding its bundle
 and over their clients, the least loaded first: with one holder of ``s`` clients, the ``k``-th
 client of the lost node is served by the holder's client ``k mod s``; with two holders (``replicas=2``),
-every other client by each. A server serves its clients one after another, in the order of the
-moves and of ``k``, each until that client says it is done. On the wire of a
+every other client by each. A server with several clients serves them at once, each on a thread
+of its own (:mod:`.restore`), each until that client says it is done; the engines match a
+pair's messages by its two ranks. On the wire of a
 pair, on :data:`TAG`::
 
     server -> client   8 bytes L, then L bytes of JSON: {"files": [[name, size], ...],
@@ -68,7 +69,7 @@ _HEAD = struct.Struct("<Q")
 def peer_pairs(nodes: "NodeMap", moves: Sequence[Tuple[str, str, str]],
                holders: Optional[Dict[str, List[str]]] = None) -> List[Tuple[int, int, str, str, str]]:
     """``(server rank, client rank, source node, target node, owner)`` for each client of each move's target,
-    in the order servers serve them (the moves' order, then the target's clients').
+    in the moves' order, then the target's clients'.
 
     The ``k``-th client of a target is served by a client of one of the nodes holding the owner's bundle
     (``holders[owner]``, in node order, less every move's target; without ``holders``: the move's

@@ -61,6 +61,7 @@ import logging
 import os
 import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -311,26 +312,30 @@ def _from_peers(tier: LocalTier, coordinator: Coordinator, nodes: NodeMap, step:
         error = describe_error(exc)
     served: List[Tuple[int, Optional[str]]] = []  # (bytes sent, first error) of this client's serving
 
-    def serve() -> None:  # the pairs this client serves, in the pairs' order
-        out, problem = 0, None
+    def serve_one(client: int, source: str, owner: str) -> Tuple[int, Optional[str]]:
+        prefix = tier.prefix(source, owner, step)
+        problem = None
         try:
-            for server, client, source, _target, owner in pairs:
-                if rank != server:
-                    continue
-                prefix = tier.prefix(source, owner, step)
-                try:
-                    files = bundle_files(prefix)
-                except Exception as exc:  # noqa: BLE001 - its client gets an empty manifest, and fails
-                    files, problem = [], problem or f"{prefix}: {describe_error(exc)}"
-                try:
-                    done, unserved = serve_bundle(coordinator, client, os.path.dirname(prefix), files,
-                                                  tier.chunk_bytes, timeout=timeout, streaming=streaming.set)
-                except Exception as exc:  # noqa: BLE001 - told to every client by the round below
-                    done, unserved = 0, describe_error(exc)
-                out += done
-                problem = problem or (None if unserved is None else
-                                      f"serving {owner}'s bundle of step {step}: {unserved}")
-            served.append((out, problem))
+            files = bundle_files(prefix)
+        except Exception as exc:  # noqa: BLE001 - its client gets an empty manifest, and fails
+            files, problem = [], f"{prefix}: {describe_error(exc)}"
+        try:
+            done, unserved = serve_bundle(coordinator, client, os.path.dirname(prefix), files,
+                                          tier.chunk_bytes, timeout=timeout, streaming=streaming.set)
+        except Exception as exc:  # noqa: BLE001 - told to every client by the round below
+            done, unserved = 0, describe_error(exc)
+        return done, problem or (None if unserved is None else f"serving {owner}'s bundle of step {step}: {unserved}")
+
+    def serve() -> None:  # the clients this client serves: each on a thread of its own, at once
+        mine = [(client, source, owner) for server, client, source, _target, owner in pairs if server == rank]
+        outcomes: List[Tuple[int, Optional[str]]] = []
+        try:
+            if len(mine) == 1:
+                outcomes.append(serve_one(*mine[0]))
+            else:
+                with ThreadPoolExecutor(len(mine), thread_name_prefix="shardckpt-tier-serve") as pool:
+                    outcomes += pool.map(lambda job: serve_one(*job), mine)
+            served.append((sum(n for n, _ in outcomes), next((p for _, p in outcomes if p is not None), None)))
         finally:
             streaming.set()
 
