@@ -16,8 +16,8 @@ What :class:`~shardckpt.tiers.checkpoints.Tiered` asks of a :class:`~shardckpt.j
   another mesh or layout then reads a merged view of every node's bundle.
 
 The values are the shards' host arrays (``np.asarray``: a device-to-host copy on an
-accelerator, a view of the buffer on the CPU); the tier's own staging copies them when the
-save is asynchronous.
+accelerator, every one started before the first is waited for; a view of the buffer on the
+CPU); the tier's own staging copies them when the save is asynchronous.
 """
 
 from __future__ import annotations
@@ -56,7 +56,11 @@ def tier_pieces(state: Any, extra_metadata: Dict[str, Any], nodes: "NodeMap", ra
             out.append((key, None, None, host_value(key, kind, leaf)))
     if leader:
         out.append((METADATA_KEY, None, None, encode_metadata(state, kinds, extra_metadata)))
-    return out
+    for piece in out:  # every device-to-host copy started before the first is waited for
+        start = getattr(piece[3], "copy_to_host_async", None)
+        if start is not None:
+            start()
+    return [(key, shape, box, np.asarray(value)) for key, shape, box, value in out]
 
 
 def _array_pieces(key: str, array: Any, nodes: "NodeMap", me: str) -> List["TierPiece"]:
@@ -70,9 +74,8 @@ def _array_pieces(key: str, array: Any, nodes: "NodeMap", me: str) -> List["Tier
         on_node = sorted((d for d in devices if nodes.node_of_rank[int(d.process_index)] == me), key=lambda d: d.id)
         if not on_node or on_node[0] not in shards:
             continue  # not on this node, or written by another process of it
-        data = np.asarray(shards[on_node[0]].data)
         whole = box == full_box(shape)
-        out.append((key, None if whole else shape, None if whole else box, data))
+        out.append((key, None if whole else shape, None if whole else box, shards[on_node[0]].data))
     return out
 
 
