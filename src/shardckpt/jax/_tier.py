@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import jax
 import numpy as np
 
-from ..errors import NotFoundError
+from ..errors import InvalidArgumentError, NotFoundError
 from ..format.tensor_slice import Box, boxes_tile, full_box, intersect
 from ._restore import KeyMap, _checkpoint_key, _kind_of_target
 from ._tree import METADATA_KEY, encode_metadata, host_value, leaf_kind, leaves_with_keys
@@ -44,6 +44,10 @@ def tier_pieces(state: Any, extra_metadata: Dict[str, Any], nodes: "NodeMap", ra
                 leader: bool) -> List["TierPiece"]:
     """``(key, shape, box, value)`` of each piece this process writes into its node's bundle (module docstring);
     ``shape`` and ``box`` are ``None`` for a whole value."""
+    if rank != jax.process_index() or len(nodes.node_of_rank) != jax.process_count():
+        raise InvalidArgumentError(f"the coordinator is rank {rank} of {len(nodes.node_of_rank)}, JAX is process "
+                                   f"{jax.process_index()} of {jax.process_count()}: a tier's pieces are placed "
+                                   "by JAX's process index")
     me = nodes.node_of_rank[rank]
     kinds: Dict[str, str] = {}
     out: List["TierPiece"] = []
