@@ -11,13 +11,29 @@ channel that a failed collective does not break.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from collections import deque
+from typing import Any, Callable, Deque, Iterable, Optional
 
 from ..errors import InvalidArgumentError
 from .barrier import ArrivalBarrier
 from .coordinator import CoordinationError, Coordinator, check_timeout
 
-__all__ = ["EngineCoordinator"]
+__all__ = ["EngineCoordinator", "keep_posted"]
+
+IN_FLIGHT = 4  # messages an engine's send_many / recv_many keep posted
+
+
+def keep_posted(requests: Iterable[Any], wait: Callable[[Any], None], depth: int = IN_FLIGHT) -> None:
+    """Drive a stream of point-to-point requests: each is posted as ``requests`` yields it (the iterator
+    starts it), and once ``depth`` are in flight the oldest is waited for (``wait``) before the next is
+    posted; then the rest, in order."""
+    posted: Deque[Any] = deque()
+    for request in requests:
+        posted.append(request)
+        if len(posted) >= depth:
+            wait(posted.popleft())
+    while posted:
+        wait(posted.popleft())
 
 
 class EngineCoordinator(ArrivalBarrier, Coordinator):

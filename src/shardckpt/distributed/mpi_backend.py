@@ -43,12 +43,11 @@ import numpy as np
 from .._extras import install_hint
 from ..errors import InvalidArgumentError
 from .coordinator import CoordinationError, CoordinationTimeout, check_timeout, decode, encode
-from .engine import EngineCoordinator
+from .engine import IN_FLIGHT, EngineCoordinator, keep_posted
 
 __all__ = ["MPICoordinator"]
 
 _CHUNK = 1 << 30  # bytes per MPI message (MPI counts are C ints)
-_IN_FLIGHT = 4  # messages kept posted by send_many / recv_many
 _TAG_BARRIER = 1  # the barrier communicator's one tag
 _LEFTOVERS: List[Tuple[Any, Any]] = []
 
@@ -297,28 +296,22 @@ class MPICoordinator(EngineCoordinator):
         return mv
 
     def send_many(self, buffers: Sequence[memoryview], dst: int, tag: int = 0) -> None:
-        """Up to :data:`_IN_FLIGHT` messages posted at once (``Isend``), in order."""
+        """Up to :data:`IN_FLIGHT` messages posted at once (``Isend``), in order."""
         self._check()
         self._check_peer(dst, "send destination")
         self._check_tag(tag)
         MPI = self._MPI
-        posted: Deque[Any] = deque()
+        views = [_byte_view(buffer) for buffer in buffers]
         try:
-            for buffer in buffers:
-                mv = _byte_view(buffer)
-                for start in range(0, mv.nbytes, _CHUNK):
-                    posted.append(self._comm.Isend([mv[start:start + _CHUNK], MPI.BYTE], dst, tag))
-                    if len(posted) >= _IN_FLIGHT:
-                        posted.popleft().Wait()
-            while posted:
-                posted.popleft().Wait()
+            keep_posted((self._comm.Isend([mv[start:start + _CHUNK], MPI.BYTE], dst, tag)
+                         for mv in views for start in range(0, mv.nbytes, _CHUNK)), lambda request: request.Wait())
         except MPI.Exception as e:
             self._failed = f"send to rank {dst} failed"
             raise CoordinationError(f"rank {self._rank}: sending to rank {dst} failed: {e}") from e
 
     def recv_many(self, src: int, outs: Sequence[memoryview], tag: int = 0, timeout: Optional[float] = None,
                   landed: Optional[Callable[[int], None]] = None) -> None:
-        """Up to :data:`_IN_FLIGHT` receives posted ahead (``Irecv``); ``landed(i)`` as message ``i`` completes."""
+        """Up to :data:`IN_FLIGHT` receives posted ahead (``Irecv``); ``landed(i)`` as message ``i`` completes."""
         self._check()
         self._check_peer(src, "receive source")
         self._check_tag(tag)
@@ -372,7 +365,7 @@ class MPICoordinator(EngineCoordinator):
                     posted.append((i, piece, last, self._comm.Irecv([piece, MPI.BYTE], src, tag), status))
                 else:
                     posted.append((i, piece, last, None, None))
-                if len(posted) >= _IN_FLIGHT:
+                if len(posted) >= IN_FLIGHT:
                     complete()
             while posted:
                 complete()

@@ -53,7 +53,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 from .._extras import install_hint
 from ..errors import InvalidArgumentError
 from .coordinator import CoordinationError, CoordinationTimeout, check_timeout, decode, encode
-from .engine import EngineCoordinator
+from .engine import IN_FLIGHT, EngineCoordinator, keep_posted
 
 __all__ = ["TorchCoordinator"]
 
@@ -61,8 +61,6 @@ _ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 _LIVE: List["TorchCoordinator"] = []  # in creation order; closed in reverse at exit
 _LIVE_LOCK = threading.Lock()
 _MAX_TAG = 2**31 - 1
-#: point-to-point messages kept in flight by send_many / recv_many (each gloo message costs a round)
-_IN_FLIGHT = 4
 
 
 def _import_dist():
@@ -373,30 +371,24 @@ class TorchCoordinator(EngineCoordinator):
         return mv
 
     def send_many(self, buffers: Sequence[memoryview], dst: int, tag: int = 0) -> None:
-        """Gloo pays a round between the peers for each message: up to :data:`_IN_FLIGHT` sends are kept in
+        """Gloo pays a round between the peers for each message: up to :data:`IN_FLIGHT` sends are kept in
         flight, so that a stream of messages moves at the link's rate."""
         self._check()
         self._check_peer(dst, "send destination")
         if not 0 <= tag <= _MAX_TAG:
             raise InvalidArgumentError(f"tag {tag} out of range [0, {_MAX_TAG}]")
-        works: Deque[Any] = deque()
+        tensors = [tensor for mv, tensor in (self._as_bytes_tensor(buffer, writable=False) for buffer in buffers)
+                   if mv.nbytes]
         try:
-            for buffer in buffers:
-                mv, tensor = self._as_bytes_tensor(buffer, writable=False)
-                if mv.nbytes == 0:
-                    continue
-                works.append(self._dist.isend(tensor, group=self._group, group_dst=dst, tag=tag))
-                if len(works) >= _IN_FLIGHT:
-                    works.popleft().wait()
-            while works:
-                works.popleft().wait()
+            keep_posted((self._dist.isend(tensor, group=self._group, group_dst=dst, tag=tag) for tensor in tensors),
+                        lambda work: work.wait(), IN_FLIGHT)
         except Exception as e:
             self._failed = f"send to rank {dst} failed"
             raise CoordinationError(f"rank {self._rank}: sending to rank {dst} failed: {e}") from e
 
     def recv_many(self, src: int, outs: Sequence[memoryview], tag: int = 0, timeout: Optional[float] = None,
                   landed: Optional[Callable[[int], None]] = None) -> None:
-        """Up to :data:`_IN_FLIGHT` receives posted ahead (see :meth:`send_many`); ``landed(i)`` as each completes."""
+        """Up to :data:`IN_FLIGHT` receives posted ahead (see :meth:`send_many`); ``landed(i)`` as each completes."""
         self._check()
         self._check_peer(src, "receive source")
         if not 0 <= tag <= _MAX_TAG:
@@ -417,7 +409,7 @@ class TorchCoordinator(EngineCoordinator):
                 posted.append((i, _Done()))
             else:
                 posted.append((i, self._dist.irecv(tensor, group=self._group, group_src=src, tag=tag)))
-            if len(posted) >= _IN_FLIGHT:
+            if len(posted) >= IN_FLIGHT:
                 complete()
         while posted:
             complete()
