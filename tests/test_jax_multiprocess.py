@@ -174,3 +174,22 @@ def test_tiered_checkpoints_of_a_pytree_across_two_processes_as_two_nodes(tmp_pa
         # both tiers lost: the persistent step 5
         both = phases["both_lost"]
         assert both["tier_step"] is None and both["step"] == 5 and both["exact"] and both["counter"] == 5, (rank, both)
+
+
+def test_tiered_pytree_checkpoints_move_their_bytes_over_mpi_when_given_an_mpi_coordinator(tmp_path: Path) -> None:
+    """The README's advice for large JAX states: ``PyTreeCheckpoint(state, coordinator=MPICoordinator())``
+    under mpiexec; a lost node's replica then travels over MPI (tests/helpers/jax_mpi_tier_worker.py)."""
+    from helpers.launchers import run_launched, tool
+
+    worker = Path(__file__).parent / "helpers" / "jax_mpi_tier_worker.py"
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
+    env.pop("XLA_FLAGS", None)
+    proc = run_launched([str(tool("mpiexec")), "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable,
+                         str(worker), str(tmp_path), str(free_port())], env=env, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    results = [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in range(2)]
+    for rank, r in enumerate(results):
+        assert r["backend"] == "mpi" and r["tier_step"] == 3 and r["step"] == 3 and r["exact"], (rank, r)
+    assert results[1]["received"] > 0 and results[0]["sent"] == results[1]["received"], results
+    assert results[0]["received"] == 0 and results[1]["sent"] == 0, results
