@@ -89,11 +89,7 @@ class PyTreeCheckpoint:
 
     def _write(self, path: str, options: Optional[CheckpointOptions], on_commit: Any) -> str:
         options = options or CheckpointOptions()
-        saver = None
-        if options.enable_async:
-            if self._saver is None:
-                self._saver = AsyncSaver(options.async_staging_bytes)
-            saver = self._saver
+        saver = self._async_saver(options) if options.enable_async else None
         save_pytree(path, self.state, options, coordinator=self._coordinator,
                     extra_metadata={"save_counter": int(self._save_counter.array)}, on_commit=on_commit,
                     saver=saver, on_failure=self._pending_rollback, timeout=options.timeout)
@@ -135,10 +131,12 @@ class PyTreeCheckpoint:
         return SimpleNamespace(coordinator=self._coordinator or default_coordinator())
 
     def _async_saver(self, options: CheckpointOptions) -> Optional[AsyncSaver]:
-        if options.enable_async and self._saver is None:
-            self._saver = AsyncSaver(options.async_staging_bytes)
-        elif options.enable_async and self._saver is not None:
-            self._saver.set_budget(options.async_staging_bytes)
+        """The checkpoint's saver: made on the first asynchronous save, its staging budget that save's."""
+        if options.enable_async:
+            if self._saver is None:
+                self._saver = AsyncSaver(options.async_staging_bytes)
+            else:
+                self._saver.set_budget(options.async_staging_bytes)
         return self._saver
 
     def _background(self) -> AsyncSaver:
