@@ -51,13 +51,20 @@ slowest client's call:
 
 A first round runs every phase untimed (what a process pays once: pools, buffers, connections).
 Before each phase the page cache's dirty pages are written back (``os.sync()``, untimed), so
-that no phase pays for an earlier one's write-back, and each client primes ``--prime`` (2) times
-its share of the state of free memory (``common.prime_free_memory``: touched and freed, untimed;
-not before the tier copy behind a persistent save, which is already running): this VM hands
-memory freed for ~2 s back to the host and a write's page cache then costs ~2.3 s/GiB to
-allocate (0.2 s/GiB from memory freed a moment ago), so that without it a phase's time depended
-on what ran before it (a save right after a tier save's retention freed 2 GiB ran at 0.5 s, the
-same save at another position up to 1.6 s). Every restore's values are checked
+that no phase pays for an earlier one's write-back, and each client primes the free memory the
+phase will allocate (``common.prime_free_memory``: touched and freed, untimed): before a save,
+``--prime`` (2) times its share of the state (its node's bundle and the replica it receives; the
+same before the ``memcpy`` the asynchronous save is compared with); before
+a cold persistent restore, one share (the page cache of what it reads), ``--prime`` allowing;
+before the restores from the tiers and the floors, nothing (they read into arrays made before the
+phase, from pages already in memory); not before the tier copy behind a persistent save, which is
+already running. This VM hands memory freed for ~2 s back to the host and a write's page cache
+then costs ~2.3 s/GiB to allocate (0.2 s/GiB from memory freed a moment ago), so that without it
+a phase's time depended on what ran before it (a save right after a tier save's retention freed
+2 GiB ran at 0.5 s, the same save at another position up to 1.6 s). Priming a phase that
+allocates nothing only slows it: with two shares primed before every phase, the tier restore
+took 0.225 s and the recovery 0.478 s (medians of 6), against 0.190 s and 0.367 s with none,
+while the cold persistent restore took 0.567 s and 0.576 s. Every restore's values are checked
 after timing. Medians; the ratios are what to read.
 
     .venv/bin/python benchmarks/bench_tiers.py                 # 1 GiB, 3 repeats
@@ -176,7 +183,7 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool, pri
     wrong: List[str] = []
     counts: Dict[str, int] = {}
 
-    def timed(name: str, fn: Any, primed: bool = True) -> Any:
+    def timed(name: str, fn: Any, shares: float = 0.0) -> Any:
         gc.collect()  # earlier phases' models (reference cycles) freed now, not by a collection in this one
         if rank == 0:
             os.sync()  # no earlier save's write-back left to slow this phase's fsyncs
@@ -184,8 +191,8 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool, pri
         # memcpy targets and the tiered manager's host-copy buffers (reused from save to save) are
         # touched right before every phase, as a training loop saving each step keeps them
         C.warm(sources + copies + [b for b in manager._tiered._buffers.values() if b.dtype != object])
-        if primed:  # the memory the phase's writes and page cache take (common.prime_free_memory)
-            C.prime_free_memory(prime_bytes)
+        if shares:  # the memory the phase's writes and page cache take (common.prime_free_memory)
+            C.prime_free_memory(int(min(shares, prime) * share))
         coord.barrier("start " + name)
         t0 = time.perf_counter()
         out = fn()
@@ -213,31 +220,30 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool, pri
         f.write(np.random.default_rng(rank).integers(0, 256, share, np.uint8).data)
     floor_buffer = np.ones(share, np.uint8)
     floors = floor_phases(coord, floor_file, floor_buffer)
-    prime_bytes = int(prime * size / n)  # of fresh memory, primed by each client before each phase
     copies = [np.empty_like(c) for c in sources]
     C.warm(copies)
     saved = 0
     recording = [False]
     for r in range(-1, repeats):  # round -1: every phase once, untimed (first-use costs are not a phase's)
         recording[0] = r >= 0
-        timed("memcpy", lambda: [np.copyto(d, s) for d, s in zip(copies, sources)])
+        timed("memcpy", lambda: [np.copyto(d, s) for d, s in zip(copies, sources)], prime)
         # save numbers alternate: odd ones go to the tiers only, even ones also persist (persist_every=2)
         kinds = ["tier save", "async tier save (blocking)", "persistent save", "save without a tier"]
         for name in kinds[r % 4:] + kinds[:r % 4]:
             if name == "save without a tier":  # today's manager, into a folder of its own
-                timed(name, plain.save)
+                timed(name, plain.save, prime)
                 continue
             if ((saved + 1) % 2 == 0) != (name == "persistent save"):
                 manager.save()  # brings the numbering to this phase's kind, untimed
                 manager.sync()  # with what runs behind it (a persisted step's tier copy)
                 saved += 1
             if name.startswith("async"):
-                timed(name, lambda: manager.save(options=shardckpt.CheckpointOptions(enable_async=True)))
+                timed(name, lambda: manager.save(options=shardckpt.CheckpointOptions(enable_async=True)), prime)
                 manager.sync()
             else:
-                timed(name, manager.save)
+                timed(name, manager.save, prime)
                 if name == "persistent save":  # its copy into the tiers runs behind it: until committed
-                    timed("persistent save: tier copy behind it", manager.sync, primed=False)
+                    timed("persistent save: tier copy behind it", manager.sync)
             saved += 1
         if saved % 2 == 1:
             manager.save()  # the tiers' newest step is then also the persistent one
@@ -256,7 +262,8 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool, pri
                 coord.barrier("drop")
                 if rank == 0 and cold:
                     C.uncache(persistent)
-                timed(name, lambda target=target, latest=latest: shardckpt.Checkpoint(**target).restore(latest))
+                timed(name, lambda target=target, latest=latest: shardckpt.Checkpoint(**target).restore(latest),
+                      1.0)
             else:
                 if name == "recovery":
                     coord.barrier("wipe")
@@ -267,7 +274,7 @@ def worker(size: int, repeats: int, folder: str, tier_root: str, cold: bool, pri
                 fresh = manager_of(target)
                 timed(name, fresh.restore_or_initialize)
                 if name == "recovery":  # the lost node's tier is repopulated behind the restore: until committed
-                    timed("recovery: tier repopulated behind it", fresh.sync, primed=False)
+                    timed("recovery: tier repopulated behind it", fresh.sync)
                 counts[name + " bytes from persistent"] = read_persistent[0] - before
                 counts[name + " bytes between nodes"] = fresh.local.last_restore.bytes_received
                 if fresh.local.last_restore.step is None:

@@ -222,6 +222,16 @@ def test_persist_every_needs_a_local_tier(tmp_path):
         shardckpt.LocalTier(str(tmp_path), replicas=-1)
 
 
+def test_a_checkpoint_the_tiers_cannot_list_is_refused_when_the_manager_is_made(tmp_path):
+    class Saves:  # saves and restores by itself, but has no tier pieces to give
+        def write(self, path, options=None):
+            return path
+
+    with pytest.raises(InvalidArgumentError, match="not a Saves"):
+        shardckpt.CheckpointManager(Saves(), str(tmp_path / "p"), max_to_keep=1,
+                                    local=shardckpt.LocalTier(str(tmp_path / "t")))
+
+
 def _cli(*argv):
     from shardckpt.cli.main import main
 

@@ -193,6 +193,21 @@ class Checkpoint(AutoTrackable):
         save_tensors(path, tensors, options, extra_bundles=extra, on_commit=on_commit,
                      saver=self._async_saver(options), on_failure=self._pending_rollback, previous=previous)
 
+    # -- tiered checkpoints (a CheckpointManager with local=; see shardckpt.tiers) -------
+    def _tier_pieces(self, nodes: Any, rank: int, leader: bool) -> List[Any]:
+        """Client ``rank``'s pieces of the graph for its node's tier bundle (:func:`._tier.tier_pieces`)."""
+        from ._tier import tier_pieces
+
+        root, extra = self._graph_root()
+        return tier_pieces(root, extra, nodes, rank, leader)
+
+    def _tier_missing(self, reader: Any) -> Optional[str]:
+        """What of the graph (this client's regions) ``reader``'s bundle lacks (:func:`._tier.tier_missing`)."""
+        from ._tier import tier_missing
+
+        root, extra = self._graph_root()
+        return tier_missing(root, extra, reader)
+
     # -- restoring ---------------------------------------------------------------
     def read(self, save_path: str, options: Optional[CheckpointOptions] = None) -> Any:
         """Restore from the checkpoint prefix ``save_path`` without creating ``save_counter``."""

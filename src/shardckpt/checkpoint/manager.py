@@ -130,6 +130,9 @@ class CheckpointManager:
         self._persist_every = None if persist_every is None else int(persist_every)
         if local is None:
             return None
+        if not callable(getattr(self._checkpoint, "_tier_pieces", None)):
+            raise InvalidArgumentError(f"local= tiers a shardckpt.Checkpoint or a shardckpt.jax.PyTreeCheckpoint, "
+                                       f"not a {type(self._checkpoint).__name__}")
         from ..tiers.checkpoints import Tiered
 
         return Tiered(local, self._checkpoint, self._coordinator)

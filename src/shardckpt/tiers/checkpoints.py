@@ -2,9 +2,10 @@
 
 The manager keeps one ``Tiered`` and calls :meth:`Tiered.save` on every ``save`` (with the
 number the save uses) and :meth:`Tiered.restore` first in ``restore_or_initialize``. It
-lists the checkpoint's values as node pieces (:func:`~.save.node_pieces`: a DTensor's
-distinct pieces once per node, replicated copies included; whole values and the object
-graph by each node's leader) and runs the collective steps of :mod:`.save` and
+asks the checkpoint for this client's pieces of its node's bundle and for what a bundle lacks
+(its ``_tier_pieces`` and ``_tier_missing``: ``checkpoint/_tier.py`` for an object graph, a
+DTensor's distinct pieces once per node, replicated copies included, whole values and the
+object graph by each node's leader; ``jax/_tier.py`` for a pytree) and runs the collective steps of :mod:`.save` and
 :mod:`.restore` over the checkpoint's coordinator (a one-process coordinator when this
 client saves alone). The node map is gathered once, on first use.
 
@@ -46,7 +47,7 @@ from ..storage.object_store import ObjectStore
 from ..storage.registry import get_fs
 from .nodes import NodeMap
 from .restore import TierRestore, restore_from_tier
-from .save import TierPiece, describe_error, node_pieces, save_to_tier
+from .save import TierPiece, describe_error, save_to_tier
 from .tier import LocalTier
 
 __all__ = ["Tiered", "TierCopy"]
@@ -81,23 +82,12 @@ class Tiered:
         return self._nodes
 
     def pieces(self) -> List[TierPiece]:
-        """This client's pieces of the checkpoint's current values, for its node's bundle."""
-        from ..checkpoint.graph import OBJECT_GRAPH_KEY, build_graph
-
+        """This client's pieces of the checkpoint's current values, for its node's bundle (the checkpoint's
+        ``_tier_pieces``: ``checkpoint/_tier.py`` for an object graph, ``jax/_tier.py`` for a pytree)."""
         coordinator = self._setup()
         nodes = self.nodes
         leader = nodes.leader(nodes.node_of_rank[coordinator.rank]) == coordinator.rank
-        own = getattr(self._checkpoint, "_tier_pieces", None)  # a checkpoint of its own kind (a JAX pytree)
-        if own is not None:
-            return own(nodes, coordinator.rank, leader)  # type: ignore[no-any-return]
-        root, extra = self._checkpoint._graph_root()
-        graph = build_graph(root, extra)
-        out: List[TierPiece] = []
-        for t in graph.tensors:
-            out += node_pieces(t.key, t.value, nodes, coordinator.rank, leader)
-        if leader:
-            out.append((OBJECT_GRAPH_KEY, None, None, np.array(graph.proto.SerializeToString(), dtype=object)))
-        return out
+        return self._checkpoint._tier_pieces(nodes, coordinator.rank, leader)  # type: ignore[no-any-return]
 
     def save(self, step: int, timeout: Optional[float] = None, saver: Optional[AsyncSaver] = None,
              on_failure: Optional[Callable[[], None]] = None) -> str:
@@ -198,35 +188,16 @@ class Tiered:
         only, no data read. A restore onto the layout of the save finds nothing missing; onto another
         mesh or layout, its node may not have saved a client's new pieces (then :mod:`.restore` reads a
         merged view of every node's bundle)."""
-        from ..checkpoint.graph import build_graph
         from ..format.bundle_reader import BundleReader
-        from ..format.tensor_slice import boxes_tile, intersect
         from ..storage.location import Location
 
         opened = isinstance(bundle, str)
         reader = BundleReader(Location.of(bundle)) if opened else bundle
         try:
-            own = getattr(self._checkpoint, "_tier_missing", None)  # a checkpoint of its own kind (a JAX pytree)
-            if own is not None:
-                return own(reader)  # type: ignore[no-any-return]
-            root, extra = self._checkpoint._graph_root()
-            for t in build_graph(root, extra).tensors:
-                if t.key not in reader:
-                    return t.key
-                layout = getattr(t.value, "layout", None)
-                if layout is None or not hasattr(layout, "distinct_boxes"):
-                    continue  # a whole value: present
-                stored = reader.piece_boxes(t.key)
-                shape = tuple(int(d) for d in t.value.shape)
-                for device in layout.mesh.local_device_ids():
-                    box = layout.box(device, shape)
-                    parts = [c for c in (intersect(b, box) for b in stored) if c is not None]
-                    if boxes_tile(parts, box) is not None:
-                        return f"{t.key} {[list(b) for b in box]}"
+            return self._checkpoint._tier_missing(reader)  # type: ignore[no-any-return]
         finally:
             if opened:
                 reader.close()
-        return None
 
     def restore(self, persistent: Callable[[], Optional[str]], timeout: Optional[float] = None) -> TierRestore:
         """Restore the newest complete local step unless the persistent latest (``persistent()``, asked on client 0)

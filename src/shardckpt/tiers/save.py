@@ -48,14 +48,14 @@ import numpy as np
 from ..distributed.coordinator import CoordinationError, Coordinator, raise_failures
 from ..errors import InvalidArgumentError
 from ..format.bundle_writer import BundleWriter
-from ..format.tensor_slice import TensorSlice, full_box
+from ..format.tensor_slice import TensorSlice
 from ..saving.commit.rename import merge_bundles
 from ..storage.local import LocalFileSystem
 from .nodes import NodeMap
 from .tier import LocalTier, bundle_files, remove_bundle, retain, write_marker
 from .transfer import move_bundles
 
-__all__ = ["TierPiece", "TierSave", "save_to_tier", "node_pieces", "describe_error"]
+__all__ = ["TierPiece", "TierSave", "save_to_tier", "describe_error"]
 
 #: ``(key, full shape or None for a whole value, box or None, array)``
 TierPiece = Tuple[str, Optional[Tuple[int, ...]], Any, Any]
@@ -74,33 +74,6 @@ class TierSave:
 
 def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
-
-
-def node_pieces(key: str, value: Any, nodes: NodeMap, rank: int, writes_whole: bool) -> List[TierPiece]:
-    """The pieces of ``value`` this client writes into its node's bundle.
-
-    A laid-out value (a DTensor: a ``layout`` with ``distinct_boxes`` over a mesh with ``client_of``)
-    gives each distinct piece held on this node once, through the node's lowest device that holds
-    it; any other value is written whole by the node's leader (``writes_whole``).
-    """
-    layout = getattr(value, "layout", None)
-    if layout is None or not hasattr(layout, "distinct_boxes"):
-        if callable(getattr(value, "shardable_pieces", None)):
-            raise InvalidArgumentError(f"{key!r}: a LocalTier saves DTensor values and whole values; "
-                                       f"{type(value).__name__} is not supported yet")
-        return [(key, None, None, value)] if writes_whole else []
-    mesh = layout.mesh
-    me = nodes.node_of_rank[rank]
-    local = set(mesh.local_device_ids())
-    shape = tuple(int(s) for s in value.shape)
-    out: List[TierPiece] = []
-    for box, holders in layout.distinct_boxes(shape).items():
-        on_node = [d for d in holders if nodes.node_of_rank[mesh.client_of(d)] == me]
-        if not on_node or on_node[0] not in local:
-            continue
-        whole = box == full_box(shape)
-        out.append((key, None if whole else shape, None if whole else box, value.components[on_node[0]]))
-    return out
 
 
 def _write_part(prefix: str, pieces: List[TierPiece]) -> None:
