@@ -166,6 +166,31 @@ def test_a_damaged_bundle_does_not_count_and_passing_it_over_is_logged(tmp_path,
            "holds whole node n0's bundle of step 6" in caplog.text, caplog.text
 
 
+@pytest.mark.parametrize("marker", [
+    b"{not json",
+    b"[1, 2]",
+    b'{"step": 6, "files": [1]}',
+    b'{"step": 6, "files": [["ckpt-6.index", "12"]]}',
+    b'{"step": 6, "files": [["../../../etc/hostname", 0]]}',
+    b'{"step": 6, "files": [["ckpt-6.index", -1]]}',
+    b'{"step": 7, "files": [["ckpt-6.index", 0]]}',
+    b'{"step": 6, "nodes": {"n0": 1}, "files": [["ckpt-6.index", 0]]}',
+    b"\xff\xfe",
+], ids=["not-json", "not-object", "entry-not-pair", "size-not-int", "outside", "negative", "other-step",
+        "nodes-not-ids", "not-utf8"])
+def test_a_malformed_marker_never_counts_its_bundle_and_verify_names_it(tmp_path, monkeypatch, capsys, marker):
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    _saves(tmp_path)
+    own = tmp_path / "tier" / "n0" / "node-n0"
+    (own / "ckpt-6.committed").write_bytes(marker)
+    assert _cli("verify", str(tmp_path / "tier" / "n0")) == 1
+    out = capsys.readouterr().out
+    assert f"{own / 'ckpt-6.committed'}: malformed marker (" in out and "FAILED: 1 of 2 committed bundles bad" in out
+    returned, value, last = _restore(tmp_path)  # no crash, no hang: step 6 does not count
+    assert returned == str(own / "ckpt-5") and last.step == 5 and np.array_equal(value, np.full(5, 5))
+    assert not (own / "ckpt-6.committed").exists()  # dropped with its step, newer than the step restored
+
+
 def test_a_bundle_failing_its_checksum_restores_the_persistent_step_and_says_so(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SHARDCKPT_NODE", "n0")
     _saves(tmp_path)

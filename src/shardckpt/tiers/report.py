@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..errors import ShardckptError
 from ..format.bundle_reader import BundleReader
 from ..storage.local import LocalFileSystem
-from .tier import MARKER, NAME, read_marker
+from .tier import MARKER, NAME, load_marker
 
 __all__ = ["tier_bundles", "tier_command"]
 
@@ -55,8 +55,10 @@ def tier_bundles(path: str) -> Optional[List[Tuple[str, int, str]]]:
 
 
 def _examine(prefix: str, verify: bool) -> Dict[str, Any]:
-    marker = read_marker(prefix)
-    out: Dict[str, Any] = {"prefix": prefix, "committed": marker is not None, "problems": []}
+    marker, malformed = load_marker(prefix)
+    out: Dict[str, Any] = {"prefix": prefix, "committed": marker is not None or malformed is not None, "problems": []}
+    if malformed is not None:  # a marker that does not count: the bundle is not whole, and verify says so
+        out["problems"].append(malformed)
     if marker is None:
         return out
     folder = os.path.dirname(prefix)
@@ -105,7 +107,7 @@ def tier_command(command: str, args: Any) -> Optional[int]:
     lines = []
     for r in report:
         state = "committed" if r["committed"] else "not committed (a leftover)"
-        size = f", {r['bytes']} bytes, {r.get('tensors', '?')} tensors" if r["committed"] else ""
+        size = f", {r.get('bytes', '?')} bytes, {r.get('tensors', '?')} tensors" if r["committed"] else ""
         lines.append(f"step {r['step']} node {r['owner']}: {state}{size}  {r['prefix']}")
         lines += [f"  {p}" for p in r["problems"]]
     committed = [r for r in report if r["committed"]]

@@ -142,13 +142,59 @@ def marker_path(prefix: str) -> str:
 
 
 def read_marker(prefix: str) -> Optional[Dict[str, Any]]:
-    """The marker of the bundle at ``prefix`` (``None``: none, or unreadable)."""
+    """The marker of the bundle at ``prefix`` (``None``: none, unreadable or malformed: the bundle does not count)."""
+    info, _ = load_marker(prefix)
+    return info
+
+
+def load_marker(prefix: str) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+    """``(marker, None)`` for a well-formed marker of the bundle at ``prefix``; ``(None, None)`` when it has
+    none; ``(None, what is wrong)`` when its marker cannot be read or is malformed (not JSON, or not
+    naming the bundle's own files, each once, with sizes, the step, and the nodes as text): a damaged
+    or hostile marker never makes a bundle count, nor names a file outside it."""
+    path = marker_path(prefix)
     try:
-        with open(marker_path(prefix), "rb") as f:
-            info = json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError):
-        return None
-    return info if isinstance(info, dict) and isinstance(info.get("files"), list) else None
+        with open(path, "rb") as f:
+            raw = f.read(_MARKER_LIMIT + 1)
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"{path}: cannot read the marker ({exc.strerror or exc})"
+    try:
+        if len(raw) > _MARKER_LIMIT:
+            raise ValueError(f"larger than {_MARKER_LIMIT} bytes")
+        info = json.loads(raw.decode("utf-8"))
+        _check_marker(os.path.basename(prefix), info)
+    except (ValueError, TypeError) as exc:
+        return None, f"{path}: malformed marker ({exc})"
+    return info, None
+
+
+_MARKER_LIMIT = 1 << 20  # bytes: a marker names a bundle's few files
+
+
+def _check_marker(base: str, info: Any) -> None:
+    """Raise ``ValueError`` unless ``info`` is a marker of the bundle ``base`` (see :func:`load_marker`)."""
+    if not isinstance(info, dict):
+        raise ValueError("not a JSON object")
+    files = info.get("files")
+    if not isinstance(files, list) or not files:
+        raise ValueError("no list of files")
+    own = re.compile(re.escape(base) + r"(\.index|\.data-\d+-of-\d+)")
+    names = set()
+    for item in files:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+                and type(item[1]) is int and item[1] >= 0):
+            raise ValueError(f"a file entry is not [name, size]: {str(item)[:80]}")
+        if not own.fullmatch(item[0]) or item[0] in names:
+            raise ValueError(f"{item[0][:80]!r} is not a file of {base}, or is named twice")
+        names.add(item[0])
+    step = info.get("step")
+    if step is not None and (type(step) is not int or f"{NAME}-{step}" != base):
+        raise ValueError(f"step {str(step)[:40]} is not the bundle's")
+    nodes = info.get("nodes")
+    if nodes is not None and not (isinstance(nodes, list) and all(isinstance(n, str) for n in nodes)):
+        raise ValueError("the nodes are not a list of ids")
 
 
 def _whole(prefix: str, info: Dict[str, Any]) -> bool:
