@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
 import uuid
 
 import numpy as np
@@ -261,6 +262,52 @@ def _cli(*argv):
     from shardckpt.cli.main import main
 
     return main(list(argv))
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 3 MiB RAM disk (tmpfs), as a container's small /dev/shm is; needs root, as the suite runs here."""
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_full_tier_fails_its_saves_loudly_says_why_and_leaves_nothing(tmp_path, monkeypatch, small_tmpfs):
+    from shardckpt.distributed.coordinator import CoordinationError
+
+    monkeypatch.setenv("SHARDCKPT_NODE", "n0")
+    value = shardckpt.Variable(np.zeros(1 << 18, np.float32))  # 1 MiB: two steps fit in 3 MiB, three do not
+    tier = shardckpt.LocalTier(str(small_tmpfs / "{node}"), keep=2)
+    manager = shardckpt.CheckpointManager(shardckpt.Checkpoint(v=value), str(tmp_path / "persistent"), max_to_keep=2,
+                                          local=tier, persist_every=3)
+    own = small_tmpfs / "n0" / "node-n0"
+    for step in (1, 2):
+        value.assign(np.full(1 << 18, step, np.float32))
+        assert manager.save() == str(own / f"ckpt-{step}")
+    value.assign(np.full(1 << 18, 3, np.float32))
+    assert manager.save() == str(tmp_path / "persistent" / "ckpt-3")  # persisted; its copy into the tier fails
+    manager.sync()
+    assert "No space left on device" in tier.last_save_error and "the tier is full: it keeps keep=2 steps" in \
+        tier.last_save_error, tier.last_save_error
+    value.assign(np.full(1 << 18, 4, np.float32))
+    with pytest.raises(CoordinationError, match=r"No space left on device \(the tier is full: it keeps keep=2 steps "
+                                                r"and writes the next one before it removes the oldest, so it needs "
+                                                r"room for 3 x \(1 \+ replicas=1\)"):
+        manager.save()
+    assert sorted(p.name for p in own.iterdir()) == [f"ckpt-{s}{e}" for s in (1, 2)
+                                                     for e in (".committed", ".data-00000-of-00001", ".index")]
+    restored = shardckpt.Variable(np.zeros(1 << 18, np.float32))
+    again = shardckpt.CheckpointManager(shardckpt.Checkpoint(v=restored), str(tmp_path / "persistent"),
+                                        max_to_keep=2, local=shardckpt.LocalTier(str(small_tmpfs / "{node}"), keep=2),
+                                        persist_every=3)
+    assert again.restore_or_initialize() == str(tmp_path / "persistent" / "ckpt-3")
+    assert np.array_equal(restored.numpy(), np.full(1 << 18, 3, np.float32))
 
 
 def test_verify_and_inspect_read_a_tier_folder(tmp_path, monkeypatch, capsys):

@@ -78,7 +78,9 @@ def _say_once(what: str, message: str, *args: object) -> None:
 def _wrap(exc: OSError, path: str, action: str) -> ShardckptError:
     if exc.errno == errno.ENOENT:
         return NotFoundError(f"{action}: no such file", path=path)
-    return StorageError(f"{action} failed: {exc.strerror or exc}", path=path)
+    wrapped = StorageError(f"{action} failed: {exc.strerror or exc}", path=path)
+    wrapped.errno = exc.errno  # what failed, for callers that tell a full disk from the rest (ENOSPC)
+    return wrapped
 
 
 class LocalFileSystem(FileSystem):

@@ -38,10 +38,11 @@ touched by a save of step N, so a kill at any moment leaves them usable.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -74,6 +75,23 @@ class TierSave:
 
 def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def room_hint(tier: LocalTier, exc: Union[BaseException, str]) -> str:
+    """What to do about ``exc`` (an error, or its description) when it is a full tier (``ENOSPC``, also
+    named in a message from another client or node); else nothing."""
+    if getattr(exc, "errno", None) != errno.ENOSPC and os.strerror(errno.ENOSPC) not in str(exc):
+        return ""
+    return (f" (the tier is full: it keeps keep={tier.keep} steps and writes the next one before it removes "
+            f"the oldest, so it needs room for {tier.keep + 1} x (1 + replicas={tier.replicas}) x this node's "
+            f"share of the state; give LocalTier a larger folder or a smaller keep)")
+
+
+def _remove_if_empty(folder: str) -> None:
+    try:
+        os.rmdir(folder)
+    except OSError:  # not empty (another client's part is still there), or gone
+        pass
 
 
 def _write_part(prefix: str, pieces: List[TierPiece]) -> None:
@@ -117,11 +135,12 @@ def save_to_tier(tier: LocalTier, step: int, pieces: List[TierPiece], coordinato
         if pieces:
             _write_part(part, pieces)
     except Exception as exc:  # noqa: BLE001 - told to every client
-        error = f"{part}: {describe_error(exc)}"
+        error = f"{part}: {describe_error(exc)}{room_hint(tier, exc)}"
     try:
         wrote = _round(coordinator, error, timeout, part=bool(pieces) and error is None)
     except CoordinationError:
         remove_bundle(part)
+        _remove_if_empty(parts)  # the node's last client to get here removes the folder
         raise
     held: List[str] = []  # bundles of this step in this node's tier (leaders)
     sent = received = 0
@@ -141,12 +160,13 @@ def save_to_tier(tier: LocalTier, step: int, pieces: List[TierPiece], coordinato
                 shutil.rmtree(parts, ignore_errors=True)
                 held.append(me)
             except Exception as exc:  # noqa: BLE001
-                error = f"{own}: {describe_error(exc)}"
+                error = f"{own}: {describe_error(exc)}{room_hint(tier, exc)}"
         _round(coordinator, error, timeout)
         if leader:
             held += receives  # whatever arrives of them is removed if the save fails
         moved = move_bundles(coordinator, tier, nodes, step, moves, timeout=timeout)  # 3 replicas
-        sent, received, error = moved.sent, moved.received, error or moved.error
+        sent, received = moved.sent, moved.received
+        error = error or (None if moved.error is None else moved.error + room_hint(tier, moved.error))
         _round(coordinator, error, timeout)  # 4 agree
     except BaseException:
         for owner in held:  # unmarked: they never counted; removed (best effort) so that no leftover lingers
