@@ -26,6 +26,7 @@ from shardckpt.saving.incremental import data_file_origins
 from shardckpt.storage import guided
 from shardckpt.storage.local import LocalFileSystem, local_fs
 from shardckpt.storage.location import Location
+from shardckpt.storage.mounts import filesystem_type
 
 MIB = 1 << 20
 TENSORS, CHANGED = 16, (2, 7, 12)  # 4 MiB float32 tensors; 3 of 16 change: the old file stays linked
@@ -81,19 +82,6 @@ def gapped(tmp_path_factory: Any) -> Dict[str, Any]:
 
 def _kernel() -> tuple:
     return tuple(int(x) for x in re.findall(r"\d+", platform.release())[:2])
-
-
-def _fs_type(path: str) -> str:
-    """The type of the file system holding ``path`` (the longest mount point above it in /proc/mounts)."""
-    best, kind = "", ""
-    real = os.path.realpath(path)
-    with open("/proc/mounts") as fh:
-        for line in fh:
-            fields = line.split()
-            point = fields[1]
-            if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-                best, kind = point, fields[2]
-    return kind
 
 
 def _restore(prefix: str, names: List[str]) -> List[np.ndarray]:
@@ -310,7 +298,8 @@ def test_this_file_system_is_probed_once_from_a_cold_guided_read(gapped: Dict[st
     try:
         fits = guided.large_pages(fd)
         assert fits is not None
-        if _fs_type(path) == "ext4" and _kernel() >= (6, 16) or _fs_type(path) == "xfs" and _kernel() >= (5, 18):
+        if filesystem_type(path) == "ext4" and _kernel() >= (6, 16) or \
+                filesystem_type(path) == "xfs" and _kernel() >= (5, 18):
             assert fits, "this kernel reads large pages into the cache for this file system"
         size = os.fstat(fd).st_size
         guide = guided.Guide(fd, size, np.array([0]), np.array([size]))
@@ -321,3 +310,30 @@ def test_this_file_system_is_probed_once_from_a_cold_guided_read(gapped: Dict[st
             guide.close()
     finally:
         os.close(fd)
+
+
+def test_files_on_a_ram_disk_are_never_announced_their_pages_are_in_memory(gapped: Dict[str, Any]) -> None:
+    """A bundle on tmpfs (a node-local tier on /dev/shm) is read without planning announcements: no guide
+    could make copying pages already in memory faster; the same bundle on disk is announced."""
+    inc = gapped["inc"]
+    assert filesystem_type(inc + ".index") not in (None, "tmpfs", "ramfs")  # the test's folder: on a disk
+    with BundleReader(Location.of(inc)) as reader:
+        assert reader.prefetches is True  # on a disk: announced (guided where the platform has guides)
+    shm = Path("/dev/shm")
+    if filesystem_type(str(shm)) != "tmpfs":
+        pytest.fail("this suite expects /dev/shm to be a tmpfs (it is on Linux machines and in containers)")
+    copy = shm / f"shardckpt-guided-{os.getpid()}"
+    copy.mkdir()
+    try:
+        for name in os.listdir(os.path.dirname(inc)):
+            if name.startswith(("inc.", "p0.")):
+                copy.joinpath(name).write_bytes(Path(os.path.dirname(inc), name).read_bytes())
+        with BundleReader(Location.of(str(copy / "inc"))) as reader:
+            assert reader.prefetches is False
+            assert reader.prefetch([(f"t{i:02d}", None) for i in range(0, TENSORS, 2)]) == 0  # nothing planned
+            got = reader.read("t07")
+        assert np.array_equal(got, gapped["state"]["t07"])
+    finally:
+        for name in os.listdir(copy):
+            os.remove(copy / name)
+        copy.rmdir()

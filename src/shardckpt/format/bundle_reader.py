@@ -53,6 +53,7 @@ allocated, so a hostile index cannot make the reader allocate unbounded memory.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -117,6 +118,7 @@ class BundleReader:
         self.num_shards = index.num_shards
         self.big_endian = index.big_endian
         self._lookup = PieceLookup(index)
+        self._prefetches: Optional[bool] = None  # prefetches: asked once, on first use
         self._files = files = DataFiles(index, fs, identity_of)
         self._locate = files.locate
         self._check_unchanged = files.check_unchanged
@@ -298,8 +300,11 @@ class BundleReader:
     # -- announcements (see .announce) -------------------------------------------------
     @property
     def prefetches(self) -> bool:
-        """Whether :meth:`prefetch` does anything on this reader's store (callers may skip building the list)."""
-        return announces(self._fs)
+        """Whether :meth:`prefetch` does anything on this reader's store, for its files (callers may skip
+        building the list): not for files on a RAM disk (:mod:`~shardckpt.storage.mounts`)."""
+        if self._prefetches is None:
+            self._prefetches = announces(self._fs) and self._fs.prefetches_in(os.path.dirname(self.index_path))
+        return self._prefetches
 
     def prefetch(self, regions: Sequence[Tuple[KeyLike, Optional[Union[Box, TensorSlice, str]]]]) -> int:
         """Announce the reads of ``regions`` (``(key, region)``; ``None``: the whole tensor) to the store.

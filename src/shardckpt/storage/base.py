@@ -116,6 +116,11 @@ class FileSystem(abc.ABC):
         """Whether :meth:`prefetch` does anything here (callers may skip building the list). Default: no."""
         return False
 
+    def prefetches_in(self, folder: str) -> bool:
+        """Whether :meth:`prefetch` does anything for files in ``folder`` (callers may skip building the
+        list). Default: :attr:`prefetches`."""
+        return self.prefetches
+
     def prefetch(self, handle: ReadHandle, starts: Any, ends: Any, path: str = "") -> int:
         """Announce reads: bytes ``[starts[i], ends[i])`` of the file open as ``handle`` will be read soon
         (any thread). A store may fetch them ahead (object stores: few large GETs) or guide the

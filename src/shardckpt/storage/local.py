@@ -32,7 +32,8 @@ checkpoint, or the tensors a partial restore skips) is read through a guide
 (:mod:`.guided`: a huge-page map populated ahead of the reads, which reads the announced
 bytes and not the gaps; the same ``SIGBUS`` price, for files of committed checkpoints).
 Its bytes are counted in :attr:`LocalFileSystem.guided_bytes`. Other files keep
-``POSIX_FADV_SEQUENTIAL`` readahead. ``LocalFileSystem(guide_reads=False)`` turns it off.
+``POSIX_FADV_SEQUENTIAL`` readahead. ``LocalFileSystem(guide_reads=False)`` turns it off; files
+on a RAM disk (``tmpfs``: a node-local tier) are never announced (:mod:`.mounts`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import threading
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import NotFoundError, ShardckptError, StorageError
-from . import guided, mapped, uring, writeback
+from . import guided, mapped, mounts, uring, writeback
 from .base import FileSystem, RunBatch
 
 __all__ = ["LocalFileSystem", "local_fs", "StorageError"]
@@ -108,6 +109,11 @@ class LocalFileSystem(FileSystem):
     def prefetches(self) -> bool:
         """Whether announced reads guide the kernel's (``guide_reads``; see :meth:`prefetch`)."""
         return self.guide_reads
+
+    def prefetches_in(self, folder: str) -> bool:
+        """Whether announced reads of files in ``folder`` guide the kernel's: not on a RAM disk
+        (:func:`.mounts.in_memory`), whose pages are in memory already."""
+        return self.guide_reads and not mounts.in_memory(folder)
 
     # -- reading ---------------------------------------------------------
     def open_read(self, path: str) -> int:

@@ -102,6 +102,9 @@ class FileSystemWrapper(FileSystem):
     def prefetches(self) -> bool:
         return self.inner.prefetches
 
+    def prefetches_in(self, folder: str) -> bool:
+        return self.inner.prefetches_in(folder)
+
     def prefetch(self, handle: ReadHandle, starts: Any, ends: Any, path: str = "") -> int:
         return self.inner.prefetch(handle, starts, ends, path)
 
