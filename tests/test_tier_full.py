@@ -11,7 +11,6 @@ tier keeps anything of it; step 1 is restored from the tiers afterwards, exactly
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict
@@ -25,6 +24,7 @@ if str(HELPERS) not in sys.path:
     sys.path.insert(0, str(HELPERS))
 
 from launchers import run_job  # noqa: E402  (tests/helpers)
+from ramdisk import ramdisk  # noqa: E402  (tests/helpers)
 
 NPROC = 2
 
@@ -32,15 +32,8 @@ NPROC = 2
 @pytest.fixture(scope="module", params=["torch", "mpi"])
 def job(request, tmp_path_factory) -> Dict[int, Any]:
     tmp = tmp_path_factory.mktemp(f"full-{request.param}")
-    small = tmp / "data" / "tier" / "1"
-    small.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3584k", "tmpfs", str(small)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
-    try:
+    with ramdisk(tmp / "data" / "tier" / "1", "3584k"):
         yield run_job(request.param, NPROC, WORKER, tmp / "out", tmp / "data", timeout=300)
-    finally:
-        subprocess.run(["umount", str(small)], check=True)
 
 
 def _entry(results: Dict[int, Any], rank: int, name: str) -> Dict[str, Any]:

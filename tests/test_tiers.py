@@ -8,8 +8,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,12 @@ from shardckpt.tiers import NodeMap, node_id, replica_targets
 from shardckpt.tiers.checkpoints import Tiered
 from shardckpt.tiers.peer import peer_pairs
 from shardckpt.tiers.restore import choose_step, replica_moves
+
+HELPERS = Path(__file__).resolve().parent / "helpers"
+if str(HELPERS) not in sys.path:
+    sys.path.insert(0, str(HELPERS))
+
+from ramdisk import ramdisk  # noqa: E402  (tests/helpers)
 
 
 def test_replicas_go_to_the_next_nodes_never_the_node_itself():
@@ -266,16 +273,9 @@ def _cli(*argv):
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    """A real 3 MiB RAM disk (tmpfs), as a container's small /dev/shm is; needs root, as the suite runs here."""
-    folder = tmp_path / "shm"
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(folder)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
-    try:
+    """A real 3 MiB RAM disk, as a container's small /dev/shm is (tests/helpers/ramdisk.py)."""
+    with ramdisk(tmp_path / "shm", "3m") as folder:
         yield folder
-    finally:
-        subprocess.run(["umount", str(folder)], check=True)
 
 
 def test_a_full_tier_fails_its_saves_loudly_says_why_and_leaves_nothing(tmp_path, monkeypatch, small_tmpfs):
