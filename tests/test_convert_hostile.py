@@ -409,3 +409,13 @@ def test_header_with_more_entries_than_any_real_file_is_refused(tmp_path: Path) 
     with pytest.raises(DataLossError, match=f"x.safetensors: header holds more than {MAX_ENTRIES} tensors"):
         convert(src, str(tmp_path / "o.npz"))
     assert not (tmp_path / "o.npz").exists()
+
+
+def test_a_name_map_or_bert_config_nested_too_deep_is_a_clear_error() -> None:
+    from shardckpt.convert.presets import bert_config
+    from shardckpt.convert.select import load_name_map
+
+    with pytest.raises(ShardckptError, match="--map file is not JSON"):
+        load_name_map("[" * 200_000)
+    with pytest.raises(ShardckptError, match="bert_config.json is not JSON"):
+        bert_config("{\"a\": " * 200_000)

@@ -184,8 +184,10 @@ def test_a_damaged_bundle_does_not_count_and_passing_it_over_is_logged(tmp_path,
     b'{"step": 7, "files": [["ckpt-6.index", 0]]}',
     b'{"step": 6, "nodes": {"n0": 1}, "files": [["ckpt-6.index", 0]]}',
     b"\xff\xfe",
+    b"[" * 200_000,
+    b'{"step": 6, "files": [["ckpt-6.index", 0]], "pad": "' + b"x" * (1 << 20) + b'"}',
 ], ids=["not-json", "not-object", "entry-not-pair", "size-not-int", "outside", "negative", "other-step",
-        "nodes-not-ids", "not-utf8"])
+        "nodes-not-ids", "not-utf8", "nested-too-deep", "too-large"])
 def test_a_malformed_marker_never_counts_its_bundle_and_verify_names_it(tmp_path, monkeypatch, capsys, marker):
     monkeypatch.setenv("SHARDCKPT_NODE", "n0")
     _saves(tmp_path)

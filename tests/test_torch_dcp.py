@@ -301,6 +301,11 @@ def test_objects_round_trip_exactly() -> None:
     assert back[(1, "a")] == {"__tuple__": "not a tag"} and back["s"] == "\u00e9"
 
 
+def test_an_object_entry_nested_too_deep_is_a_clear_error() -> None:
+    with pytest.raises(DataLossError, match="unreadable encoded object"):
+        decode_object(MAGIC + b"[" * 200_000, "k")
+
+
 def test_writer_uses_tensor_memory(tmp_path: Path) -> None:
     """A CPU tensor's bytes go to storage from its own memory (the NumPy view shares the pointer)."""
     from shardckpt.format.dtypes import as_dtype

@@ -197,7 +197,7 @@ def bert_config(text: str, architecture: str = "BertForPreTraining", model_type:
     """A transformers ``config.json`` (as a dict) from the text of a google-research ``bert_config.json``."""
     try:
         config = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         raise InvalidArgumentError(f"{filename} is not JSON: {exc}") from None
     if not isinstance(config, dict):
         raise InvalidArgumentError(f"{filename} is not a JSON object")

@@ -63,7 +63,7 @@ def parse_cast(text: str) -> Tuple[Optional[Pattern[str]], DType]:
 def load_name_map(text: str, path: str = "") -> Dict[str, str]:
     try:
         mapping = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         raise InvalidArgumentError(f"--map file is not JSON: {exc}", path=path or None) from None
     if not isinstance(mapping, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                 for k, v in mapping.items()):

@@ -165,8 +165,8 @@ def load_marker(prefix: str) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
             raise ValueError(f"larger than {_MARKER_LIMIT} bytes")
         info = json.loads(raw.decode("utf-8"))
         _check_marker(os.path.basename(prefix), info)
-    except (ValueError, TypeError) as exc:
-        return None, f"{path}: malformed marker ({exc})"
+    except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: JSON nested too deep to decode
+        return None, f"{path}: malformed marker ({str(exc)[:200]})"
     return info, None
 
 

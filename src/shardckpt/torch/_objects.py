@@ -166,8 +166,9 @@ def decode_object(data: bytes, key: str = "", path: str = "") -> Any:
         raise DataLossError("not an encoded object", path=path or None, key=key or None)
     try:
         return _python(json.loads(data[len(MAGIC):].decode("utf-8")))
-    except (ValueError, TypeError, IndexError) as exc:
-        raise DataLossError(f"unreadable encoded object: {exc}", path=path or None, key=key or None) from None
+    except (ValueError, TypeError, IndexError, RecursionError) as exc:  # RecursionError: nested too deep
+        raise DataLossError(f"unreadable encoded object: {str(exc)[:200]}", path=path or None,
+                            key=key or None) from None
 
 
 def encode_nesting(nesting: Dict[str, Any]) -> bytes:
