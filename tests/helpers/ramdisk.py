@@ -23,4 +23,5 @@ def ramdisk(folder: Path, size: str) -> Iterator[Path]:
     try:
         yield folder
     finally:
-        subprocess.run(["umount", str(folder)], check=True)
+        if subprocess.run(["umount", str(folder)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(folder)], check=True)  # a descriptor still open in it: detached
