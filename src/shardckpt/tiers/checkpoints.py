@@ -1,13 +1,13 @@
 """``Tiered``: what a :class:`~shardckpt.CheckpointManager` with ``local=`` does through its tier.
 
 The manager keeps one ``Tiered`` and calls :meth:`Tiered.save` on every ``save`` (with the
-number the save uses) and :meth:`Tiered.restore` first in ``restore_or_initialize``. It
-asks the checkpoint for this client's pieces of its node's bundle and for what a bundle lacks
-(its ``_tier_pieces`` and ``_tier_missing``: ``checkpoint/_tier.py`` for an object graph, a
-DTensor's distinct pieces once per node, replicated copies included, whole values and the
-object graph by each node's leader; ``jax/_tier.py`` for a pytree) and runs the collective steps of :mod:`.save` and
-:mod:`.restore` over the checkpoint's coordinator (a one-process coordinator when this
-client saves alone). The node map is gathered once, on first use.
+number the save uses) and :meth:`Tiered.restore` first in ``restore_or_initialize``. It asks
+the checkpoint for this client's pieces of its node's bundle and for what a bundle lacks (its
+``_tier_pieces`` and ``_tier_missing``: ``checkpoint/_tier.py`` for an object graph, a DTensor's
+distinct pieces once per node, replicated copies included, whole values and the object graph
+by each node's leader; ``jax/_tier.py`` for a pytree) and runs the collective steps of
+:mod:`.save` and :mod:`.restore` over the checkpoint's coordinator (a one-process coordinator
+when this client saves alone). The node map is gathered once, on first use.
 
 A step that also persists (every ``persist_every``-th) is saved to the persistent directory
 as the caller asked (synchronously or not) and, in the background once that save committed,
